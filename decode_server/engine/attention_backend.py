@@ -1,0 +1,55 @@
+"""The interface between the DSA model and KV memory.
+
+Per layer, the model computes (for the T new tokens of a `ForwardBatch`):
+  - the MLA cache row `[c_kv (512, normalized) ; k_pe (64, roped)]` of each new token,
+  - the lightning-indexer key of each new token, already packed as FP8 e4m3 [T, 128] + fp32 scale [T],
+  - the indexer query [T, Hi, 128] and per-head weights [T, Hi] (all scale factors folded in),
+  - the absorbed MLA query [T, H, 576].
+It then calls, in this order: `write_kv`, `write_index_keys`, `index_topk`, `sparse_attention`.
+
+Positions returned by `index_topk` are logical token positions inside each request (−1 = padding); each
+backend maps them to its own physical rows. Both backends run the same sparse attention over the same rows
+in the same order, which is what makes HiSparse bit-identical to dense.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from decode_server.engine.forward_context import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    """Owns (or references) the KV memory that the model reads and writes through the forward context."""
+
+    def begin_forward(self, batch: ForwardBatch) -> None:  # noqa: B027 - optional hook
+        """Called once before the first layer (e.g. to compute physical row tables for the batch)."""
+
+    def end_forward(self, batch: ForwardBatch) -> None:  # noqa: B027 - optional hook
+        """Called once after the last layer (e.g. to launch the backup of the new tokens' rows)."""
+
+    @abstractmethod
+    def write_kv(self, layer_id: int, kv_rows: torch.Tensor) -> None:
+        """Store the new tokens' MLA rows [T, 576] (model dtype) for `layer_id`."""
+
+    @abstractmethod
+    def write_index_keys(self, layer_id: int, keys_fp8: torch.Tensor, scales: torch.Tensor) -> None:
+        """Store the new tokens' indexer keys: [T, 128] float8_e4m3fn and [T] float32 scales."""
+
+    @abstractmethod
+    def index_topk(
+        self, layer_id: int, q: torch.Tensor, weights: torch.Tensor, top_k: int
+    ) -> torch.Tensor:
+        """Top-k logical positions [T, top_k] int32 (−1 pads) per new token over its causal prefix.
+
+        `q` is [T, Hi, 128] float32, `weights` is [T, Hi] float32. When a token's prefix (itself included) has
+        at most `top_k` tokens, the result is every position 0..p in ascending order, then −1s.
+        """
+
+    @abstractmethod
+    def sparse_attention(
+        self, layer_id: int, q: torch.Tensor, topk_positions: torch.Tensor, softmax_scale: float
+    ) -> torch.Tensor:
+        """Sparse MLA over the selected rows: q [T, H, 576] → latent output [T, H, 512] (q's dtype)."""

@@ -1,0 +1,121 @@
+"""Per-step forward state: which tokens of which requests one forward pass computes.
+
+The model never knows where KV lives. Each attention layer reads the current `ForwardContext` (installed by the
+engine through `forward_context(...)`, which refuses nesting) and hands its tensors to the context's
+attention backend. Dense and HiSparse backends differ only in where the KV rows come from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from decode_server.engine.attention_backend import AttentionBackend
+
+
+@dataclass
+class ForwardBatch:
+    """One forward pass: for each request, a run of new tokens appended after its cached prefix.
+
+    Decode is the special case `extend_lens == 1` for every request. All tensors live on the model's device
+    except the `*_cpu` lists, which the scheduler already has and which avoid device syncs in Python loops.
+    """
+
+    req_rows: torch.Tensor  # [B] int64: each request's row in the engine's request tables
+    prefix_lens: torch.Tensor  # [B] int64: tokens already in the KV cache before this pass
+    extend_lens: torch.Tensor  # [B] int64: new tokens per request (1 in decode)
+    positions: torch.Tensor  # [T] int64: absolute position of each new token
+    token_req: torch.Tensor  # [T] int64: index 0..B-1 of the request each new token belongs to
+    req_rows_cpu: list[int] = field(default_factory=list)
+    prefix_lens_cpu: list[int] = field(default_factory=list)
+    extend_lens_cpu: list[int] = field(default_factory=list)
+    is_decode: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.req_rows_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def seq_lens_cpu(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu, strict=True)]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.prefix_lens + self.extend_lens
+
+    @property
+    def last_token_indices(self) -> torch.Tensor:
+        """Index in [0, T) of each request's last new token (whose logits are sampled)."""
+        return torch.cumsum(self.extend_lens, 0) - 1
+
+    @classmethod
+    def build(
+        cls,
+        req_rows: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        device: torch.device | str,
+    ) -> ForwardBatch:
+        """Derive positions and token→request maps from per-request lengths."""
+        if not (len(req_rows) == len(prefix_lens) == len(extend_lens)):
+            raise ValueError("req_rows, prefix_lens and extend_lens must have the same length")
+        if any(e <= 0 for e in extend_lens):
+            raise ValueError("every request in a forward batch must extend by at least one token")
+        positions = [p + i for p, e in zip(prefix_lens, extend_lens, strict=True) for i in range(e)]
+        token_req = [b for b, e in enumerate(extend_lens) for _ in range(e)]
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+        return cls(
+            req_rows=as_tensor(req_rows),
+            prefix_lens=as_tensor(prefix_lens),
+            extend_lens=as_tensor(extend_lens),
+            positions=as_tensor(positions),
+            token_req=as_tensor(token_req),
+            req_rows_cpu=list(req_rows),
+            prefix_lens_cpu=list(prefix_lens),
+            extend_lens_cpu=list(extend_lens),
+            is_decode=all(e == 1 for e in extend_lens),
+        )
+
+
+@dataclass
+class ForwardContext:
+    """What the attention layers need during one forward pass."""
+
+    batch: ForwardBatch
+    backend: AttentionBackend
+
+
+_current: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(batch: ForwardBatch, backend: AttentionBackend) -> Iterator[ForwardContext]:
+    """Install the per-step context for the duration of one forward pass (nesting is a bug)."""
+    global _current
+    if _current is not None:
+        raise RuntimeError("forward_context is already active: forward passes must not nest")
+    _current = ForwardContext(batch=batch, backend=backend)
+    backend.begin_forward(batch)
+    try:
+        yield _current
+    finally:
+        _current = None
+        backend.end_forward(batch)
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("no forward context: call the model inside `forward_context(batch, backend)`")
+    return _current

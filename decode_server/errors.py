@@ -1,0 +1,49 @@
+"""Typed errors raised inside the service; the API edge maps each to an OpenAI-style JSON error and status."""
+
+from __future__ import annotations
+
+
+class DecodeServerError(Exception):
+    """Base class. `status_code` and `error_type` are what the HTTP layer reports."""
+
+    status_code: int = 500
+    error_type: str = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequestError(DecodeServerError):
+    """The request can never be served as asked (bad parameter, too long, unknown model)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """prompt + max_tokens is beyond the model's (or the server's) context length."""
+
+
+class CapacityError(InvalidRequestError):
+    """The request could never fit in the configured KV budgets, even with the server otherwise idle."""
+
+
+class QueueFullError(DecodeServerError):
+    """The waiting queue is at its bound; the client should retry later (HTTP 503 + Retry-After)."""
+
+    status_code = 503
+    error_type = "server_overloaded"
+
+
+class EngineDeadError(DecodeServerError):
+    """The engine process is gone; nothing can be served."""
+
+    status_code = 503
+    error_type = "engine_unavailable"
+
+
+class AuthenticationError(DecodeServerError):
+    status_code = 401
+    error_type = "authentication_error"
