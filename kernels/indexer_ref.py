@@ -43,26 +43,43 @@ def indexer_topk_ref(
     keys_fp8: torch.Tensor,
     scales: torch.Tensor,
     token_rows: torch.Tensor,
+    token_req: torch.Tensor,
     seq_lens: torch.Tensor,
     top_k: int,
+    query_chunk: int = 256,
 ) -> torch.Tensor:
     """Top-k positions per query over its own request's first `seq_lens[t]` tokens.
 
-    q [T, Hi, 128], weights [T, Hi], keys_fp8 [N, 128] / scales [N] (the key cache), token_rows [T, L] int
-    (cache row of each position of the query's request), seq_lens [T] (tokens visible to the query, itself
-    included). Returns [T, top_k] int32: when seq_len <= top_k, positions 0..seq_len-1 ascending; otherwise
-    the top_k highest-scoring positions, best first (torch.topk order); −1 pads.
+    q [T, Hi, 128] and weights [T, Hi] (float32), keys_fp8 [N, 128] / scales [N] (the key cache),
+    token_rows [B, L] int (cache row of each position of each request), token_req [T] (request index 0..B-1 of
+    each query), seq_lens [T] (tokens visible to each query, itself included).
+    Returns [T, top_k] int32: when seq_len <= top_k, positions 0..seq_len-1 ascending; otherwise the top_k
+    highest-scoring positions, best first (torch.topk order); −1 pads.
+    Queries are processed per request in chunks of `query_chunk`, so memory is O(query_chunk · L), never T · L.
     """
-    num_q, max_len = token_rows.shape
+    num_q = q.shape[0]
     out = torch.full((num_q, top_k), -1, dtype=torch.int32, device=q.device)
-    seq_lens_cpu = [int(x) for x in seq_lens.tolist()]
-    ar = torch.arange(max(top_k, 1), device=q.device, dtype=torch.int32)
-    for t, n in enumerate(seq_lens_cpu):
-        if n <= top_k:
-            out[t, :n] = ar[:n]
-            continue
-        rows = token_rows[t, :n].long()
-        s = index_scores_ref(q[t : t + 1], weights[t : t + 1], keys_fp8[rows], scales[rows])[0]
-        out[t] = torch.topk(s, top_k, sorted=True).indices.to(torch.int32)
-    del max_len
+    if num_q == 0:
+        return out
+    lens = seq_lens.to(torch.int64)
+    short = lens <= top_k
+    if bool(short.any()):
+        ar = torch.arange(top_k, device=q.device, dtype=torch.int64)
+        fill = torch.where(ar.unsqueeze(0) < lens.unsqueeze(1), ar.unsqueeze(0), torch.full_like(ar, -1))
+        out[short] = fill[short].to(torch.int32)
+    long_idx = torch.nonzero(~short).flatten()
+    if long_idx.numel() == 0:
+        return out
+    reqs = token_req[long_idx]
+    for b in torch.unique(reqs).tolist():
+        queries = long_idx[reqs == b]
+        n_max = int(lens[queries].max())
+        rows = token_rows[b, :n_max].long()
+        keys, key_scales = keys_fp8[rows], scales[rows]
+        positions = torch.arange(n_max, device=q.device)
+        for start in range(0, queries.numel(), query_chunk):
+            qi = queries[start : start + query_chunk]
+            s = index_scores_ref(q[qi], weights[qi], keys, key_scales)
+            s = s.masked_fill(positions.unsqueeze(0) >= lens[qi].unsqueeze(1), float("-inf"))
+            out[qi] = torch.topk(s, top_k, dim=-1, sorted=True).indices.to(torch.int32)
     return out
