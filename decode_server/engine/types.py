@@ -1,0 +1,110 @@
+"""Values the engine hands to its callers (offline `LLM`, the engine process): token deltas and stats.
+
+Kept free of torch so the API process can import them without touching the device.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class TokenLogprob(BaseModel):
+    """Log-probability of one generated token and, when asked for, the best alternatives at that step."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = Field(default_factory=list)
+
+
+class RequestDelta(BaseModel):
+    """What one engine step produced for one request.
+
+    `new_token_ids` are the tokens sampled this step (at most one in this engine; a list so that speculative
+    decoding can extend it). `text` is the newly detokenized text (stop strings already cut off); the API may
+    use it or run its own detokenizer. When `finished` is true, the request's memory is already freed.
+    """
+
+    rid: str
+    new_token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = Field(
+        default=None, description="the stop string or stop token id that ended the request, if any"
+    )
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+class HiSparseLayerStats(BaseModel):
+    """Cumulative swap-in counters of one layer since the engine started."""
+
+    layer: int
+    hits: int = 0
+    misses: int = 0
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+
+
+class PoolUsage(BaseModel):
+    """Units used / total of one memory pool (host pages, device slots, indexer slots, dense KV slots)."""
+
+    used: int = 0
+    total: int = 0
+
+    @property
+    def fraction(self) -> float:
+        return self.used / self.total if self.total else 0.0
+
+
+class EngineStats(BaseModel):
+    """A snapshot for the metrics layer (names follow SGLang where one exists)."""
+
+    num_running_reqs: int = 0
+    num_queue_reqs: int = 0
+    num_retracted_reqs: int = 0
+    token_usage: float = Field(default=0.0, description="fraction of the binding KV pool in use")
+    num_generated_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_steps: int = 0
+    num_retractions: int = 0
+    hisparse_enabled: bool = False
+    hisparse_layers: list[HiSparseLayerStats] = Field(default_factory=list)
+    host_pages: PoolUsage = Field(default_factory=PoolUsage)
+    device_slots: PoolUsage = Field(default_factory=PoolUsage)
+    indexer_slots: PoolUsage = Field(default_factory=PoolUsage)
+    dense_kv_slots: PoolUsage = Field(default_factory=PoolUsage)
+
+    @property
+    def hisparse_hits(self) -> int:
+        return sum(s.hits for s in self.hisparse_layers)
+
+    @property
+    def hisparse_misses(self) -> int:
+        return sum(s.misses for s in self.hisparse_layers)
+
+    @property
+    def bytes_h2d(self) -> int:
+        return sum(s.bytes_h2d for s in self.hisparse_layers)
+
+    @property
+    def bytes_d2h(self) -> int:
+        return sum(s.bytes_d2h for s in self.hisparse_layers)
+
+
+class GenerationOutput(BaseModel):
+    """The offline API's result for one prompt."""
+
+    prompt: str | None = None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
