@@ -1,0 +1,134 @@
+"""Dense attention backend: every token's KV row stays on the model's device (the baseline).
+
+"Dense" names where the KV lives, not the attention: this backend runs the same DSA sparse attention over the
+same indexer top-k as HiSparse; only the rows' home differs. HiSparse reuses it for colocated prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decode_server.engine.attention_backend import AttentionBackend
+from decode_server.engine.forward_context import ForwardBatch
+from decode_server.engine.kv_alloc import PagedAllocator, RequestTokenTable
+from kernels.indexer_ref import INDEX_HEAD_DIM
+from kernels.indexer_ref import indexer_topk_ref as _indexer_topk
+from kernels.sparse_mla_ref import D_QK
+from kernels.sparse_mla_ref import sparse_mla_decode_ref as _sparse_mla
+
+# Upper bound on the gathered rows one attention call materializes (reference path), in bytes.
+_ATTENTION_CHUNK_BYTES = 256 << 20
+
+
+class DenseKVCache:
+    """Per-layer MLA rows and indexer keys for `num_slots` tokens, plus the request→slot table."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        max_requests: int,
+        max_context: int,
+        kv_dtype: torch.dtype,
+        device: torch.device | str,
+        page_size: int = 64,
+    ) -> None:
+        self.num_layers = num_layers
+        self.kv_dtype = kv_dtype
+        self.device = torch.device(device)
+        self.allocator = PagedAllocator(num_slots, page_size, name="dense KV")
+        self.tokens = RequestTokenTable(self.allocator, max_requests, max_context, self.device)
+        n = self.allocator.num_slots
+        self.kv = torch.zeros((num_layers, n, D_QK), dtype=kv_dtype, device=self.device)
+        self.index_keys = torch.zeros((num_layers, n, INDEX_HEAD_DIM), dtype=torch.float8_e4m3fn, device=self.device)
+        self.index_scales = torch.zeros((num_layers, n), dtype=torch.float32, device=self.device)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, kv_dtype: torch.dtype) -> int:
+        """Device bytes one cached token costs: MLA row + indexer key (128 FP8 + fp32 scale), all layers."""
+        row = D_QK * torch.empty((), dtype=kv_dtype).element_size()
+        return num_layers * (row + INDEX_HEAD_DIM + 4)
+
+
+class DenseBackend(AttentionBackend):
+    """Writes new rows into the request's slots and attends over the top-k rows gathered from the cache."""
+
+    def __init__(self, cache: DenseKVCache) -> None:
+        self.cache = cache
+        self._batch: ForwardBatch | None = None
+        self._new_slots: torch.Tensor | None = None
+        self._query_rows: torch.Tensor | None = None
+
+    # -- memory management (called by the scheduler, outside forward passes) --
+    def reserve(self, req_row: int, num_tokens: int) -> None:
+        self.cache.tokens.ensure(req_row, num_tokens)
+
+    def release(self, req_row: int) -> None:
+        self.cache.tokens.release(req_row)
+
+    # -- AttentionBackend --
+    def begin_forward(self, batch: ForwardBatch) -> None:
+        for row, seq_len in zip(batch.req_rows_cpu, batch.seq_lens_cpu, strict=True):
+            if self.cache.tokens.capacity(row) < seq_len:
+                raise RuntimeError(f"request row {row}: {seq_len} tokens but only "
+                                   f"{self.cache.tokens.capacity(row)} slots reserved")
+        self._batch = batch
+        self._query_rows = batch.req_rows[batch.token_req]
+        self._new_slots = self.cache.tokens.table[self._query_rows, batch.positions].long()
+
+    def end_forward(self, batch: ForwardBatch) -> None:
+        self._batch = None
+        self._new_slots = None
+        self._query_rows = None
+
+    def _current(self) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
+        if self._batch is None or self._new_slots is None or self._query_rows is None:
+            raise RuntimeError("DenseBackend used outside a forward context")
+        return self._batch, self._new_slots, self._query_rows
+
+    def write_kv(self, layer_id: int, kv_rows: torch.Tensor) -> None:
+        _, slots, _ = self._current()
+        self.cache.kv[layer_id, slots] = kv_rows.to(self.cache.kv_dtype)
+
+    def write_index_keys(self, layer_id: int, keys_fp8: torch.Tensor, scales: torch.Tensor) -> None:
+        _, slots, _ = self._current()
+        self.cache.index_keys[layer_id, slots] = keys_fp8
+        self.cache.index_scales[layer_id, slots] = scales.float()
+
+    def index_topk(self, layer_id: int, q: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
+        batch, _, _ = self._current()
+        max_len = max(batch.seq_lens_cpu)
+        token_rows = self.cache.tokens.table[batch.req_rows, :max_len]
+        return _indexer_topk(
+            q, weights, self.cache.index_keys[layer_id], self.cache.index_scales[layer_id],
+            token_rows, batch.token_req, batch.positions + 1, top_k,
+        )
+
+    def physical_rows(self, topk_positions: torch.Tensor) -> torch.Tensor:
+        """Map logical positions [T, K] (−1 pads) of the current batch's queries to cache slots."""
+        _, _, query_rows = self._current()
+        safe = topk_positions.clamp(min=0).long()
+        slots = self.cache.tokens.table[query_rows.unsqueeze(1), safe]
+        return torch.where(topk_positions >= 0, slots, torch.full_like(slots, -1))
+
+    def sparse_attention(
+        self, layer_id: int, q: torch.Tensor, topk_positions: torch.Tensor, softmax_scale: float
+    ) -> torch.Tensor:
+        slots = self.physical_rows(topk_positions)
+        return attend_in_chunks(q, self.cache.kv[layer_id], slots, softmax_scale)
+
+
+def attend_in_chunks(
+    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
+    """Sparse MLA over physical slots, in query chunks so the gathered rows stay under a fixed size.
+
+    Each query's result depends only on its own rows, so chunking never changes a bit of the output.
+    """
+    num_q, top_k = slots.shape
+    per_query = max(1, top_k * D_QK * 4 + q.shape[1] * top_k * 4)
+    chunk = max(1, _ATTENTION_CHUNK_BYTES // per_query)
+    if num_q <= chunk:
+        return _sparse_mla(q, kv, slots, softmax_scale)[0]
+    outs = [_sparse_mla(q[i : i + chunk], kv, slots[i : i + chunk], softmax_scale)[0] for i in range(0, num_q, chunk)]
+    return torch.cat(outs, dim=0)

@@ -1,0 +1,82 @@
+"""Paged allocation, token tables and the dense backend's placement-independence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decode_server.engine.dense_backend import DenseBackend, DenseKVCache
+from decode_server.engine.forward_context import ForwardBatch, forward_context
+from decode_server.engine.kv_alloc import OutOfSlotsError, PagedAllocator, RequestTokenTable
+from kernels.indexer_ref import quantize_index_keys
+
+
+def test_allocator_accounting_and_errors() -> None:
+    alloc = PagedAllocator(100, 16)
+    assert alloc.num_pages == 6 and alloc.num_free_pages == 6
+    pages = alloc.allocate(4)
+    assert len(set(pages)) == 4 and alloc.num_used_pages == 4
+    with pytest.raises(OutOfSlotsError):
+        alloc.allocate(3)
+    alloc.free(pages)
+    assert alloc.num_free_pages == 6
+    with pytest.raises(RuntimeError, match="double free"):
+        alloc.free([0])
+    with pytest.raises(ValueError):
+        PagedAllocator(8, 16)
+
+
+def test_token_table_grows_by_pages_and_releases() -> None:
+    alloc = PagedAllocator(64, 8)
+    table = RequestTokenTable(alloc, max_requests=2, max_context=40, device="cpu")
+    table.ensure(1, 10)
+    assert table.capacity(1) == 16 and alloc.num_used_pages == 2
+    table.ensure(1, 16)
+    assert alloc.num_used_pages == 2
+    table.ensure(1, 17)
+    slots = table.slots(1, 17)
+    assert len(set(slots.tolist())) == 17 and (slots >= 0).all()
+    assert (table.table[1, 24:] == -1).all()
+    with pytest.raises(OutOfSlotsError):
+        table.ensure(0, 41)
+    table.release(1)
+    assert alloc.num_used_pages == 0 and (table.table == -1).all()
+
+
+def _run_layer(cache: DenseKVCache, rows: list[int], lens: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    backend = DenseBackend(cache)
+    for r, n in zip(rows, lens, strict=True):
+        backend.reserve(r, n)
+    batch = ForwardBatch.build(rows, [0] * len(rows), lens, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    with forward_context(batch, backend):
+        backend.write_kv(0, torch.randn(t, 576, generator=g))
+        keys, scales = quantize_index_keys(torch.randn(t, 128, generator=g))
+        backend.write_index_keys(0, keys, scales)
+        topk = backend.index_topk(0, torch.randn(t, 4, 128, generator=g), torch.rand(t, 4, generator=g), 32)
+        out = backend.sparse_attention(0, torch.randn(t, 8, 576, generator=g), topk, 0.07)
+    return topk, out
+
+
+def test_dense_attention_is_independent_of_slot_placement() -> None:
+    lens = [70, 5, 40]
+    a = DenseKVCache(1, 512, 4, 128, torch.float32, "cpu", page_size=16)
+    b = DenseKVCache(1, 512, 4, 128, torch.float32, "cpu", page_size=16)
+    b.allocator.allocate(7)  # shift every later page: same tokens, other slots
+    b.kv.fill_(float("nan"))  # unused rows poisoned: any stray read shows up as NaN
+    topk_a, out_a = _run_layer(a, [0, 1, 2], lens, seed=3)
+    topk_b, out_b = _run_layer(b, [3, 0, 1], lens, seed=3)
+    assert torch.equal(topk_a, topk_b)
+    assert torch.equal(out_a, out_b)
+    assert not out_a.isnan().any()
+    # Causal short prefixes are dense: token p of a request attends to positions 0..p.
+    assert topk_a[70 + 2, :4].tolist() == [0, 1, 2, -1]
+
+
+def test_forward_without_reservation_is_an_error() -> None:
+    cache = DenseKVCache(1, 64, 2, 64, torch.float32, "cpu", page_size=16)
+    backend = DenseBackend(cache)
+    batch = ForwardBatch.build([0], [0], [4], "cpu")
+    with pytest.raises(RuntimeError, match="slots reserved"), forward_context(batch, backend):
+        pass
