@@ -1,0 +1,114 @@
+"""Dispatchers: the GPU implementation for CUDA tensors, the PyTorch reference otherwise.
+
+GPU modules are imported lazily so that importing `kernels` needs neither Triton nor a CUDA toolkit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.fp8_rows import FP8_ROW_BYTES, unpack_fp8_rows
+from kernels.indexer_ref import indexer_topk_ref
+from kernels.sparse_mla_ref import sparse_mla_decode_ref
+from kernels.swap_in_ref import swap_in_ref
+
+
+def swap_in(
+    top_k_tokens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_rows: torch.Tensor,
+    buffer_slots: torch.Tensor,
+    buffer_tokens: torch.Tensor,
+    lru_order: torch.Tensor,
+    host_rows: torch.Tensor,
+    host_pool: torch.Tensor,
+    device_pool: torch.Tensor,
+    num_recent: int,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """HiSparse swap-in for one layer (semantics: kernels/swap_in_ref.py). CUDA kernel when the device pool
+    is on a GPU (host pool pinned), the reference otherwise."""
+    args = (top_k_tokens, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
+            device_pool, num_recent, counters)
+    if device_pool.is_cuda:
+        from kernels.swap_in_cuda import swap_in_cuda
+
+        return swap_in_cuda(*args)
+    return swap_in_ref(*args)
+
+
+def sparse_mla_decode_rows_ref(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference over either row format. FP8 rows are gathered first and only the selected ones unpacked,
+    so the cost does not grow with the pool."""
+    if kv.dtype != torch.uint8:
+        return sparse_mla_decode_ref(q, kv, indices, scale)
+    if kv.dim() != 2 or kv.shape[1] != FP8_ROW_BYTES:
+        raise ValueError(f"uint8 KV rows must be [N, {FP8_ROW_BYTES}], got {tuple(kv.shape)}")
+    batch, top_k = indices.shape
+    valid = indices >= 0
+    rows = unpack_fp8_rows(kv[torch.where(valid, indices, 0).reshape(-1).long()])
+    local = torch.arange(batch * top_k, device=indices.device, dtype=torch.int32).reshape(batch, top_k)
+    return sparse_mla_decode_ref(q, rows, torch.where(valid, local, -1), scale)
+
+
+def sparse_mla_decode(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA decode: q [B, H, 576], kv [N, 576] float rows or [N, 656] uint8 FP8 rows, indices [B, K]
+    int32 (−1 skip) → (out [B, H, 512] in q's dtype, lse [B, H] fp32, natural log). Triton on CUDA."""
+    if q.is_cuda:
+        from kernels.sparse_mla_triton import sparse_mla_decode_triton
+
+        return sparse_mla_decode_triton(q, kv, indices, scale)
+    return sparse_mla_decode_rows_ref(q, kv, indices, scale)
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys_fp8: torch.Tensor,
+    scales: torch.Tensor,
+    token_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    top_k: int,
+) -> torch.Tensor:
+    """Lightning-indexer top-k (semantics: kernels/indexer_ref.py). Batched torch ops on CUDA."""
+    if q.is_cuda:
+        from kernels.indexer_gpu import indexer_topk_batched
+
+        return indexer_topk_batched(q, weights, keys_fp8, scales, token_rows, seq_lens, top_k)
+    return indexer_topk_ref(q, weights, keys_fp8, scales, token_rows, seq_lens, top_k)
+
+
+def backup_rows(
+    device_pool: torch.Tensor,
+    host_pool: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_rows: torch.Tensor,
+    stream: torch.cuda.Stream | None = None,
+) -> torch.cuda.Event | None:
+    """Copy rows `device_pool[:, src_slots[i]]` → `host_pool[:, dst_rows[i]]` for all layers.
+
+    device_pool [L, N_dev, row_bytes] uint8, host_pool [L, N_host, row_bytes] uint8 (pinned on GPU systems).
+    On CUDA: one kernel launch on `stream` (a side stream; by default a module-wide one) after the current
+    stream's work, returning the event to wait on (`torch.cuda.current_stream().wait_event(ev)`).
+    On CPU: the copy is done synchronously and None is returned.
+    """
+    if device_pool.dim() != 3 or host_pool.dim() != 3 or device_pool.shape[0] != host_pool.shape[0] or (
+        device_pool.shape[2] != host_pool.shape[2]
+    ):
+        raise ValueError(
+            f"expected device_pool [L, N_dev, B] and host_pool [L, N_host, B], got {tuple(device_pool.shape)}, "
+            f"{tuple(host_pool.shape)}"
+        )
+    if src_slots.shape != dst_rows.shape or src_slots.dim() != 1:
+        raise ValueError("src_slots and dst_rows must be equal-length 1-D tensors")
+    if device_pool.is_cuda:
+        from kernels.backup_cuda import backup_rows_cuda
+
+        return backup_rows_cuda(device_pool, host_pool, src_slots, dst_rows, stream)
+    if src_slots.numel():
+        host_pool[:, dst_rows.long()] = device_pool[:, src_slots.long()].to(host_pool.device)
+    return None
