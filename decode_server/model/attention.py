@@ -1,0 +1,85 @@
+"""Multi-head latent attention (MLA) of DeepSeek-V3.2 in absorbed form, with DSA top-k selection.
+
+Per new token (T of them, prefill chunk or decode alike):
+  c_q  = RMSNorm(q_a_proj(x));  q = q_b_proj(c_q) → [H, nope + rope] = [q_nope ; q_pe], q_pe roped (interleaved)
+  kv_a = kv_a_proj_with_mqa(x) → [c_kv (512) ; k_pe (64)];  row = [RMSNorm(c_kv) ; RoPE(k_pe)]  (576 values)
+  absorbed query per head  [W_UKᵀ q_nope ; q_pe]  (576), so scores are q·row and values are row[:512];
+  output per head  W_UV · o_latent, concatenated, then o_proj.
+KV memory is reached only through the forward context's attention backend, in the contract's order:
+write_kv → write_index_keys → index_topk → sparse_attention. Nothing here is sized by the prefix length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from decode_server.engine.forward_context import get_forward_context
+from decode_server.model.config import ModelConfig
+from decode_server.model.indexer import Indexer
+from decode_server.model.layers import RMSNorm
+from decode_server.model.rope import apply_rope_interleaved
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.nope_dim = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.softmax_scale = config.softmax_scale
+        self.index_topk = config.index_topk
+        bias = config.attention_bias
+        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * config.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, config.kv_row_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, config.hidden_size, bias=bias)
+        self.indexer = Indexer(config)
+        # Absorbed up-projections, [H, nope, 512] and [H, v, 512]: filled from kv_b_proj by `absorb_weights`.
+        self.register_buffer("w_uk", torch.empty(0), persistent=False)
+        self.register_buffer("w_uv", torch.empty(0), persistent=False)
+
+    @torch.no_grad()
+    def absorb_weights(self) -> None:
+        """Split kv_b_proj per head into W_UK and W_UV once (after loading; the weight itself is kept)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.w_uk = w[:, : self.nope_dim].contiguous()
+        self.w_uv = w[:, self.nope_dim :].contiguous()
+
+    def latent_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The cache rows [T, 576] = [RMSNorm(c_kv) ; RoPE(k_pe)] of the new tokens."""
+        kv_a = self.kv_a_proj_with_mqa(x)
+        c_kv = self.kv_a_layernorm(kv_a[:, : self.kv_lora_rank])
+        k_pe = apply_rope_interleaved(kv_a[:, self.kv_lora_rank :], cos, sin)
+        return torch.cat((c_kv, k_pe.to(c_kv.dtype)), dim=-1)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cos32: torch.Tensor, sin32: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, hidden] → [T, hidden]. cos/sin in x's dtype (MLA), cos32/sin32 float32 (indexer)."""
+        if self.w_uk.numel() == 0:
+            raise RuntimeError("MLAAttention.absorb_weights() was not called after loading the weights")
+        backend = get_forward_context().backend
+        num_tokens = x.shape[0]
+
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_latent).view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim :]
+        q_pe = apply_rope_interleaved(q_pe, cos, sin)
+        q_absorbed = torch.einsum("thd,hdc->thc", q_nope, self.w_uk)  # [T, H, 512]
+        query = torch.cat((q_absorbed, q_pe.to(q_absorbed.dtype)), dim=-1)  # [T, H, 576]
+
+        backend.write_kv(self.layer_id, self.latent_rows(x, cos, sin))
+        index = self.indexer(x, q_latent, cos32, sin32)
+        backend.write_index_keys(self.layer_id, index.keys_fp8, index.key_scales)
+        positions = backend.index_topk(self.layer_id, index.q, index.weights, self.index_topk)
+        latent_out = backend.sparse_attention(self.layer_id, query, positions, self.softmax_scale)  # [T, H, 512]
+
+        out = torch.einsum("thc,hvc->thv", latent_out.to(self.w_uv.dtype), self.w_uv)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))

@@ -1,0 +1,82 @@
+"""Lightning indexer of DeepSeek Sparse Attention: per-token FP8 keys and per-query head weights.
+
+Per new token:
+  q = wq_b(c_q) → [Hi, 128] (c_q is the MLA query latent), k = LayerNorm(wk(x)) → [128];
+  half-split RoPE on the first `qk_rope_head_dim` (64) dims of both; the rest pass through;
+  both rotated by the normalized 128×128 Walsh–Hadamard matrix (see below);
+  k packed as FP8 e4m3 + one fp32 power-of-two scale (`kernels.indexer_ref.quantize_index_keys`);
+  w = weights_proj(x) · Hi^-0.5 · 128^-0.5 (all scale factors folded, float32).
+The backend then scores  I(s) = scale_s · Σ_h w_h · ReLU(q_h · k_fp8_s)  and keeps the top `index_topk`.
+
+Hadamard rotation — we apply it. H is orthogonal and symmetric (H·Hᵀ = I), so (Hq)·(Hk) = q·k and the exact
+scores are unchanged; what changes is the FP8 rounding of the cached keys. DeepSeek's inference code (and
+SGLang) rotate before quantizing, which spreads outlier channels over all 128 values so that one per-token
+power-of-two scale wastes less range; the model's indexer was trained and deployed that way. transformers skips
+both the rotation and FP8 (it scores in full precision), so for interoperability the choice only matters
+through FP8 rounding, which the interop tests measure (exact agreement while every position is selected,
+top-1 agreement rate beyond `index_topk`). q is not quantized (the backend contract takes it in float32), but
+it must be rotated with the same H so the dot products stay the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decode_server.model.config import ModelConfig
+from decode_server.model.rope import apply_rope_half_split
+from kernels.indexer_ref import quantize_index_keys
+
+
+def hadamard_matrix(dim: int) -> torch.Tensor:
+    """Normalized Walsh–Hadamard matrix [dim, dim] (Sylvester construction; dim a power of two), float32."""
+    if dim & (dim - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two dimension, got {dim}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < dim:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / dim**0.5).to(torch.float32)
+
+
+@dataclass
+class IndexerOutput:
+    q: torch.Tensor  # [T, Hi, D] float32 (rotated)
+    weights: torch.Tensor  # [T, Hi] float32, scale factors folded in
+    keys_fp8: torch.Tensor  # [T, D] float8_e4m3fn
+    key_scales: torch.Tensor  # [T] float32 (powers of two)
+
+
+class Indexer(nn.Module):
+    """Parameters named as in the checkpoints: `self_attn.indexer.{wq_b, wk, k_norm, weights_proj}`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.weight_scale = config.index_weight_scale
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        # Kept in float32 (bf16 in checkpoints, upcast like DeepSeek's inference code and transformers).
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
+        self.register_buffer("hadamard", hadamard_matrix(self.head_dim), persistent=False)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rotated = apply_rope_half_split(x[..., : self.rope_dim], cos, sin)
+        return torch.cat((rotated, x[..., self.rope_dim :]), dim=-1)
+
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> IndexerOutput:
+        """x [T, hidden], q_latent [T, q_lora_rank]; cos/sin [T, rope_dim/2] float32."""
+        num_tokens = x.shape[0]
+        q = self.wq_b(q_latent).float().view(num_tokens, self.n_heads, self.head_dim)
+        q = self._rope(q, cos, sin) @ self.hadamard
+        k = self.wk(x).float()
+        k = F.layer_norm(k, (self.head_dim,), self.k_norm.weight.float(), self.k_norm.bias.float(), self.k_norm.eps)
+        k = self._rope(k, cos, sin) @ self.hadamard
+        keys_fp8, key_scales = quantize_index_keys(k)
+        weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale
+        return IndexerOutput(q=q, weights=weights, keys_fp8=keys_fp8, key_scales=key_scales)

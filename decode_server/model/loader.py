@@ -1,0 +1,154 @@
+"""Loading DeepSeek-V3.2 safetensors checkpoints (single file or sharded) into `DSAForCausalLM`.
+
+Tensor names are the Hugging Face ones (`model.layers.N.self_attn.indexer.wq_b.weight`, ...). FP8 e4m3 weights
+are dequantized on load with their block `weight_scale_inv`; bf16/fp32 tensors are used as they are (cast to
+the model dtype). The multi-token-prediction layer (`model.layers.{num_hidden_layers}.*`) is skipped. Every
+problem (missing, unexpected, mis-shaped tensor) is collected from the checkpoint's metadata before any data is
+read and reported in one `CheckpointError` naming the tensors and shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from decode_server.model.config import ModelConfig
+from decode_server.model.construct import build_empty_model
+from decode_server.model.fp8 import dequantize_block_fp8, scale_shape
+from decode_server.model.model import DSAForCausalLM
+
+logger = logging.getLogger(__name__)
+
+SCALE_SUFFIX = "_scale_inv"
+INDEX_FILE = "model.safetensors.index.json"
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_FP8_DTYPES = ("F8_E4M3",)
+_MAX_REPORTED = 20
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model its config.json describes."""
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """Shards named by `model.safetensors.index.json`, else `model.safetensors`, else every `*.safetensors`."""
+    index = path / INDEX_FILE
+    if index.exists():
+        with index.open() as fh:
+            weight_map: dict[str, str] = json.load(fh)["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [str(f) for f in files if not f.exists()]
+        if absent:
+            raise CheckpointError(f"{index} names shards that do not exist: {absent}")
+        return files
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no safetensors files in {path}")
+    return files
+
+
+def _is_skipped(name: str, num_layers: int) -> bool:
+    """MTP layers (index >= num_hidden_layers) and stale RoPE caches some exporters save."""
+    match = _LAYER_RE.match(name)
+    if match and int(match.group(1)) >= num_layers:
+        return True
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def _catalog(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """name → (file, shape, safetensors dtype string), from headers only."""
+    catalog: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                meta = handle.get_slice(name)
+                if name in catalog:
+                    raise CheckpointError(f"tensor {name} appears in both {catalog[name][0]} and {file}")
+                catalog[name] = (file, tuple(meta.get_shape()), meta.get_dtype())
+    return catalog
+
+
+def _check(
+    expected: dict[str, torch.Size], catalog: dict[str, tuple[Path, tuple[int, ...], str]], config: ModelConfig
+) -> None:
+    problems: list[str] = []
+    block = config.weight_block_size
+    for name, shape in expected.items():
+        if name not in catalog:
+            problems.append(f"missing tensor {name} (expected shape {tuple(shape)})")
+            continue
+        _, found, dtype = catalog[name]
+        if found != tuple(shape):
+            problems.append(f"tensor {name} has shape {found}, expected {tuple(shape)}")
+            continue
+        if dtype in _FP8_DTYPES:
+            scale = name + SCALE_SUFFIX
+            if scale not in catalog:
+                problems.append(f"FP8 tensor {name} has no {scale}")
+            elif catalog[scale][1] != scale_shape(found, block):
+                problems.append(
+                    f"tensor {scale} has shape {catalog[scale][1]}, expected {scale_shape(found, block)}"
+                )
+    for name, (_, shape, _) in catalog.items():
+        if name in expected or _is_skipped(name, config.num_hidden_layers):
+            continue
+        if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in expected:
+            continue
+        problems.append(f"unexpected tensor {name} (shape {shape})")
+    if problems:
+        more = f"\n  ... and {len(problems) - _MAX_REPORTED} more" if len(problems) > _MAX_REPORTED else ""
+        raise CheckpointError(
+            f"checkpoint does not match the model ({len(problems)} problems):\n  "
+            + "\n  ".join(problems[:_MAX_REPORTED]) + more
+        )
+
+
+@torch.no_grad()
+def load_weights(model: DSAForCausalLM, path: str | Path) -> None:
+    """Fill every tensor of `model` from the checkpoint directory `path`, then refresh derived weights."""
+    path = Path(path)
+    config = model.config
+    targets = model.state_dict(keep_vars=True)
+    if config.tie_word_embeddings:
+        targets.pop("lm_head.weight", None)
+    expected = {name: t.shape for name, t in targets.items()}
+    files = checkpoint_files(path)
+    catalog = _catalog(files)
+    _check(expected, catalog, config)
+    block = config.weight_block_size
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                if name not in targets:
+                    continue
+                tensor = handle.get_tensor(name)
+                if tensor.dtype == torch.float8_e4m3fn:
+                    scale = _read_tensor(catalog, name + SCALE_SUFFIX)
+                    tensor = dequantize_block_fp8(tensor, scale, block)
+                targets[name].data.copy_(tensor.to(targets[name].dtype))
+    model.finalize_weights()
+    logger.info("loaded %d tensors from %d file(s) in %s", len(targets), len(files), path)
+
+
+def _read_tensor(catalog: dict[str, tuple[Path, tuple[int, ...], str]], name: str) -> torch.Tensor:
+    """Read one (small) tensor from whichever shard holds it (a scale may sit in another shard)."""
+    with safe_open(str(catalog[name][0]), framework="pt") as handle:
+        return handle.get_tensor(name)
+
+
+def load_checkpoint(
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None
+) -> tuple[DSAForCausalLM, ModelConfig]:
+    path = Path(path)
+    config = ModelConfig.from_json(path / "config.json")
+    model = build_empty_model(config, device, dtype)
+    load_weights(model, path)
+    return model, config
