@@ -1,0 +1,247 @@
+"""The engine loop: take requests and aborts → schedule → forward → sample → token deltas → free finished.
+
+Used in-process by the offline `LLM` and tests, and wrapped by the server's engine process. Every call happens
+on the caller's thread; `step()` runs exactly one forward pass (a prefill chunk batch or a decode step).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from decode_server.config import EngineConfig
+from decode_server.engine.dense_kv import DenseKVManager
+from decode_server.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
+from decode_server.engine.forward_context import ForwardBatch, forward_context
+from decode_server.engine.kv_manager import KVManager
+from decode_server.engine.memory import (
+    plan_dense_slots,
+    plan_hisparse,
+    resolve_device,
+    resolve_kv_dtype,
+    resolve_model_dtype,
+)
+from decode_server.engine.request import Request, RequestStatus
+from decode_server.engine.sampler import Sampler, make_generator
+from decode_server.engine.sampling_params import SamplingParams
+from decode_server.engine.scheduler import ScheduledBatch, Scheduler
+from decode_server.engine.types import EngineStats, RequestDelta
+from decode_server.errors import (
+    CapacityError,
+    ContextLengthExceededError,
+    InvalidRequestError,
+    QueueFullError,
+)
+from decode_server.hisparse.coordinator import HiSparseCoordinator
+
+logger = logging.getLogger(__name__)
+
+LogitsHook = Callable[[list[str], torch.Tensor], None]
+
+
+def _eos_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list | tuple):
+            ids.update(int(x) for x in source)
+    return frozenset(ids)
+
+
+class Engine:
+    """One model, one KV manager (dense or HiSparse), one scheduler.
+
+    `model`, `model_config` and `tokenizer` may be passed in (tests, benchmarks); otherwise they are loaded
+    from `config.model_path`. `logits_hook(rids, logits)` sees every sampled logits batch (tests compare modes).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        model: Any = None,
+        model_config: Any = None,
+        tokenizer: Any = None,
+    ) -> None:
+        self.config = config
+        self.device = resolve_device(config)
+        self.model_dtype = resolve_model_dtype(config, self.device)
+        if model is None:
+            model, model_config, tokenizer = _load(config.model_path, self.device, self.model_dtype, tokenizer)
+        self.model = model
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.kv_dtype = resolve_kv_dtype(config, self.model_dtype)
+        model_ctx = int(getattr(model_config, "max_position_embeddings", 0) or 0)
+        self.context_length = min(config.context_length or model_ctx, model_ctx or config.context_length or 0)
+        if self.context_length <= 0:
+            raise ValueError("context length unknown: set context_length")
+        self.kv = self._build_kv_manager()
+        self.scheduler = Scheduler(self.kv, config.max_running_requests, config.chunked_prefill_size)
+        self.sampler = Sampler()
+        self.eos_token_ids = _eos_ids(model_config, tokenizer)
+        self.logits_hook: LogitsHook | None = None
+        self._requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._pending_deltas: list[RequestDelta] = []
+        self._num_steps = 0
+        self._num_generated = 0
+        self._num_prompt = 0
+
+    def _build_kv_manager(self) -> KVManager:
+        cfg = self.config
+        num_layers = int(self.model_config.num_hidden_layers)
+        if cfg.enable_hisparse:
+            index_topk = int(self.model_config.index_topk)
+            if cfg.hisparse.top_k is not None and cfg.hisparse.top_k != index_topk:
+                raise ValueError(
+                    f"hisparse top_k ({cfg.hisparse.top_k}) must equal the model's index_topk ({index_topk}): the "
+                    "indexer of the model decides how many tokens are attended"
+                )
+            layout = plan_hisparse(cfg, self.device, num_layers, index_topk, self.kv_dtype, self.context_length)
+            return HiSparseCoordinator(layout, self.kv_dtype, self.device)
+        slots = plan_dense_slots(cfg, self.device, num_layers, self.kv_dtype)
+        return DenseKVManager(num_layers, slots, cfg.max_running_requests, self.context_length, self.kv_dtype,
+                              self.device, cfg.page_size)
+
+    # -- requests --
+    def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if rid in self._requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = int(getattr(self.model_config, "vocab_size", 0) or 0)
+        if vocab and any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.context_length:
+            raise ContextLengthExceededError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                f"context length {self.context_length}", param="max_tokens",
+            )
+        req = Request(rid=rid, prompt_ids=list(prompt_token_ids), params=params, arrival=next(self._arrivals),
+                      eos_token_ids=self.eos_token_ids)
+        reason = self.kv.capacity_error(req.prompt_len, req.max_total_len)
+        if reason is not None:
+            raise CapacityError(f"request can never fit in the KV budgets: {reason}")
+        if len(self.scheduler.waiting) >= self.config.max_queued_requests:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_queued_requests} requests)")
+        if not params.is_greedy:
+            seed = params.seed if params.seed is not None else hash((self.config.seed, req.arrival))
+            req.generator = make_generator(seed, self.device)
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
+            req.stop_checker = StopStringChecker(params.stop)
+        self._requests[rid] = req
+        self.scheduler.add(req)
+        self._num_prompt += req.prompt_len
+
+    def abort_request(self, rid: str) -> None:
+        """Stop a request and free its memory; the next `step()` reports it finished with reason `abort`."""
+        req = self._requests.pop(rid, None)
+        if req is None:
+            return
+        self.scheduler.remove(req)
+        req.finish_reason = "abort"
+        self._pending_deltas.append(self._delta(req, [], "", finished=True))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._pending_deltas)
+
+    # -- one step --
+    @torch.inference_mode()
+    def step(self) -> list[RequestDelta]:
+        deltas, self._pending_deltas = self._pending_deltas, []
+        batch = self.scheduler.schedule()
+        if batch is None or not batch.requests:
+            return deltas
+        logits = self._forward(batch)
+        self._num_steps += 1
+        sampled = [r for r, s in zip(batch.requests, batch.sampled, strict=True) if s]
+        for req, n in zip(batch.requests, batch.extend_lens, strict=True):
+            req.num_computed += n
+        if not sampled:
+            return deltas
+        if self.logits_hook is not None:
+            self.logits_hook([r.rid for r in sampled], logits)
+        tokens, logprobs = self.sampler.sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
+        for req, tok, lp in zip(sampled, tokens, logprobs, strict=True):
+            deltas.append(self._append_token(req, tok, lp))
+        return deltas
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        rows = [r.row for r in batch.requests]
+        fb = ForwardBatch.build(rows, batch.prefix_lens, batch.extend_lens, self.device)
+        ids = [r.token_at(p + i) for r, p, e in zip(batch.requests, batch.prefix_lens, batch.extend_lens, strict=True)
+               for i in range(e)]
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        with forward_context(fb, self.kv.backend):
+            hidden = self.model.forward(input_ids, fb.positions)
+        pick = [i for i, s in enumerate(batch.sampled) if s]
+        last = fb.last_token_indices[torch.tensor(pick, dtype=torch.int64, device=self.device)]
+        return self.model.compute_logits(hidden[last])
+
+    def _append_token(self, req: Request, token: int, logprob: Any) -> RequestDelta:
+        if req.status is RequestStatus.PREFILLING:
+            self.scheduler.on_prefill_done(req)
+        req.output_ids.append(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        self._num_generated += 1
+        finished = req.check_token_stop(token)
+        text = ""
+        if req.detokenizer is not None and req.stop_checker is not None:
+            text = req.stop_checker.add(req.detokenizer.add([token]))
+            if req.stop_checker.matched is not None and not finished:
+                finished = True
+                req.finish_reason, req.stop_reason = "stop", req.stop_checker.matched
+            elif finished:
+                text += req.stop_checker.add(req.detokenizer.flush()) + req.stop_checker.finish()
+        if finished:
+            self._requests.pop(req.rid, None)
+            self.scheduler.remove(req)
+        return self._delta(req, [token], text, finished, [logprob] if logprob is not None else None)
+
+    def _delta(self, req: Request, tokens: list[int], text: str, finished: bool,
+               logprobs: list[Any] | None = None) -> RequestDelta:
+        return RequestDelta(
+            rid=req.rid, new_token_ids=tokens, text=text, finished=finished,
+            finish_reason=req.finish_reason if finished else None, stop_reason=req.stop_reason if finished else None,
+            prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids), logprobs=logprobs,
+        )
+
+    # -- introspection --
+    def stats(self) -> EngineStats:
+        usage = self.kv.usage()
+        sched = self.scheduler
+        return EngineStats(
+            num_running_reqs=len(sched.running) + len(sched.prefilling),
+            num_queue_reqs=len(sched.waiting),
+            num_retracted_reqs=len(sched.retracted),
+            token_usage=self.kv.token_usage(),
+            num_generated_tokens=self._num_generated,
+            num_prompt_tokens=self._num_prompt,
+            num_steps=self._num_steps,
+            num_retractions=sched.num_retractions,
+            hisparse_enabled=self.config.enable_hisparse,
+            hisparse_layers=self.kv.layer_stats(),
+            **usage,
+        )
+
+    def is_idle_and_empty(self) -> bool:
+        """No request anywhere and every pool back to zero (tests assert it)."""
+        return not self._requests and not self.scheduler.has_work() and self.kv.is_empty()
+
+
+def _load(model_path: str, device: torch.device, dtype: torch.dtype, tokenizer: Any) -> tuple[Any, Any, Any]:
+    from decode_server.model import Tokenizer, load_model, resolve_model_path
+
+    model, model_config = load_model(model_path, device, dtype)
+    if tokenizer is None:
+        tokenizer = Tokenizer.from_dir(resolve_model_path(model_path))
+    return model, model_config, tokenizer

@@ -1,0 +1,113 @@
+"""Memory sizing: from `EngineConfig` (explicit byte budgets, or `mem_fraction_static` on CUDA) to pool sizes.
+
+Dense: the device budget buys tokens of (MLA row + indexer key) for all layers.
+HiSparse: the host budget (explicit, or `host_to_device_ratio` × the device budget) buys host KV pages; the
+device budget first holds the indexer keys of as many tokens as the host pool holds (the indexer must see every
+token of every running request), and the rest buys request buffers of D + R slots, at most one per request row.
+If that leaves no buffer, the indexer share shrinks to what is left after one buffer per request row.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from decode_server.config import EngineConfig
+from decode_server.hisparse.coordinator import HiSparseLayout
+from decode_server.hisparse.indexer_pool import INDEX_KEY_BYTES
+from kernels.sparse_mla_ref import D_QK
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_DEVICE_BUDGET = 256 << 20
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but CUDA is not available")
+    return torch.device(config.device)
+
+
+def resolve_model_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[config.dtype]
+
+
+def resolve_kv_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    if config.kv_cache_dtype == "auto":
+        return model_dtype
+    if config.kv_cache_dtype == "fp8_e4m3":
+        raise ValueError("--kv-cache-dtype fp8_e4m3 is not supported by the engine yet; use bfloat16")
+    return _DTYPES[config.kv_cache_dtype]
+
+
+def row_bytes_of(kv_dtype: torch.dtype) -> int:
+    return D_QK * torch.empty((), dtype=kv_dtype).element_size()
+
+
+def device_kv_budget(config: EngineConfig, device: torch.device) -> int:
+    """Bytes of device memory for KV (+ indexer keys): explicit, else the static fraction minus what is used."""
+    if config.device_kv_budget_bytes is not None:
+        return config.device_kv_budget_bytes
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - (1.0 - config.mem_fraction_static) * total)
+        if budget <= 0:
+            raise ValueError(f"no device memory left for KV at mem_fraction_static={config.mem_fraction_static}")
+        return budget
+    return CPU_DEFAULT_DEVICE_BUDGET
+
+
+def plan_dense_slots(config: EngineConfig, device: torch.device, num_layers: int, kv_dtype: torch.dtype) -> int:
+    per_token = num_layers * (row_bytes_of(kv_dtype) + INDEX_KEY_BYTES)
+    slots = device_kv_budget(config, device) // per_token
+    slots -= slots % config.page_size
+    if slots < config.page_size:
+        raise ValueError(f"the device KV budget holds {slots} tokens, less than one page of {config.page_size}")
+    logger.info("dense KV: %d token slots (%d B per token)", slots, per_token)
+    return slots
+
+
+def plan_hisparse(
+    config: EngineConfig, device: torch.device, num_layers: int, index_topk: int, kv_dtype: torch.dtype,
+    max_ctx: int,
+) -> HiSparseLayout:
+    hs = config.hisparse
+    top_k = hs.top_k or index_topk
+    buffer_size = hs.device_buffer_size or 2 * top_k
+    if buffer_size < top_k:
+        raise ValueError(f"hisparse device_buffer_size ({buffer_size}) must be >= top_k ({top_k})")
+    rb = row_bytes_of(kv_dtype)
+    ps = config.page_size
+    device_budget = device_kv_budget(config, device)
+    host_budget = config.host_kv_budget_bytes
+    if host_budget is None:
+        host_budget = int(hs.host_to_device_ratio * device_budget)
+    host_pages = host_budget // (rb * num_layers * ps)
+    if host_pages < 1:
+        raise ValueError(f"the host KV budget ({host_budget} B) holds less than one page of {ps} tokens")
+    buffer_bytes = (buffer_size + hs.num_recent_slots) * rb * num_layers
+    idx_page_bytes = INDEX_KEY_BYTES * num_layers * ps
+    indexer_pages = min(host_pages, device_budget // idx_page_bytes)
+    num_buffers = min(config.max_running_requests, (device_budget - indexer_pages * idx_page_bytes) // buffer_bytes)
+    if num_buffers < 1:
+        num_buffers = min(config.max_running_requests, device_budget // (buffer_bytes + idx_page_bytes))
+        indexer_pages = (device_budget - num_buffers * buffer_bytes) // idx_page_bytes
+    if num_buffers < 1 or indexer_pages < 1:
+        raise ValueError(
+            f"the device KV budget ({device_budget} B) cannot hold one request buffer ({buffer_bytes} B) and one "
+            f"page of indexer keys ({idx_page_bytes} B)"
+        )
+    layout = HiSparseLayout(
+        num_layers=num_layers, top_k=top_k, buffer_size=buffer_size, num_recent=hs.num_recent_slots,
+        num_buffers=num_buffers, host_pages=host_pages, indexer_pages=indexer_pages, page_size=ps, row_bytes=rb,
+        max_reqs=config.max_running_requests, max_ctx=max_ctx,
+    )
+    logger.info("hisparse layout: %s", layout)
+    return layout

@@ -1,0 +1,78 @@
+"""One request's state as the engine sees it: tokens, progress, status, sampling state, text."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from decode_server.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
+from decode_server.engine.sampling_params import SamplingParams
+from decode_server.engine.types import FinishReason, TokenLogprob
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no memory
+    PREFILLING = "prefilling"  # admitted, prompt partly in the KV cache
+    RUNNING = "running"  # in the decode batch
+    RETRACTED = "retracted"  # KV kept in the host pool, device memory given back; resumes without recompute
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int  # admission order; retraction picks the newest
+    generator: torch.Generator | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    row: int = -1  # row in the engine's request tables while it holds memory
+    num_computed: int = 0  # tokens whose KV is in the cache
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    stop_checker: StopStringChecker | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_total_len(self) -> int:
+        """Tokens whose KV the request may ever hold: the last sampled token is never fed back."""
+        return self.prompt_len + self.params.max_tokens - 1
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed >= self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+
+    def check_token_stop(self, token_id: int) -> bool:
+        """Record a finish reason if `token_id` (just appended) ends the request."""
+        p = self.params
+        if not p.ignore_eos and token_id in self.eos_token_ids:
+            self.finish_reason, self.stop_reason = "stop", None
+            return True
+        if token_id in p.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token_id
+            return True
+        if len(self.output_ids) >= p.max_tokens:
+            self.finish_reason = "length"
+            return True
+        return False

@@ -1,0 +1,148 @@
+"""HiSparse attention backend: the model's KV calls mapped onto the host pool, the per-request device buffers
+and the GPU indexer-key cache owned by the `HiSparseCoordinator`.
+
+Decode (every request extends by one token):
+  write_kv           → the new row goes to the request's slot for the new token (identity while seq_len <= D,
+                       else its recent-ring slot), so the token generated one step ago is always on the device;
+  write_index_keys   → GPU indexer cache (every token of every running request stays there);
+  index_topk         → the indexer over all tokens of each request (same keys, same order as dense);
+  sparse_attention   → swap-in maps top-k positions to device slots, loading misses from the host pool, then
+                       sparse MLA over the device pool; identical rows in identical order as dense;
+  end_forward        → eager backup of the new rows (all layers) to the host pool on a side stream.
+Prefill (colocated; any extend length): rows go straight to the host pool and each chunk's attention gathers its
+selected rows from there, so a prompt never needs device memory for its whole length. After the last chunk the
+coordinator preloads the buffer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from decode_server.engine.attention_backend import AttentionBackend
+from decode_server.engine.forward_context import ForwardBatch
+from decode_server.hisparse import ops
+
+if TYPE_CHECKING:
+    from decode_server.hisparse.coordinator import HiSparseCoordinator
+
+
+class HiSparseBackend(AttentionBackend):
+    def __init__(self, coordinator: HiSparseCoordinator) -> None:
+        self.co = coordinator
+        self._batch: ForwardBatch | None = None
+        self._query_rows: torch.Tensor | None = None
+        self._index_rows: torch.Tensor | None = None
+        self._new_slots: torch.Tensor | None = None  # decode: device slot of each new token
+        self._new_host_rows: torch.Tensor | None = None  # decode: host row of each new token
+        self._extend_host_rows_cpu: torch.Tensor | None = None  # prefill: host rows of the new tokens
+
+    # -- per forward --
+    def begin_forward(self, batch: ForwardBatch) -> None:
+        co = self.co
+        co.wait_backup_on_current_stream()
+        self._batch = batch
+        self._query_rows = batch.req_rows[batch.token_req]
+        self._index_rows = co.indexer.rows.table[self._query_rows, batch.positions].long()
+        host_rows = co.host.rows.table[self._query_rows, batch.positions].long()
+        if batch.is_decode:
+            for row in batch.req_rows_cpu:
+                if not co.buffers.has(row):
+                    raise RuntimeError(f"request row {row} decodes without a device buffer")
+            slots = [co.buffers.slot_of_new_token(r, p) for r, p in zip(batch.req_rows_cpu, batch.prefix_lens_cpu,
+                                                                        strict=True)]
+            self._new_slots = torch.tensor(slots, dtype=torch.int64).to(co.device, non_blocking=True)
+            self._new_host_rows = host_rows
+        else:
+            self._extend_host_rows_cpu = host_rows.cpu()
+
+    def end_forward(self, batch: ForwardBatch) -> None:
+        try:
+            if batch.is_decode and self._new_slots is not None and self._new_host_rows is not None:
+                self._backup(self._new_slots, self._new_host_rows)
+        finally:
+            self._batch = None
+            self._query_rows = self._index_rows = None
+            self._new_slots = self._new_host_rows = self._extend_host_rows_cpu = None
+
+    def _backup(self, slots: torch.Tensor, host_rows: torch.Tensor) -> None:
+        co = self.co
+        stream = co.backup_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(co.device))
+        event = ops.backup_rows(co.buffers.kv, co.host.kv, slots, host_rows, stream=stream)
+        co.set_pending_backup(event)
+        co.counters.add_d2h_all_layers(int(slots.numel()))
+
+    def _current(self) -> ForwardBatch:
+        if self._batch is None:
+            raise RuntimeError("HiSparseBackend used outside a forward context")
+        return self._batch
+
+    def _as_row_bytes(self, kv_rows: torch.Tensor) -> torch.Tensor:
+        return kv_rows.to(self.co.kv_dtype).contiguous().view(torch.uint8)
+
+    # -- AttentionBackend --
+    def write_kv(self, layer_id: int, kv_rows: torch.Tensor) -> None:
+        batch = self._current()
+        data = self._as_row_bytes(kv_rows)
+        if batch.is_decode:
+            self.co.buffers.kv[layer_id, self._new_slots] = data
+        else:
+            assert self._extend_host_rows_cpu is not None
+            self.co.host.kv[layer_id].index_copy_(0, self._extend_host_rows_cpu, data.cpu())
+            self.co.counters.rows_d2h[layer_id] += int(data.shape[0])
+
+    def write_index_keys(self, layer_id: int, keys_fp8: torch.Tensor, scales: torch.Tensor) -> None:
+        self._current()
+        self.co.indexer.keys[layer_id, self._index_rows] = keys_fp8
+        self.co.indexer.scales[layer_id, self._index_rows] = scales.float()
+
+    def index_topk(self, layer_id: int, q: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
+        batch = self._current()
+        token_rows = self.co.indexer.rows.table[batch.req_rows, : max(batch.seq_lens_cpu)]
+        return ops.indexer_topk(
+            q, weights, self.co.indexer.keys[layer_id], self.co.indexer.scales[layer_id],
+            token_rows, batch.token_req, batch.positions + 1, top_k,
+        )
+
+    def sparse_attention(
+        self, layer_id: int, q: torch.Tensor, topk_positions: torch.Tensor, softmax_scale: float
+    ) -> torch.Tensor:
+        batch = self._current()
+        if batch.is_decode:
+            return self._decode_attention(layer_id, q, topk_positions, softmax_scale)
+        return self._extend_attention(layer_id, q, topk_positions, softmax_scale)
+
+    def _decode_attention(
+        self, layer_id: int, q: torch.Tensor, topk_positions: torch.Tensor, softmax_scale: float
+    ) -> torch.Tensor:
+        batch = self._current()
+        co = self.co
+        bufs = co.buffers
+        slots = ops.swap_in(
+            topk_positions.to(torch.int32).contiguous(), batch.seq_lens, batch.req_rows, bufs.buffer_slots,
+            bufs.buffer_tokens[layer_id], bufs.lru_order[layer_id], co.host.rows.table, co.host.kv[layer_id],
+            bufs.kv[layer_id], bufs.num_recent, co.counters.swap[layer_id],
+        )
+        return ops.sparse_attention(q, bufs.kv[layer_id].view(co.kv_dtype), slots, softmax_scale)
+
+    def _extend_attention(
+        self, layer_id: int, q: torch.Tensor, topk_positions: torch.Tensor, softmax_scale: float
+    ) -> torch.Tensor:
+        """Prefill: gather each distinct selected row once from the host pool into a dense scratch tensor."""
+        co = self.co
+        valid = topk_positions >= 0
+        safe = topk_positions.clamp(min=0).long()
+        host_rows = co.host.rows.table[self._query_rows.unsqueeze(1), safe].long()
+        host_rows = torch.where(valid, host_rows, torch.full_like(host_rows, -1))
+        unique_rows, inverse = torch.unique(host_rows, return_inverse=True)
+        # unique() sorts, so a −1 (padding) is first when present; gather only the real rows.
+        has_pad = bool(unique_rows.numel()) and int(unique_rows[0]) < 0
+        real_rows = unique_rows[1:] if has_pad else unique_rows
+        scratch = co.host.kv[layer_id][real_rows.cpu()].to(co.device, non_blocking=True)
+        co.counters.add_h2d(layer_id, int(real_rows.numel()))
+        local = inverse - 1 if has_pad else inverse
+        local = torch.where(valid, local, torch.full_like(local, -1)).to(torch.int32)
+        return ops.sparse_attention(q, scratch.view(co.kv_dtype), local, softmax_scale)

@@ -1,0 +1,213 @@
+"""HiSparse coordinator: the lifecycle of a request's KV across the host pool, its device buffer and the GPU
+indexer-key cache (admit, grow, preload, retract, resume, free) plus the eager backup's stream and event.
+
+Where a token lives is the rule of docs/architecture.md "HiSparse memory layout". The coordinator keeps it
+true between steps; the swap-in kernel keeps it true within a step.
+
+Budgets, checked explicitly at admission:
+- host pool: pages for the request's full length (prompt + max_tokens) are reserved at admission, so the host
+  never runs out mid-decode and a retracted request keeps all its KV there;
+- device buffers: one buffer of D + R slots per running request;
+- indexer keys: pages for the tokens so far (grown during decode; when they run out, the engine retracts).
+A retracted request loses its device buffer and indexer pages (its indexer keys are saved to host memory,
+132 B per token and layer) and resumes later without recomputing anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from decode_server.engine.kv_manager import KVManager
+from decode_server.engine.types import PoolUsage
+from decode_server.hisparse.counters import HiSparseCounters
+from decode_server.hisparse.device_buffer import DeviceBufferPool
+from decode_server.hisparse.host_pool import HostKVPool
+from decode_server.hisparse.indexer_pool import INDEX_KEY_BYTES, IndexerKeyPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HiSparseLayout:
+    """Sizes of the three HiSparse pools (all counts, not bytes)."""
+
+    num_layers: int
+    top_k: int
+    buffer_size: int  # D
+    num_recent: int  # R
+    num_buffers: int
+    host_pages: int
+    indexer_pages: int
+    page_size: int
+    row_bytes: int
+    max_reqs: int
+    max_ctx: int
+
+    def __post_init__(self) -> None:
+        if self.buffer_size < self.top_k:
+            raise ValueError(f"device_buffer_size ({self.buffer_size}) must be >= top_k ({self.top_k})")
+
+    @property
+    def buffer_bytes(self) -> int:
+        return (self.buffer_size + self.num_recent) * self.row_bytes * self.num_layers
+
+    @property
+    def indexer_bytes_per_token(self) -> int:
+        return INDEX_KEY_BYTES * self.num_layers
+
+
+class HiSparseCoordinator(KVManager):
+    """Owns the HiSparse pools and the backup stream; the attention backend reads them during a forward."""
+
+    supports_retraction = True
+
+    def __init__(self, layout: HiSparseLayout, kv_dtype: torch.dtype, device: torch.device) -> None:
+        self.layout = layout
+        self.kv_dtype = kv_dtype
+        self.device = device
+        L, ps = layout.num_layers, layout.page_size
+        self.host = HostKVPool(L, layout.host_pages, ps, layout.row_bytes, layout.max_reqs, layout.max_ctx, device)
+        self.buffers = DeviceBufferPool(
+            L, layout.num_buffers, layout.buffer_size, layout.num_recent, layout.row_bytes, layout.max_reqs, device
+        )
+        self.indexer = IndexerKeyPool(L, layout.indexer_pages, ps, layout.max_reqs, layout.max_ctx, device)
+        self.counters = HiSparseCounters(L, layout.row_bytes, device)
+        self.backup_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pending_backup: torch.cuda.Event | None = None
+        self._saved_index_keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        from decode_server.hisparse.backend import HiSparseBackend
+
+        self.backend = HiSparseBackend(self)
+
+    # -- backup ordering --
+    def set_pending_backup(self, event: torch.cuda.Event | None) -> None:
+        self._pending_backup = event
+
+    def wait_backup_on_current_stream(self) -> None:
+        """Make the current stream (not the CPU) wait for the last backup before touching the pools."""
+        if self._pending_backup is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._pending_backup)
+
+    def _wait_backup_on_host(self) -> None:
+        """Before freeing rows the CPU may hand out again, the backup reading them must be done."""
+        if self._pending_backup is not None:
+            self._pending_backup.synchronize()
+            self._pending_backup = None
+
+    # -- budgets --
+    def capacity_error(self, prompt_len: int, max_total_len: int) -> str | None:
+        lay = self.layout
+        if max_total_len > lay.max_ctx:
+            return f"{max_total_len} tokens exceed the engine's context length {lay.max_ctx}"
+        need_host = self.host.rows.allocator.pages_for(max_total_len)
+        if need_host > lay.host_pages:
+            return (f"needs {need_host} host KV pages of {lay.page_size} tokens for {max_total_len} tokens; "
+                    f"the host pool has {lay.host_pages}")
+        need_idx = self.indexer.rows.allocator.pages_for(max_total_len)
+        if need_idx > lay.indexer_pages:
+            return (f"needs {need_idx} indexer-key pages for {max_total_len} tokens; the GPU indexer cache has "
+                    f"{lay.indexer_pages}")
+        return None
+
+    def try_admit(self, req_row: int, prompt_len: int, max_total_len: int) -> bool:
+        host_pages = self.host.rows.pages_needed(req_row, max_total_len)
+        first_tokens = min(prompt_len + 1, max_total_len)
+        idx_pages = self.indexer.rows.pages_needed(req_row, first_tokens)
+        if (self.buffers.free_buffers < 1 or not self.host.rows.allocator.can_allocate(host_pages)
+                or not self.indexer.rows.allocator.can_allocate(idx_pages)):
+            return False
+        self.host.rows.ensure(req_row, max_total_len)
+        self.indexer.rows.ensure(req_row, first_tokens)
+        self.buffers.allocate(req_row)
+        return True
+
+    def ensure_room(self, req_row: int, num_tokens: int) -> bool:
+        """Indexer rows for `num_tokens` tokens (host rows were reserved in full at admission)."""
+        rows = self.indexer.rows
+        need = rows.pages_needed(req_row, num_tokens)
+        if need == 0:
+            return True
+        if not rows.allocator.can_allocate(need):
+            return False
+        rows.ensure(req_row, num_tokens)
+        return True
+
+    # -- lifecycle --
+    def finish_prefill(self, req_row: int, num_tokens: int) -> None:
+        self.preload(req_row, num_tokens)
+
+    def preload(self, req_row: int, num_tokens: int) -> None:
+        """Fill a fresh buffer from the host pool before the request decodes token `num_tokens`.
+
+        LRU positions get tokens 0..min(n, D)-1 (identity, so `buffer_tokens` = arange(D) holds both for the
+        fast path and, once n > D, as a warm start); the ring gets the tokens the next step treats as recent.
+        """
+        lay = self.layout
+        D, R = lay.buffer_size, lay.num_recent
+        self.wait_backup_on_current_stream()
+        tokens = list(range(min(num_tokens, D)))
+        next_seq_len = num_tokens + 1
+        ring_tokens = list(range(max(D, next_seq_len - R), num_tokens))
+        slots = [self.buffers.slot_of_new_token(req_row, t) for t in tokens + ring_tokens]
+        self.buffers.buffer_tokens[:, req_row] = torch.arange(D, dtype=torch.int32, device=self.device)
+        self.buffers.lru_order[:, req_row] = torch.arange(D, dtype=torch.int32, device=self.device)
+        if not slots:
+            return
+        src = self.host.rows.slots(req_row, num_tokens)[torch.tensor(tokens + ring_tokens, device=self.device)]
+        src_cpu = src.cpu().long()
+        dst = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        self.buffers.kv[:, dst] = self.host.kv[:, src_cpu].to(self.device, non_blocking=True)
+        for layer in range(lay.num_layers):
+            self.counters.add_h2d(layer, len(slots))
+
+    def retract(self, req_row: int, num_tokens: int) -> None:
+        """Free the device buffer and indexer rows; keep the host KV (complete after the last backup)."""
+        self._wait_backup_on_host()
+        self._saved_index_keys[req_row] = self.indexer.save(req_row, num_tokens)
+        self.indexer.rows.release(req_row)
+        self.buffers.free(req_row)
+
+    def try_resume(self, req_row: int, num_tokens: int) -> bool:
+        idx_pages = self.indexer.rows.pages_needed(req_row, num_tokens + 1)
+        if self.buffers.free_buffers < 1 or not self.indexer.rows.allocator.can_allocate(idx_pages):
+            return False
+        self.indexer.rows.ensure(req_row, num_tokens + 1)
+        self.indexer.restore(req_row, self._saved_index_keys.pop(req_row))
+        self.buffers.allocate(req_row)
+        self.preload(req_row, num_tokens)
+        return True
+
+    def free(self, req_row: int) -> None:
+        self._wait_backup_on_host()
+        self._saved_index_keys.pop(req_row, None)
+        self.buffers.free(req_row)
+        self.indexer.rows.release(req_row)
+        self.host.rows.release(req_row)
+
+    # -- stats --
+    def usage(self) -> dict[str, PoolUsage]:
+        return {
+            "host_pages": PoolUsage(used=self.host.rows.allocator.num_used_pages, total=self.layout.host_pages),
+            "device_slots": PoolUsage(
+                used=self.buffers.used_buffers * self.buffers.slots_per_buffer,
+                total=self.buffers.num_buffers * self.buffers.slots_per_buffer,
+            ),
+            "indexer_slots": PoolUsage(
+                used=self.indexer.rows.allocator.num_used_pages * self.layout.page_size,
+                total=self.layout.indexer_pages * self.layout.page_size,
+            ),
+        }
+
+    def token_usage(self) -> float:
+        u = self.usage()
+        return max(u["host_pages"].fraction, u["device_slots"].fraction, u["indexer_slots"].fraction)
+
+    def layer_stats(self):
+        return self.counters.snapshot()
+
+    def is_empty(self) -> bool:
+        return (self.host.rows.allocator.num_used_pages == 0 and self.buffers.used_buffers == 0
+                and self.indexer.rows.allocator.num_used_pages == 0 and not self._saved_index_keys)

@@ -1,0 +1,36 @@
+"""The kernels HiSparse calls.
+
+Swap-in and backup come from the `kernels` dispatchers (CUDA on GPU, references on CPU). The indexer top-k and
+the sparse MLA attention are deliberately the very functions `DenseBackend` uses: HiSparse is bit-identical to
+dense only if both modes score and attend with the same implementation, so when dense switches kernels,
+HiSparse follows automatically.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kernels
+from decode_server.engine import dense_backend
+
+
+def swap_in(*args, **kwargs) -> torch.Tensor:
+    return kernels.swap_in(*args, **kwargs)
+
+
+def backup_rows(
+    device_pool: torch.Tensor,
+    host_pool: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_rows: torch.Tensor,
+    stream: torch.cuda.Stream | None = None,
+) -> torch.cuda.Event | None:
+    return kernels.backup_rows(device_pool, host_pool, src_slots, dst_rows, stream=stream)
+
+
+def indexer_topk(*args, **kwargs) -> torch.Tensor:
+    return dense_backend._indexer_topk(*args, **kwargs)
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    return dense_backend.attend_in_chunks(q, kv, slots, scale)
