@@ -47,3 +47,10 @@ class EngineDeadError(DecodeServerError):
 class AuthenticationError(DecodeServerError):
     status_code = 401
     error_type = "authentication_error"
+
+
+class ServerShuttingDownError(DecodeServerError):
+    """The server is stopping (SIGINT/SIGTERM); requests still in flight are aborted with this."""
+
+    status_code = 503
+    error_type = "server_shutting_down"

@@ -1,0 +1,168 @@
+"""The FastAPI application: routes only; the work is in `serving.py`, `engine_client.py` and `metrics.py`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from decode_server.api.auth import ApiKeyMiddleware
+from decode_server.api.engine_client import EngineClient
+from decode_server.api.errors import error_body, install_error_handlers
+from decode_server.api.generation import ChoiceSpec, GenerationGroup
+from decode_server.api.metrics import ServerMetrics
+from decode_server.api.protocol import (
+    AbortRequestBody,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    random_id,
+)
+from decode_server.api.serving import ModelInfo, OpenAIServing
+from decode_server.engine.sampling_params import SamplingParams
+from decode_server.errors import DecodeServerError, EngineDeadError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 60.0
+STATS_TIMEOUT_S = 5.0
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "invalid request"},
+    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
+    503: {
+        "model": ErrorResponse,
+        "description": "queue full, shutting down, or engine gone (see Retry-After)",
+    },
+}
+
+
+@dataclass
+class ServerContext:
+    """Everything the routes use, built once at start-up by `server.py`."""
+
+    client: EngineClient
+    tokenizer: Any
+    model: ModelInfo
+    metrics: ServerMetrics
+    engine_info: dict[str, Any] = field(default_factory=dict)
+    api_key: str | None = None
+
+
+def create_app(ctx: ServerContext) -> FastAPI:
+    app = FastAPI(
+        title="HiSparse Decode Server",
+        description="OpenAI-compatible decode service for DSA models with a host-offloaded KV cache",
+        version="0.1.0",
+    )
+    install_error_handlers(app)
+    if ctx.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=ctx.api_key)
+    serving = OpenAIServing(ctx.client, ctx.tokenizer, ctx.metrics, ctx.model)
+    app.state.ctx = ctx
+    app.state.serving = serving
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await _counted(ctx, serving.completions(body, request))
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await _counted(ctx, serving.chat(body, request))
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        card = ModelCard(
+            id=ctx.model.served_model_name,
+            root=str(ctx.engine_info.get("model_path", ctx.model.served_model_name)),
+            max_model_len=ctx.model.context_length,
+        )
+        return ModelList(data=[card])
+
+    @app.get("/health", responses={503: _ERRORS[503]})
+    async def health() -> Response:
+        """Liveness: 200 while the engine process runs; 503 once it died or the server is stopping."""
+        if ctx.client.dead or ctx.client.closing:
+            reason = "engine process died" if ctx.client.dead else "server shutting down"
+            return JSONResponse(error_body(reason, "engine_unavailable", 503), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate", responses={503: _ERRORS[503]})
+    async def health_generate() -> Response:
+        """Readiness: generate one token end to end through the engine."""
+        ids = ctx.tokenizer.encode("Hello") or [0]
+        spec = ChoiceSpec(index=0, prompt_token_ids=ids[: max(1, ctx.model.context_length - 1)],
+                          params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))  # fmt: skip
+        group = GenerationGroup(ctx.client, ctx.metrics, random_id("health"), [spec])
+        try:
+            await group.submit()
+
+            async def drain() -> None:
+                async for _ in group.events():
+                    pass
+
+            await asyncio.wait_for(drain(), HEALTH_GENERATE_TIMEOUT_S)
+        except TimeoutError:
+            group.abort_unfinished("health check timed out")
+            return JSONResponse(error_body("health generation timed out", "engine_unavailable", 503), 503)
+        except DecodeServerError as exc:
+            status = exc.status_code if exc.status_code >= 500 else 503
+            return JSONResponse(error_body(exc.message, exc.error_type, status), status_code=status)
+        finally:
+            group.abort_unfinished("health check ended")
+        return Response(status_code=200)
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        if not ctx.client.dead and not ctx.client.closing:
+            try:
+                ctx.metrics.latest_stats = await ctx.client.get_stats(STATS_TIMEOUT_S)
+            except (TimeoutError, DecodeServerError) as exc:
+                logger.warning("metrics: engine stats unavailable (%s); serving the last snapshot", exc)
+        ctx.metrics.engine_alive = not ctx.client.dead
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        stats = await ctx.client.get_stats(STATS_TIMEOUT_S)
+        return {
+            "served_model_name": ctx.model.served_model_name,
+            "context_length": ctx.model.context_length,
+            "engine": ctx.engine_info,
+            "engine_pid": ctx.client.pid,
+            "num_inflight_requests": ctx.client.num_inflight,
+            "stats": stats.model_dump(),
+        }
+
+    @app.post("/abort_request", responses={400: _ERRORS[400]})
+    async def abort_request(body: AbortRequestBody) -> dict[str, Any]:
+        """Abort one request (`rid`: the id of a completion, e.g. `cmpl-…`) or all (`abort_all: true`)."""
+        if body.abort_all:
+            n = await ctx.client.abort_all("aborted by /abort_request")
+            return {"aborted": n}
+        if not body.rid:
+            raise InvalidRequestError("give 'rid' (a request id) or 'abort_all': true", param="rid")
+        n = serving.abort(body.rid, "aborted by /abort_request")
+        return {"aborted": n}
+
+    return app
+
+
+async def _counted(ctx: ServerContext, handler: Any) -> Any:
+    """Run a generation handler, counting refusals by status for `sglang:num_rejected_requests`."""
+    try:
+        return await handler
+    except DecodeServerError as exc:
+        ctx.metrics.on_rejected(exc.status_code)
+        if isinstance(exc, EngineDeadError):
+            logger.error("refused a request: %s", exc.message)
+        raise

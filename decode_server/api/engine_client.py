@@ -1,0 +1,350 @@
+"""The api process's handle on the engine process: spawn it, talk to it over ZMQ, notice when it dies.
+
+Sockets: the api binds two ipc endpoints in a private temporary directory (PUSH to the engine, PULL from it);
+the engine connects. One receiver task routes each engine message: acceptances and rejections resolve the
+submitter's future, token deltas go to the queue of the HTTP request that owns the rid, stats replies resolve
+the stats query. A watchdog polls the child; when it is gone every waiting request fails with
+`EngineDeadError` (HTTP 503) and `on_engine_death` tells the server to exit non-zero instead of hanging.
+
+Aborts are settled on the api side at once (the rid's queue gets a final event and the route is dropped),
+so a client never waits on the engine to confirm, and late deltas of an aborted rid are ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from decode_server.api.messages import (
+    AbortMsg,
+    AcceptedMsg,
+    DeltasMsg,
+    FatalMsg,
+    GenerateMsg,
+    ReadyMsg,
+    RejectedMsg,
+    ShutdownMsg,
+    StatsMsg,
+    StatsQueryMsg,
+    ToEngine,
+    decode_from_engine,
+    encode,
+)
+from decode_server.config import EngineConfig
+from decode_server.engine.sampling_params import SamplingParams
+from decode_server.engine.types import EngineStats, RequestDelta
+from decode_server.errors import (
+    DecodeServerError,
+    EngineDeadError,
+    QueueFullError,
+    ServerShuttingDownError,
+)
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_PERIOD_S = 0.2
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """What a request's queue receives: a delta of choice `index`, or the error that ends that choice."""
+
+    index: int
+    delta: RequestDelta | None = None
+    error: DecodeServerError | None = None
+
+
+@dataclass
+class _Route:
+    queue: asyncio.Queue[StreamEvent]
+    index: int
+
+
+class EngineClient:
+    """Owns the engine child process and the two sockets to it (use from one asyncio loop)."""
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        *,
+        log_level: str = "info",
+        max_inflight: int | None = None,
+        on_engine_death: Callable[[], None] | None = None,
+        engine_factory: str | None = None,
+    ) -> None:
+        self.engine_config = engine_config
+        self.engine_factory = engine_factory
+        self.log_level = log_level
+        self.max_inflight = max_inflight or (
+            engine_config.max_running_requests + engine_config.max_queued_requests
+        )
+        self.on_engine_death = on_engine_death
+        self.engine_info: dict[str, Any] = {}
+        self.dead = False
+        self.death_reason = ""
+        self.closing = False
+        self._routes: dict[str, _Route] = {}
+        self._accepts: dict[str, asyncio.Future[None]] = {}
+        self._stats_queries: dict[int, asyncio.Future[EngineStats]] = {}
+        self._query_ids = itertools.count()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._ipc_dir = tempfile.mkdtemp(prefix="decode-server-")
+        self._ctx = zmq.asyncio.Context()
+        self._to_engine = self._ctx.socket(zmq.PUSH)
+        self._from_engine = self._ctx.socket(zmq.PULL)
+        self._to_engine.setsockopt(zmq.LINGER, 0)
+        self._from_engine.setsockopt(zmq.LINGER, 0)
+        self.to_engine_addr = f"ipc://{self._ipc_dir}/to_engine"
+        self.from_engine_addr = f"ipc://{self._ipc_dir}/from_engine"
+        self._to_engine.bind(self.to_engine_addr)
+        self._from_engine.bind(self.from_engine_addr)
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._routes)
+
+    async def start(self, ready_timeout_s: float = 600.0) -> dict[str, Any]:
+        """Spawn the engine process and wait until it has loaded the model; returns its `ReadyMsg.info`."""
+        from decode_server.api.engine_process import DEFAULT_ENGINE_FACTORY, run_engine_process
+
+        ctx = multiprocessing.get_context("spawn")
+        self._process = ctx.Process(
+            target=run_engine_process,
+            name="decode-server-engine",
+            args=(
+                self.engine_config,
+                self.to_engine_addr,
+                self.from_engine_addr,
+                os.getpid(),
+                self.log_level,
+                self.engine_factory or DEFAULT_ENGINE_FACTORY,
+            ),  # fmt: skip
+            daemon=True,
+        )
+        self._process.start()
+        logger.info("engine process started (pid %d), loading model %s", self._process.pid,
+                    self.engine_config.model_path)  # fmt: skip
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if not self._process.is_alive():
+                raise EngineDeadError(
+                    f"engine process exited during start-up (exit code {self._process.exitcode})"
+                )
+            if time.monotonic() > deadline:
+                self._kill_process()
+                raise EngineDeadError(f"engine process not ready after {ready_timeout_s:.0f} s")
+            if await self._from_engine.poll(timeout=200):
+                msg = decode_from_engine(await self._from_engine.recv())
+                if isinstance(msg, ReadyMsg):
+                    self.engine_info = dict(msg.info)
+                    break
+                if isinstance(msg, FatalMsg):
+                    self._process.join(timeout=5)
+                    raise EngineDeadError(f"engine failed to start: {msg.message}")
+                logger.warning("ignoring %s received before the engine was ready", type(msg).__name__)
+        self._tasks = [
+            asyncio.create_task(self._receive_loop(), name="engine-receiver"),
+            asyncio.create_task(self._watchdog(), name="engine-watchdog"),
+        ]
+        return self.engine_info
+
+    async def shutdown(self, reason: str = "server shutting down", timeout_s: float = 10.0) -> int | None:
+        """Abort everything, ask the engine to exit, reap it (kill after `timeout_s`). Returns its exit code."""
+        self.closing = True
+        self.fail_all(ServerShuttingDownError(f"request aborted: {reason}"))
+        if self._process is not None and self._process.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                await self._send(ShutdownMsg(reason))
+            deadline = time.monotonic() + timeout_s
+            while self._process.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self._process.is_alive():
+                logger.warning("engine process did not exit within %.0f s; killing it", timeout_s)
+                self._kill_process()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        self.close_sockets()
+        return self._process.exitcode if self._process is not None else None
+
+    def close_sockets(self) -> None:
+        self._to_engine.close(linger=0)
+        self._from_engine.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def _kill_process(self) -> None:
+        if self._process is None:
+            return
+        self._process.kill()
+        self._process.join(timeout=5)
+
+    # ------------------------------------------------------------------------------------------ requests
+
+    async def submit(
+        self, rid: str, prompt_token_ids: list[int], params: SamplingParams, queue: asyncio.Queue[StreamEvent],
+        index: int = 0,
+    ) -> None:  # fmt: skip
+        """Hand one request to the engine; returns once the engine accepted it (raises its typed error if not).
+
+        Afterwards `queue` receives this rid's deltas as `StreamEvent(index, delta)` until one is finished.
+        """
+        self._check_available()
+        if len(self._routes) >= self.max_inflight:
+            raise QueueFullError(
+                f"server is at capacity ({self.max_inflight} requests running or waiting); retry later"
+            )
+        if rid in self._routes:
+            raise DecodeServerError(f"duplicate request id {rid!r}")
+        accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._accepts[rid] = accepted
+        self._routes[rid] = _Route(queue, index)
+        try:
+            await self._send(GenerateMsg(rid, list(prompt_token_ids), params))
+            await accepted
+        except BaseException:
+            self._routes.pop(rid, None)
+            self._accepts.pop(rid, None)
+            raise
+
+    def abort_nowait(self, rid: str, reason: str = "aborted") -> bool:
+        """Abort one request without awaiting (usable from `finally` of a cancelled handler): its queue gets
+        a final `finish_reason='abort'` delta and the engine is told to free it. False if unknown."""
+        route = self._routes.pop(rid, None)
+        if route is None:
+            return False
+        route.queue.put_nowait(
+            StreamEvent(
+                route.index, RequestDelta(rid=rid, finished=True, finish_reason="abort", error=reason)
+            )
+        )
+        if not self.dead and not self._to_engine.closed:
+            # zmq.asyncio sends at once when the socket can take the message; the returned future is done.
+            with contextlib.suppress(zmq.ZMQError):
+                self._to_engine.send(encode(AbortMsg(rid)))
+        return True
+
+    async def abort(self, rid: str, reason: str = "aborted") -> bool:
+        return self.abort_nowait(rid, reason)
+
+    async def abort_all(self, reason: str = "aborted") -> int:
+        rids = list(self._routes)
+        for rid in rids:
+            await self.abort(rid, reason)
+        return len(rids)
+
+    def fail_all(self, error: DecodeServerError) -> None:
+        """End every waiting request with `error` (engine death, shutdown)."""
+        for rid, route in list(self._routes.items()):
+            route.queue.put_nowait(StreamEvent(route.index, error=error))
+            self._routes.pop(rid, None)
+        for fut in list(self._accepts.values()):
+            if not fut.done():
+                fut.set_exception(error)
+        self._accepts.clear()
+        for fut in list(self._stats_queries.values()):
+            if not fut.done():
+                fut.set_exception(error)
+        self._stats_queries.clear()
+
+    async def get_stats(self, timeout_s: float = 5.0) -> EngineStats:
+        self._check_available()
+        query_id = next(self._query_ids)
+        fut: asyncio.Future[EngineStats] = asyncio.get_running_loop().create_future()
+        self._stats_queries[query_id] = fut
+        try:
+            await self._send(StatsQueryMsg(query_id))
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._stats_queries.pop(query_id, None)
+
+    def _check_available(self) -> None:
+        if self.dead:
+            raise EngineDeadError(
+                f"engine process is not running ({self.death_reason}); the server is exiting"
+            )
+        if self.closing:
+            raise ServerShuttingDownError("server is shutting down; not accepting new requests")
+
+    async def _send(self, msg: ToEngine) -> None:
+        await self._to_engine.send(encode(msg))
+
+    # ------------------------------------------------------------------------------------------ background
+
+    async def _receive_loop(self) -> None:
+        while True:
+            try:
+                msg = decode_from_engine(await self._from_engine.recv())
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError:
+                return
+            except Exception:
+                logger.exception("dropping an engine message that could not be decoded")
+                continue
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: object) -> None:
+        if isinstance(msg, DeltasMsg):
+            for delta in msg.deltas:
+                route = self._routes.get(delta.rid)
+                if route is None:
+                    continue  # aborted here already
+                if delta.finished:
+                    self._routes.pop(delta.rid, None)
+                route.queue.put_nowait(StreamEvent(route.index, delta))
+        elif isinstance(msg, AcceptedMsg | RejectedMsg):
+            fut = self._accepts.pop(msg.rid, None)
+            if fut is None or fut.done():
+                return
+            if isinstance(msg, AcceptedMsg):
+                fut.set_result(None)
+            else:
+                fut.set_exception(msg.to_exception())
+        elif isinstance(msg, StatsMsg):
+            fut = self._stats_queries.get(msg.query_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.stats)
+        elif isinstance(msg, FatalMsg):
+            logger.error("engine process reported a fatal error: %s", msg.message)
+            self.death_reason = msg.message
+        else:
+            logger.warning("unexpected engine message %s", type(msg).__name__)
+
+    async def _watchdog(self) -> None:
+        assert self._process is not None
+        while self._process.is_alive():
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+        if self.closing:
+            return
+        self.dead = True
+        code = self._process.exitcode
+        self.death_reason = self.death_reason or f"exit code {code}"
+        logger.error("engine process (pid %s) died: %s; failing %d in-flight request(s)", self._process.pid,
+                     self.death_reason, len(self._routes))  # fmt: skip
+        self.fail_all(EngineDeadError(f"engine process died ({self.death_reason}); the server is exiting"))
+        if self.on_engine_death is not None:
+            self.on_engine_death()

@@ -1,0 +1,217 @@
+"""The engine process: wraps `Engine` in a loop fed by ZMQ and dies with its parent.
+
+Loop: drain every waiting api message (new requests, aborts, stats queries, shutdown) → one `Engine.step()` if
+any request is unfinished → send that step's deltas in one message. While idle it blocks on the socket (100 ms
+at a time, so that a vanished parent is noticed). Each request is acknowledged (`AcceptedMsg`) or refused with
+the engine's typed error (`RejectedMsg`) before any of its deltas, so the api can answer 400/503 instead of
+opening a stream.
+
+Started with multiprocessing's spawn method (a fresh interpreter: CUDA and forked torch threads do not mix).
+It must not outlive the api process: Linux's parent-death signal kills it if the parent dies abruptly, and
+the loop also exits when its parent pid changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import logging
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+import zmq
+
+from decode_server.api.messages import (
+    AbortMsg,
+    AcceptedMsg,
+    DeltasMsg,
+    FatalMsg,
+    GenerateMsg,
+    ReadyMsg,
+    RejectedMsg,
+    ShutdownMsg,
+    StatsMsg,
+    StatsQueryMsg,
+    ToEngine,
+    decode_to_engine,
+    encode,
+)
+from decode_server.config import EngineConfig
+
+logger = logging.getLogger("decode_server.engine_process")
+
+DEFAULT_ENGINE_FACTORY = "decode_server.engine.engine:Engine"
+IDLE_POLL_MS = 100
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL us when the api process dies, however it dies (no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _load_factory(spec: str) -> Any:
+    module_name, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def describe_engine(engine: Any, config: EngineConfig) -> dict[str, Any]:
+    """What the api logs at start-up and serves in /v1/models: mode, device, context length, memory budgets."""
+    info: dict[str, Any] = {
+        "model_path": config.model_path,
+        "mode": "hisparse" if config.enable_hisparse else "dense",
+        "kv_cache_dtype": config.kv_cache_dtype,
+        "max_running_requests": config.max_running_requests,
+        "max_queued_requests": config.max_queued_requests,
+    }
+    for attr in ("context_length", "device", "kv_dtype", "model_dtype"):
+        value = getattr(engine, attr, None)
+        if value is not None:
+            info[attr] = value if isinstance(value, int | float | str | bool) else str(value)
+    model_config = getattr(engine, "model_config", None)
+    for attr in ("vocab_size", "num_hidden_layers", "index_topk"):
+        value = getattr(model_config, attr, None)
+        if isinstance(value, int):
+            info[attr] = value
+    stats = engine.stats()
+    info["pools"] = {
+        "host_pages": stats.host_pages.total,
+        "device_slots": stats.device_slots.total,
+        "indexer_slots": stats.indexer_slots.total,
+        "dense_kv_slots": stats.dense_kv_slots.total,
+    }
+    info["memory"] = _memory_budgets(engine, config, stats)
+    return info
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.3f} GiB"
+
+
+def _memory_budgets(engine: Any, config: EngineConfig, stats: Any) -> dict[str, str]:
+    """Bytes behind each pool, from its size in tokens (rows of every layer; indexer keys are 132 B)."""
+    from decode_server.engine.memory import row_bytes_of
+    from decode_server.hisparse.indexer_pool import INDEX_KEY_BYTES
+
+    layers = int(getattr(engine.model_config, "num_hidden_layers", 0) or 0)
+    row_bytes = row_bytes_of(engine.kv_dtype)
+    if config.enable_hisparse:
+        host_tokens = stats.host_pages.total * config.page_size
+        return {
+            "host_kv": f"{_gib(host_tokens * layers * row_bytes)} ({host_tokens} tokens)",
+            "device_buffers": f"{_gib(stats.device_slots.total * layers * row_bytes)} "
+            f"({stats.device_slots.total} slots)",
+            "indexer_keys": f"{_gib(stats.indexer_slots.total * layers * INDEX_KEY_BYTES)} "
+            f"({stats.indexer_slots.total} tokens)",
+        }
+    tokens = stats.dense_kv_slots.total
+    return {"device_kv": f"{_gib(tokens * layers * (row_bytes + INDEX_KEY_BYTES))} ({tokens} tokens)"}
+
+
+class EngineLoop:
+    """The loop body, separate from process set-up so that it can be driven in tests."""
+
+    def __init__(self, engine: Any, pull: zmq.Socket, push: zmq.Socket, parent_pid: int | None) -> None:
+        self.engine = engine
+        self.pull = pull
+        self.push = push
+        self.parent_pid = parent_pid
+        self.active: set[str] = set()
+        self.stopping = False
+
+    def run(self) -> None:
+        while not self.stopping:
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                logger.warning("api process %d is gone; engine exiting", self.parent_pid)
+                return
+            busy = self.engine.has_unfinished_requests()
+            if self.pull.poll(0 if busy else IDLE_POLL_MS):
+                self._drain()
+            if self.stopping:
+                break
+            if self.engine.has_unfinished_requests():
+                deltas = self.engine.step()
+                if deltas:
+                    for delta in deltas:
+                        if delta.finished:
+                            self.active.discard(delta.rid)
+                    self.push.send(encode(DeltasMsg(list(deltas))))
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(decode_to_engine(data))
+
+    def _handle(self, msg: ToEngine) -> None:
+        if isinstance(msg, GenerateMsg):
+            try:
+                self.engine.add_request(msg.rid, msg.prompt_token_ids, msg.params)
+            except Exception as exc:  # every failure to add becomes the client's error, not ours
+                logger.info("rejected request %s: %s", msg.rid, exc)
+                self.push.send(encode(RejectedMsg.from_exception(msg.rid, exc)))
+            else:
+                self.active.add(msg.rid)
+                self.push.send(encode(AcceptedMsg(msg.rid)))
+        elif isinstance(msg, AbortMsg):
+            rids = list(self.active) if msg.rid is None else [msg.rid]
+            for rid in rids:
+                self.engine.abort_request(rid)
+                self.active.discard(rid)
+        elif isinstance(msg, StatsQueryMsg):
+            self.push.send(encode(StatsMsg(msg.query_id, self.engine.stats())))
+        elif isinstance(msg, ShutdownMsg):
+            logger.info("engine shutting down (%s); aborting %d request(s)", msg.reason, len(self.active))
+            for rid in list(self.active):
+                self.engine.abort_request(rid)
+            self.active.clear()
+            self.stopping = True
+
+
+def run_engine_process(
+    config: EngineConfig,
+    to_engine_addr: str,
+    from_engine_addr: str,
+    parent_pid: int,
+    log_level: str = "info",
+    engine_factory: str = DEFAULT_ENGINE_FACTORY,
+) -> None:
+    """Process entry point (spawned by `EngineClient.start`)."""
+    _die_with_parent()
+    # The api process owns Ctrl-C: it asks us to stop over the socket, so a terminal's SIGINT to the whole
+    # process group must not kill the engine mid-step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s engine %(name)s: %(message)s", force=True
+    )
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    push = ctx.socket(zmq.PUSH)
+    pull.connect(to_engine_addr)
+    push.connect(from_engine_addr)
+    exit_code = 0
+    try:
+        engine = _load_factory(engine_factory)(config)
+        push.send(encode(ReadyMsg(os.getpid(), describe_engine(engine, config))))
+        EngineLoop(engine, pull, push, parent_pid).run()
+    except Exception as exc:
+        logger.exception("engine process failed")
+        with contextlib.suppress(zmq.ZMQError):
+            push.send(encode(FatalMsg(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}")))
+        exit_code = 1
+    finally:
+        push.close(linger=1000)
+        pull.close(linger=0)
+        ctx.term()
+    sys.exit(exit_code)

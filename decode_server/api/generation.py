@@ -1,0 +1,148 @@
+"""One HTTP request's engine requests (prompts × n choices), submitted together and consumed as one stream.
+
+Each choice is its own engine request with rid `<request id>-<index>`; their deltas share one queue. The
+group records the latency metrics (time to first token, inter-token latency, end-to-end) as tokens arrive,
+and `abort_unfinished` is what a client disconnect or a cancelled handler calls, so that the engine frees
+the memory of every choice still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from decode_server.api.engine_client import EngineClient, StreamEvent
+from decode_server.api.metrics import ServerMetrics
+from decode_server.engine.sampling_params import SamplingParams
+from decode_server.engine.types import TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChoiceSpec:
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt_index: int = 0
+
+
+@dataclass
+class ChoiceState:
+    """What has been produced so far for one choice."""
+
+    spec: ChoiceSpec
+    rid: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    last_token_time: float | None = None
+
+
+class GenerationGroup:
+    def __init__(
+        self, client: EngineClient, metrics: ServerMetrics, request_id: str, specs: list[ChoiceSpec]
+    ):
+        self.client = client
+        self.metrics = metrics
+        self.request_id = request_id
+        self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self.choices = [ChoiceState(spec, f"{request_id}-{spec.index}") for spec in specs]
+        for choice in self.choices:
+            choice.prompt_tokens = len(choice.spec.prompt_token_ids)
+        self.arrival = time.monotonic()
+        self._submitted: list[ChoiceState] = []
+        self.on_done: Callable[[], object] | None = None  # called once, by the first abort_unfinished
+
+    @property
+    def done(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    async def submit(self) -> None:
+        """Submit every choice; if one is refused, abort those already accepted and re-raise its error."""
+        try:
+            for choice in self.choices:
+                await self.client.submit(
+                    choice.rid,
+                    choice.spec.prompt_token_ids,
+                    choice.spec.params,
+                    self.queue,
+                    choice.spec.index,
+                )
+                self._submitted.append(choice)
+        except BaseException:
+            self.abort_unfinished("another choice of the same request was refused")
+            raise
+
+    async def events(self) -> AsyncIterator[tuple[ChoiceState, StreamEvent]]:
+        """Yield each choice's deltas as they arrive (state already updated); raises the error that ends a
+        choice (engine death, shutdown). Ends when every choice has finished."""
+        by_index = {c.spec.index: c for c in self.choices}
+        while not self.done:
+            event = await self.queue.get()
+            choice = by_index[event.index]
+            if event.error is not None:
+                choice.finished = True
+                self.abort_unfinished(event.error.message)
+                raise event.error
+            delta = event.delta
+            assert delta is not None
+            self._record(choice, delta.new_token_ids)
+            choice.text += delta.text
+            choice.token_ids.extend(delta.new_token_ids)
+            if delta.logprobs:
+                choice.logprobs.extend(delta.logprobs)
+            if delta.prompt_tokens:
+                choice.prompt_tokens = delta.prompt_tokens
+            choice.completion_tokens = max(
+                choice.completion_tokens, delta.completion_tokens, len(choice.token_ids)
+            )
+            if delta.finished:
+                choice.finished = True
+                choice.finish_reason = delta.finish_reason or "stop"
+                self.metrics.on_finished(choice.finish_reason, time.monotonic() - self.arrival)
+                if delta.error and delta.finish_reason != "abort":
+                    logger.warning("request %s ended with an engine error: %s", choice.rid, delta.error)
+            yield choice, event
+
+    def _record(self, choice: ChoiceState, new_token_ids: list[int]) -> None:
+        if not new_token_ids:
+            return
+        now = time.monotonic()
+        if choice.last_token_time is None:
+            self.metrics.on_first_token(now - self.arrival)
+            self.metrics.on_tokens(len(new_token_ids), None)
+        else:
+            self.metrics.on_tokens(len(new_token_ids), now - choice.last_token_time)
+        choice.last_token_time = now
+
+    def abort_unfinished(self, reason: str) -> int:
+        """Abort every submitted choice that has not finished (safe to call from `finally` blocks, and more
+        than once). Returns how many were aborted."""
+        aborted = 0
+        for choice in self._submitted:
+            if not choice.finished:
+                aborted += int(self.client.abort_nowait(choice.rid, reason))
+        if self.on_done is not None:
+            callback, self.on_done = self.on_done, None
+            callback()
+        return aborted
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens counted once per prompt (OpenAI's usage convention for n > 1)."""
+        seen: dict[int, int] = {}
+        for c in self.choices:
+            seen[c.spec.prompt_index] = c.prompt_tokens
+        return sum(seen.values())
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)

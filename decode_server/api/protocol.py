@@ -1,0 +1,236 @@
+"""OpenAI wire format: request and response bodies of /v1/completions, /v1/chat/completions and /v1/models.
+
+Requests are validated here (ranges, types) so that FastAPI rejects bad input with a clear `param` before any
+tokenization; checks that need the model (context length, model name) live in `serving.py`. Unknown fields are
+accepted and ignored, as OpenAI-compatible servers do, so that newer clients keep working; fields we do not
+implement are declared and rejected with a clear message when set to a non-default value.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+MAX_N = 16  # choices per prompt: each choice is a separate engine request
+MAX_STOP_SEQUENCES = 16
+MAX_LOGPROBS = 20
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+StopField = Annotated[
+    str | list[str] | None,
+    Field(default=None, description=f"up to {MAX_STOP_SEQUENCES} strings that end generation (not included)"),
+]
+
+
+class _SamplingFields(BaseModel):
+    """Parameters shared by both endpoints (OpenAI names plus SGLang's `top_k`, `ignore_eos`, ...)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(default=None, description="must be the served model name when given")
+    max_tokens: int | None = Field(default=None, ge=1, description="tokens to generate (at least 1)")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 means greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1, description="-1 or 0 disables top-k filtering")
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: StopField = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=64)
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1, le=MAX_N, description=f"choices per prompt, 1..{MAX_N}")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="only 0 is supported")
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="only 0 is supported")
+    logit_bias: dict[str, float] | None = Field(default=None, description="not supported")
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. `prompt`: text, a list of texts, token ids, or a list of token-id lists."""
+
+    prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="top logprobs per token")
+    echo: bool = Field(default=False, description="not supported")
+    best_of: int | None = Field(default=None, ge=1, description="only 1 (or unset) is supported")
+    suffix: str | None = Field(default=None, description="not supported")
+
+
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, description="alias of max_tokens (wins)")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = Field(default=None, description="not supported")
+    response_format: dict[str, Any] | None = Field(default=None, description="only {'type': 'text'}")
+    add_generation_prompt: bool = True
+
+
+# ----------------------------------------------------------------------------------------------- responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """A streamed piece of the assistant message; absent fields are left out, as OpenAI does."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "hisparse-decode-server"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class AbortRequestBody(BaseModel):
+    """POST /abort_request (SGLang's shape): one request id, or every running request."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    rid: str | None = None
+    abort_all: bool = False

@@ -1,0 +1,148 @@
+"""Start and stop the whole service: engine process first, then the HTTP server; signals end both cleanly.
+
+Shutdown paths:
+- SIGINT/SIGTERM: in-flight requests end at once with a clear "server shutting down" error (a final SSE
+  error frame for streams, 503 otherwise), uvicorn stops, the engine is asked to exit and is reaped (killed
+  if it does not exit in time). Exit code 0. A second signal forces uvicorn out without waiting.
+- Engine process death: every waiting request gets 503 (`EngineDeadError`), new ones too, and after a
+  short grace period (so those answers reach their clients) the server stops with exit code 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Generator
+from typing import Any
+
+import uvicorn
+
+from decode_server.api.app import ServerContext, create_app
+from decode_server.api.engine_client import EngineClient
+from decode_server.api.metrics import ServerMetrics
+from decode_server.api.serving import ModelInfo
+from decode_server.config import EngineConfig, ServerConfig
+from decode_server.errors import ServerShuttingDownError
+
+logger = logging.getLogger("decode_server.server")
+
+ENGINE_DEATH_GRACE_S = 1.0
+GRACEFUL_SHUTDOWN_S = 5
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, with our signal handling: abort in-flight requests first, and no re-raise of the signal after
+    `serve()` returns (uvicorn re-raises it, which would turn a clean stop into death by signal)."""
+
+    def __init__(self, config: uvicorn.Config, on_stop_signal: Any) -> None:
+        super().__init__(config)
+        self._on_stop_signal = on_stop_signal
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop, sig)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    def _stop(self, sig: int) -> None:
+        if self.should_exit:
+            logger.warning("second %s: forcing exit", signal.Signals(sig).name)
+            self.force_exit = True
+            return
+        logger.info("%s received: shutting down", signal.Signals(sig).name)
+        self._on_stop_signal()
+        self.should_exit = True
+
+
+def _memory_summary(info: dict[str, Any]) -> str:
+    pools = info.get("pools") or {}
+    parts = [f"{k}={v}" for k, v in pools.items() if v]
+    memory = info.get("memory") or {}
+    parts += [f"{k}={v}" for k, v in memory.items()]
+    return ", ".join(parts) or "n/a"
+
+
+async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Run until stopped; returns the process exit code (0 clean stop, 1 engine died or failed to start)."""
+    state: dict[str, Any] = {"server": None}
+
+    def on_engine_death() -> None:
+        async def stop_later() -> None:
+            await asyncio.sleep(ENGINE_DEATH_GRACE_S)
+            if state["server"] is not None:
+                state["server"].should_exit = True
+
+        asyncio.get_running_loop().create_task(stop_later())
+
+    client = EngineClient(engine_config, log_level=server_config.log_level, on_engine_death=on_engine_death)
+    try:
+        info = await client.start()
+    except BaseException:
+        await client.shutdown("start-up failed", timeout_s=2)
+        raise
+
+    try:
+        from decode_server.model import Tokenizer, resolve_model_path
+
+        model_dir = resolve_model_path(engine_config.model_path)
+        tokenizer = Tokenizer.from_dir(model_dir)
+    except BaseException:
+        await client.shutdown("start-up failed", timeout_s=5)
+        raise
+    served = server_config.served_model_name or engine_config.model_path
+    model = ModelInfo(
+        served_model_name=served,
+        context_length=int(info.get("context_length") or engine_config.context_length or 0),
+        vocab_size=int(info.get("vocab_size") or tokenizer.vocab_size),
+        accepted_names=frozenset({served, engine_config.model_path}),
+    )
+    metrics = ServerMetrics(served)
+    ctx = ServerContext(client, tokenizer, model, metrics, dict(info, model_path=str(model_dir)),
+                        server_config.api_key)  # fmt: skip
+    app = create_app(ctx)
+
+    def on_stop_signal() -> None:
+        client.closing = True
+        client.fail_all(ServerShuttingDownError("request aborted: server shutting down"))
+
+    uv_config = uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        log_config=None,
+        log_level=server_config.log_level,
+        access_log=server_config.log_level == "debug",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        lifespan="off",
+    )
+    server = _Uvicorn(uv_config, on_stop_signal)
+    state["server"] = server
+    logger.info(
+        "model %s (%s), mode %s, device %s, context length %d, served as '%s'; memory: %s",
+        engine_config.model_path, model_dir, info.get("mode"), info.get("device"), model.context_length,
+        served, _memory_summary(info),
+    )  # fmt: skip
+    logger.info("listening on http://%s:%d (OpenAI API under /v1)", server_config.host, server_config.port)
+    try:
+        await server.serve()
+    finally:
+        engine_code = await client.shutdown()
+    if client.dead:
+        logger.error("exiting because the engine process died (%s)", client.death_reason)
+        return 1
+    if not server.started:
+        logger.error("the HTTP server failed to start (is port %d free?)", server_config.port)
+        return 1
+    logger.info("stopped (engine exit code %s)", engine_code)
+    return 0
+
+
+def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    return asyncio.run(serve(engine_config, server_config))

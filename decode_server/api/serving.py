@@ -1,0 +1,443 @@
+"""/v1/completions and /v1/chat/completions: validate, tokenize, submit, then stream (SSE) or collect.
+
+The checks that need the model live here: served model name, prompt length against the context length,
+token ids against the vocabulary, and parameters we do not implement (rejected with 400 and the parameter's
+name rather than silently ignored). Text comes from the engine's incremental detokenizer (stop strings
+already cut off), so the offline `LLM` and the server return identical text for identical tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from decode_server.api.engine_client import EngineClient
+from decode_server.api.errors import error_body
+from decode_server.api.generation import ChoiceSpec, ChoiceState, GenerationGroup
+from decode_server.api.metrics import ServerMetrics
+from decode_server.api.protocol import (
+    MAX_STOP_SEQUENCES,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from decode_server.api.sse import DONE_FRAME, SSE_HEADERS, sse_frame
+from decode_server.engine.sampling_params import SamplingParams
+from decode_server.engine.types import TokenLogprob
+from decode_server.errors import ContextLengthExceededError, DecodeServerError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class ModelInfo:
+    """What the handlers need to know about the served model."""
+
+    served_model_name: str
+    context_length: int
+    vocab_size: int
+    accepted_names: frozenset[str]
+
+
+class OpenAIServing:
+    def __init__(
+        self, client: EngineClient, tokenizer: Any, metrics: ServerMetrics, model: ModelInfo
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.model = model
+        self.groups: dict[str, GenerationGroup] = {}  # running HTTP requests by id, for /abort_request
+
+    def abort(self, request_id: str, reason: str) -> int:
+        """Abort a running completion by its response id (`cmpl-…`, `chatcmpl-…`) or one engine rid."""
+        group = self.groups.get(request_id)
+        if group is not None:
+            return group.abort_unfinished(reason)
+        return int(self.client.abort_nowait(request_id, reason))
+
+    def _new_group(self, prefix: str, specs: list[ChoiceSpec]) -> GenerationGroup:
+        group = GenerationGroup(self.client, self.metrics, random_id(prefix), specs)
+        self.groups[group.request_id] = group
+        group.on_done = lambda: self.groups.pop(group.request_id, None)
+        return group
+
+    # -------------------------------------------------------------------------------------- validation
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model.accepted_names:
+            raise InvalidRequestError(
+                f"model '{name}' is not served here; this server serves '{self.model.served_model_name}'",
+                param="model",
+            )
+
+    @staticmethod
+    def _check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+        def reject(param: str, what: str) -> None:
+            raise InvalidRequestError(f"'{param}' is not supported by this server ({what})", param=param)
+
+        if req.presence_penalty != 0.0:
+            reject("presence_penalty", "only 0 is accepted")
+        if req.frequency_penalty != 0.0:
+            reject("frequency_penalty", "only 0 is accepted")
+        if req.logit_bias:
+            reject("logit_bias", "leave it unset")
+        if isinstance(req, CompletionRequest):
+            if req.echo:
+                reject("echo", "only false is accepted")
+            if req.best_of not in (None, 1):
+                reject("best_of", "use n for several choices")
+            if req.suffix:
+                reject("suffix", "leave it unset")
+        else:
+            if req.tools:
+                reject("tools", "no tool calling")
+            if req.response_format and req.response_format.get("type", "text") != "text":
+                reject("response_format", "only {'type': 'text'}")
+            if req.top_logprobs is not None and not req.logprobs:
+                raise InvalidRequestError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+
+    @staticmethod
+    def _stop_list(stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise InvalidRequestError(
+                f"at most {MAX_STOP_SEQUENCES} stop sequences are accepted", param="stop"
+            )
+        if any(s == "" for s in stops):
+            raise InvalidRequestError("stop sequences must not be empty strings", param="stop")
+        return stops
+
+    def _check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (no tokens)", param=param)
+        bad = next((t for t in ids if t < 0 or t >= self.model.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary (size {self.model.vocab_size})", param=param
+            )
+        if len(ids) >= self.model.context_length:
+            raise ContextLengthExceededError(
+                f"the prompt has {len(ids)} tokens; the context length is {self.model.context_length} "
+                "(it must leave room for at least one generated token)",
+                param=param,
+            )
+
+    def _max_tokens(self, requested: int | None, prompt_len: int, default: int | None) -> int:
+        room = self.model.context_length - prompt_len
+        if requested is None:
+            return room if default is None else min(default, room)
+        if prompt_len + requested > self.model.context_length:
+            raise ContextLengthExceededError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({requested}) = {prompt_len + requested} tokens is "
+                f"beyond the context length ({self.model.context_length}); ask for at most {room} tokens",
+                param="max_tokens",
+            )
+        return requested
+
+    def _sampling_params(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int,
+        logprobs: int | None,
+        choice: int,
+    ) -> SamplingParams:
+        # With an explicit seed, choice i samples with seed + i: n identical choices would be pointless.
+        seed = None if req.seed is None else (req.seed + choice) % 2**63
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                seed=seed,
+                stop=self._stop_list(req.stop),
+                stop_token_ids=list(req.stop_token_ids or []),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first.get("loc", ())) or None
+            raise InvalidRequestError(
+                f"invalid value for '{param}': {first.get('msg')}", param=param
+            ) from exc
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # -------------------------------------------------------------------------------------- completions
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            texts_or_ids: list[Any] = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            texts_or_ids = [list(prompt)]
+        else:
+            texts_or_ids = list(prompt)
+        if not texts_or_ids:
+            raise InvalidRequestError("the prompt list is empty", param="prompt")
+        out = []
+        for item in texts_or_ids:
+            ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
+            self._check_prompt(ids, "prompt")
+            out.append(ids)
+        return out
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Any:
+        self._check_model(req.model)
+        self._check_unsupported(req)
+        prompts = self._completion_prompts(req)
+        specs = []
+        for p_index, ids in enumerate(prompts):
+            max_tokens = self._max_tokens(req.max_tokens, len(ids), DEFAULT_COMPLETION_MAX_TOKENS)
+            for k in range(req.n):
+                index = p_index * req.n + k
+                params = self._sampling_params(req, max_tokens, req.logprobs, k)
+                specs.append(
+                    ChoiceSpec(index=index, prompt_token_ids=ids, params=params, prompt_index=p_index)
+                )
+        group = self._new_group("cmpl", specs)
+        want_logprobs = req.logprobs is not None
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(
+            choice: ChoiceState, text: str, logprobs: list[TokenLogprob], finish: str | None
+        ) -> BaseModel:
+            return CompletionResponse(
+                id=group.request_id,
+                model=self.model.served_model_name,
+                choices=[
+                    CompletionChoice(
+                        index=choice.spec.index,
+                        text=text,
+                        logprobs=self._completion_logprobs(logprobs, 0) if want_logprobs else None,
+                        finish_reason=finish,
+                    )
+                ],
+            )
+
+        def usage_chunk(usage: UsageInfo) -> BaseModel:
+            return CompletionResponse(
+                id=group.request_id, model=self.model.served_model_name, choices=[], usage=usage
+            )
+
+        def final(usage: UsageInfo) -> BaseModel:
+            return CompletionResponse(
+                id=group.request_id,
+                model=self.model.served_model_name,
+                choices=[
+                    CompletionChoice(
+                        index=c.spec.index,
+                        text=c.text,
+                        logprobs=self._completion_logprobs(c.logprobs, 0) if want_logprobs else None,
+                        finish_reason=c.finish_reason,
+                    )
+                    for c in group.choices
+                ],
+                usage=usage,
+            )
+
+        await group.submit()
+        if req.stream:
+            return self._stream(group, raw, None, chunk, usage_chunk if include_usage else None)
+        return await self._collect(group, raw, final)
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for lp in logprobs:
+            token = self._token_text(lp.token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({self._token_text(t): v for t, v in lp.top_logprobs} or None)
+            out.text_offset.append(offset)
+            offset += len(token)
+        return out
+
+    # -------------------------------------------------------------------------------------- chat
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt
+            )
+        except Exception as exc:  # the template raises (raise_exception) on conversations it cannot render
+            raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        self._check_prompt(ids, "messages")
+        return ids
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
+        self._check_model(req.model)
+        self._check_unsupported(req)
+        ids = self._chat_prompt(req)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self._max_tokens(requested, len(ids), None)
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        specs = [
+            ChoiceSpec(
+                index=k, prompt_token_ids=ids, params=self._sampling_params(req, max_tokens, num_logprobs, k)
+            )
+            for k in range(req.n)
+        ]
+        group = self._new_group("chatcmpl", specs)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        model_name = self.model.served_model_name
+
+        def chunk(
+            choice: ChoiceState, text: str, logprobs: list[TokenLogprob], finish: str | None
+        ) -> BaseModel:
+            return ChatCompletionChunk(
+                id=group.request_id,
+                model=model_name,
+                choices=[
+                    ChatStreamChoice(
+                        index=choice.spec.index,
+                        delta=DeltaMessage(content=text if text or finish is None else None),
+                        logprobs=self._chat_logprobs(logprobs) if req.logprobs and logprobs else None,
+                        finish_reason=finish,
+                    )
+                ],
+            )
+
+        def first(choice: ChoiceState) -> BaseModel:
+            return ChatCompletionChunk(
+                id=group.request_id,
+                model=model_name,
+                choices=[
+                    ChatStreamChoice(
+                        index=choice.spec.index, delta=DeltaMessage(role="assistant", content="")
+                    )
+                ],
+            )
+
+        def usage_chunk(usage: UsageInfo) -> BaseModel:
+            return ChatCompletionChunk(id=group.request_id, model=model_name, choices=[], usage=usage)
+
+        def final(usage: UsageInfo) -> BaseModel:
+            return ChatCompletionResponse(
+                id=group.request_id,
+                model=model_name,
+                choices=[
+                    ChatChoice(
+                        index=c.spec.index,
+                        message=ChatResponseMessage(content=c.text),
+                        logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
+                        finish_reason=c.finish_reason,
+                    )
+                    for c in group.choices
+                ],
+                usage=usage,
+            )
+
+        await group.submit()
+        if req.stream:
+            return self._stream(group, raw, first, chunk, usage_chunk if include_usage else None)
+        return await self._collect(group, raw, final)
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs:
+        content = []
+        for lp in logprobs:
+            token = self._token_text(lp.token_id)
+            content.append(
+                ChatTokenLogprob(
+                    token=token,
+                    logprob=lp.logprob,
+                    bytes=list(token.encode()),
+                    top_logprobs=[
+                        TopLogprob(token=(t := self._token_text(tid)), logprob=v, bytes=list(t.encode()))
+                        for tid, v in lp.top_logprobs
+                    ],
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    # -------------------------------------------------------------------------------------- delivery
+
+    @staticmethod
+    def _usage(group: GenerationGroup) -> UsageInfo:
+        prompt, completion = group.prompt_tokens, group.completion_tokens
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    async def _collect(
+        self, group: GenerationGroup, raw: Request, final: Callable[[UsageInfo], BaseModel]
+    ) -> JSONResponse:
+        """Wait for every choice; abort them all if the client goes away first."""
+
+        async def drain() -> None:
+            async for _ in group.events():
+                pass
+
+        task = asyncio.create_task(drain())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await raw.is_disconnected():
+                    logger.info("client of %s disconnected; aborting", group.request_id)
+                    group.abort_unfinished("client disconnected")
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    return JSONResponse(error_body("client disconnected", "aborted", 499), status_code=499)
+            task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+            group.abort_unfinished("request handler ended")
+        return JSONResponse(final(self._usage(group)).model_dump(mode="json"))
+
+    def _stream(
+        self,
+        group: GenerationGroup,
+        raw: Request,
+        first: Callable[[ChoiceState], BaseModel] | None,
+        chunk: Callable[[ChoiceState, str, list[TokenLogprob], str | None], BaseModel],
+        usage_chunk: Callable[[UsageInfo], BaseModel] | None,
+    ) -> StreamingResponse:
+        async def frames() -> AsyncIterator[str]:
+            try:
+                if first is not None:
+                    for choice in group.choices:
+                        yield sse_frame(first(choice))
+                async for choice, event in group.events():
+                    delta = event.delta
+                    assert delta is not None
+                    finish = choice.finish_reason if delta.finished else None
+                    if delta.text or delta.logprobs or finish is not None:
+                        yield sse_frame(chunk(choice, delta.text, list(delta.logprobs or []), finish))
+                if usage_chunk is not None:
+                    yield sse_frame(usage_chunk(self._usage(group)))
+            except DecodeServerError as exc:
+                yield sse_frame(error_body(exc.message, exc.error_type, exc.status_code, exc.param))
+            finally:
+                # Runs on normal end, on errors, and when Starlette cancels us because the client left.
+                group.abort_unfinished("client disconnected")
+            yield DONE_FRAME
+
+        return StreamingResponse(frames(), media_type="text/event-stream", headers=SSE_HEADERS)

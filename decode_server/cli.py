@@ -1,0 +1,211 @@
+"""`decode-server`: `serve` (the OpenAI-compatible HTTP service) and `generate` (offline, in this process).
+
+Flag names follow SGLang's `launch_server` where SGLang has the flag (`--model-path`, `--enable-hisparse`,
+`--hisparse-config`, `--kv-cache-dtype`, `--mem-fraction-static`, `--max-running-requests`,
+`--chunked-prefill-size`, `--api-key`, `--served-model-name`, ...). They map one to one onto `EngineConfig`
+and `ServerConfig`, whose validation errors are reported as usage errors (exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from decode_server.config import EngineConfig, HiSparseConfig, ServerConfig
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512MiB', '2GiB', '1.5GB' -> bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB, 1073741824)")
+    unit = (match.group(2) or "").lower().removesuffix("b")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = p.add_argument_group("model and engine")
+    g.add_argument(
+        "--model-path",
+        default=d.model_path,
+        help="'tiny-dsa' (embedded default, generated on first use) or a checkpoint directory",
+    )
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
+    g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default=d.dtype)
+    g.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "bfloat16", "float16", "float32", "fp8_e4m3"],
+        default=d.kv_cache_dtype,
+    )
+    g.add_argument("--random-seed", type=int, default=d.seed, help="seed of requests that give none")
+    g.add_argument("--context-length", type=int, default=None, help="cap on prompt + generated tokens")
+    g.add_argument(
+        "--enable-hisparse",
+        action="store_true",
+        help="keep every request's KV in pinned host memory; only a per-request buffer on the device",
+    )
+    g.add_argument(
+        "--hisparse-config",
+        default=None,
+        metavar="JSON",
+        help='e.g. \'{"top_k": 64, "device_buffer_size": 128, "host_to_device_ratio": 4}\'',
+    )
+    g.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=d.mem_fraction_static,
+        help="fraction of GPU memory for weights + KV (CUDA)",
+    )
+    g.add_argument(
+        "--device-kv-budget",
+        type=parse_bytes,
+        default=None,
+        metavar="SIZE",
+        help="explicit device KV budget (wins over --mem-fraction-static), e.g. 4GiB",
+    )
+    g.add_argument(
+        "--host-kv-budget",
+        type=parse_bytes,
+        default=None,
+        metavar="SIZE",
+        help="explicit host KV pool size for HiSparse, e.g. 32GiB",
+    )
+    g.add_argument("--page-size", type=int, default=d.page_size)
+    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=d.max_queued_requests,
+        help="bound of the waiting queue; beyond it requests get 503 + Retry-After",
+    )
+    g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)  # fmt: skip
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model_path=args.model_path,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        seed=args.random_seed,
+        context_length=args.context_length,
+        enable_hisparse=args.enable_hisparse,
+        hisparse=HiSparseConfig.from_json(args.hisparse_config),
+        mem_fraction_static=args.mem_fraction_static,
+        device_kv_budget_bytes=args.device_kv_budget,
+        host_kv_budget_bytes=args.host_kv_budget,
+        page_size=args.page_size,
+        max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+    )
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        log_level=args.log_level,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="decode-server", description="HiSparse decode server for DeepSeek-V3.2-style (DSA) models"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_engine_args(serve)
+    s = ServerConfig()
+    g = serve.add_argument_group("HTTP server")
+    g.add_argument("--host", default=s.host)
+    g.add_argument("--port", type=int, default=s.port)
+    g.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer <key>' (not on /health*, /metrics)"
+    )
+    g.add_argument("--served-model-name", default=None, help="model id in the API (default: --model-path)")
+    g.add_argument("--log-level", default=s.log_level, choices=["debug", "info", "warning", "error"])
+
+    gen = sub.add_parser("generate", help="generate offline, in this process (no server)")
+    _add_engine_args(gen)
+    g = gen.add_argument_group("generation")
+    g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _cmd_serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+    from decode_server.api.server import run
+
+    return run(engine_config, server_config_from_args(args))
+
+
+def _cmd_generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+    from decode_server.engine.llm import LLM
+    from decode_server.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos,
+    )  # fmt: skip
+    engine_args = engine_config.model_dump(exclude={"model_path"})
+    llm = LLM(engine_config.model_path, **engine_args)
+    prompts: list[Any] = list(args.prompt)
+    if args.chat:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    outputs = llm.generate(prompts, params)
+    for prompt, out in zip(args.prompt, outputs, strict=True):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason}))  # fmt: skip
+        else:
+            print(f"--- prompt: {prompt!r}\n{out.text}\n--- finish_reason: {out.finish_reason}, "
+                  f"{len(out.token_ids)} tokens")  # fmt: skip
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        engine_config = engine_config_from_args(args)
+        if args.command == "serve":
+            server_config_from_args(args)  # validate before starting anything
+    except (ValidationError, ValueError) as exc:
+        parser.error(str(exc))
+    _setup_logging(args.log_level)
+    if args.command == "serve":
+        return _cmd_serve(args, engine_config)
+    return _cmd_generate(args, engine_config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
