@@ -100,16 +100,22 @@ class Scheduler:
             logger.debug("resumed %s at %d tokens", req.rid, req.num_computed)
 
     def _admit_waiting(self) -> None:
-        while self.waiting and self._free_rows:
-            req = self.waiting[0]
-            row = self._free_rows[-1]
-            if not self.kv.try_admit(row, req.prompt_len, req.max_total_len):
-                return
-            self._free_rows.pop()
-            self.waiting.popleft()
-            req.row = row
-            req.status = RequestStatus.PREFILLING
-            self.prefilling.append(req)
+        while self.waiting and self.try_admit(self.waiting[0]):
+            pass
+
+    def try_admit(self, req: Request) -> bool:
+        """Move a waiting request to prefill if a request row and its KV budgets are available now."""
+        if not self._free_rows:
+            return False
+        row = self._free_rows[-1]
+        if not self.kv.try_admit(row, req.prompt_len, req.max_total_len):
+            return False
+        self._free_rows.pop()
+        self.waiting.remove(req)
+        req.row = row
+        req.status = RequestStatus.PREFILLING
+        self.prefilling.append(req)
+        return True
 
     def _prefill_batch(self) -> ScheduledBatch:
         budget = self.chunked_prefill_size

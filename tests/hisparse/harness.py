@@ -1,0 +1,150 @@
+"""Drive dense and HiSparse engines through the same scripted workload and record tokens and logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from decode_server.config import EngineConfig, HiSparseConfig
+from decode_server.engine.engine import Engine
+from decode_server.engine.request import RequestStatus
+from decode_server.engine.sampling_params import SamplingParams
+from decode_server.engine.scheduler import ScheduledBatch
+
+TOP_K = 64  # tiny-dsa's index_topk
+PAGE = 16
+
+
+@dataclass
+class Arrival:
+    step: int
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    abort_at_step: int | None = None
+
+
+@dataclass
+class RunResult:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    logits: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    finish: dict[str, str | None] = field(default_factory=dict)
+    selected_per_layer: list[int] = field(default_factory=list)
+    schedule: list[tuple[list[str], list[int], list[int], bool] | None] = field(default_factory=list)
+
+
+def make_engine(
+    tiny, *, hisparse: bool, device: str = "cpu", device_budget: int | None = 64 << 20,
+    host_budget: int | None = None, buffer_size: int = TOP_K, num_recent: int = 2, max_running: int = 8,
+    chunk: int = 64, max_queued: int = 1024,
+) -> Engine:
+    model, model_config, tokenizer = tiny
+    cfg = EngineConfig(
+        device=device, enable_hisparse=hisparse, page_size=PAGE, chunked_prefill_size=chunk,
+        hisparse=HiSparseConfig(device_buffer_size=buffer_size, num_recent_slots=num_recent),
+        device_kv_budget_bytes=device_budget, host_kv_budget_bytes=host_budget,
+        max_running_requests=max_running, max_queued_requests=max_queued,
+    )
+    return Engine(cfg, model=model, model_config=model_config, tokenizer=tokenizer)
+
+
+def random_prompt(gen: torch.Generator, length: int, vocab: int = 1024) -> list[int]:
+    return torch.randint(2, vocab, (length,), generator=gen).tolist()
+
+
+def count_selected(engine: Engine, result: RunResult) -> None:
+    """Wrap the backend's sparse_attention to count valid top-k entries of decode steps, per layer."""
+    backend = engine.kv.backend
+    original = backend.sparse_attention
+    num_layers = int(engine.model_config.num_hidden_layers)
+    result.selected_per_layer = [0] * num_layers
+
+    def counting(layer_id, q, topk, scale):
+        if backend._current().is_decode:
+            result.selected_per_layer[layer_id] += int((topk >= 0).sum())
+        return original(layer_id, q, topk, scale)
+
+    backend.sparse_attention = counting
+
+
+def record_schedule(engine: Engine, result: RunResult) -> None:
+    original = engine.scheduler.schedule
+
+    def recording() -> ScheduledBatch | None:
+        batch = original()
+        result.schedule.append(
+            None if batch is None else
+            ([r.rid for r in batch.requests], list(batch.prefix_lens), list(batch.extend_lens), batch.is_decode)
+        )
+        return batch
+
+    engine.scheduler.schedule = recording
+
+
+def replay_schedule(engine: Engine, recorded: list) -> None:
+    """Make `engine` run exactly the recorded batches (same requests, same chunks, same order).
+
+    Batch composition changes floating-point results (matmul blocking depends on the batch), so comparing a
+    HiSparse run that retracts against dense is only meaningful with identical batches.
+    """
+    sched = engine.scheduler
+    steps = iter(recorded)
+
+    def replaying() -> ScheduledBatch | None:
+        entry = next(steps)
+        if entry is None:
+            return None
+        rids, prefix, extend, is_decode = entry
+        reqs = [engine._requests[rid] for rid in rids]
+        for req in reqs:
+            if req.status is RequestStatus.WAITING:
+                assert sched.try_admit(req), "the replaying engine must have room for the recorded batch"
+        return ScheduledBatch(reqs, prefix, extend, is_decode)
+
+    sched.schedule = replaying
+
+
+def run_script(engine: Engine, arrivals: list[Arrival], max_steps: int = 10_000,
+               replay: list | None = None) -> RunResult:
+    result = RunResult()
+    if engine.config.enable_hisparse:
+        count_selected(engine, result)
+    if replay is not None:
+        replay_schedule(engine, replay)
+    else:
+        record_schedule(engine, result)
+
+    def hook(rids: list[str], logits: torch.Tensor) -> None:
+        for i, rid in enumerate(rids):
+            result.logits.setdefault(rid, []).append(logits[i].detach().cpu().clone())
+
+    engine.logits_hook = hook
+    pending = sorted(arrivals, key=lambda a: a.step)
+    aborts = {a.abort_at_step: a.rid for a in arrivals if a.abort_at_step is not None}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0].step <= step:
+            a = pending.pop(0)
+            engine.add_request(a.rid, a.prompt, SamplingParams(max_tokens=a.max_tokens, temperature=0.0))
+            result.tokens[a.rid] = []
+        if step in aborts:
+            engine.abort_request(aborts[step])
+        for d in engine.step():
+            result.tokens[d.rid].extend(d.new_token_ids)
+            if d.finished:
+                result.finish[d.rid] = d.finish_reason
+        step += 1
+        if step > max_steps:
+            raise AssertionError("workload did not finish")
+    return result
+
+
+def assert_identical(dense: RunResult, sparse: RunResult) -> None:
+    assert dense.tokens == sparse.tokens
+    assert dense.finish == sparse.finish
+    assert dense.logits.keys() == sparse.logits.keys()
+    for rid in dense.logits:
+        assert len(dense.logits[rid]) == len(sparse.logits[rid])
+        for i, (a, b) in enumerate(zip(dense.logits[rid], sparse.logits[rid], strict=True)):
+            assert torch.equal(a, b), f"{rid}: logits of token {i} differ"
