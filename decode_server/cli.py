@@ -180,7 +180,12 @@ def _cmd_generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     llm = LLM(engine_config.model_path, **engine_args)
     prompts: list[Any] = list(args.prompt)
     if args.chat:
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        # The rendered template already starts with BOS: encode it without adding special tokens again.
+        prompts = [
+            llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]),
+                                 add_special_tokens=False)
+            for p in prompts
+        ]  # fmt: skip
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(args.prompt, outputs, strict=True):
         if args.json:

@@ -65,8 +65,11 @@ def _load_factory(spec: str) -> Any:
 
 def describe_engine(engine: Any, config: EngineConfig) -> dict[str, Any]:
     """What the api logs at start-up and serves in /v1/models: mode, device, context length, memory budgets."""
+    from decode_server.model import resolve_model_path
+
     info: dict[str, Any] = {
         "model_path": config.model_path,
+        "model_dir": str(resolve_model_path(config.model_path)),
         "mode": "hisparse" if config.enable_hisparse else "dense",
         "kv_cache_dtype": config.kv_cache_dtype,
         "max_running_requests": config.max_running_requests,

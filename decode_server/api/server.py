@@ -82,18 +82,16 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         asyncio.get_running_loop().create_task(stop_later())
 
     client = EngineClient(engine_config, log_level=server_config.log_level, on_engine_death=on_engine_death)
+    # Importing the tokenizer pulls in torch (seconds): do it while the engine process loads the model.
+    tokenizer_import = asyncio.create_task(asyncio.to_thread(_import_tokenizer_class))
     try:
         info = await client.start()
+        tokenizer_cls = await tokenizer_import
+        # The engine resolved (and for tiny-dsa, generated) the checkpoint; read its tokenizer from there.
+        model_dir = info["model_dir"]
+        tokenizer = tokenizer_cls.from_dir(model_dir)
     except BaseException:
-        await client.shutdown("start-up failed", timeout_s=2)
-        raise
-
-    try:
-        from decode_server.model import Tokenizer, resolve_model_path
-
-        model_dir = resolve_model_path(engine_config.model_path)
-        tokenizer = Tokenizer.from_dir(model_dir)
-    except BaseException:
+        tokenizer_import.cancel()
         await client.shutdown("start-up failed", timeout_s=5)
         raise
     served = server_config.served_model_name or engine_config.model_path
@@ -104,7 +102,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         accepted_names=frozenset({served, engine_config.model_path}),
     )
     metrics = ServerMetrics(served)
-    ctx = ServerContext(client, tokenizer, model, metrics, dict(info, model_path=str(model_dir)),
+    ctx = ServerContext(client, tokenizer, model, metrics, dict(info, model_path=model_dir),
                         server_config.api_key)  # fmt: skip
     app = create_app(ctx)
 
@@ -142,6 +140,12 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         return 1
     logger.info("stopped (engine exit code %s)", engine_code)
     return 0
+
+
+def _import_tokenizer_class() -> Any:
+    from decode_server.model import Tokenizer
+
+    return Tokenizer
 
 
 def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:

@@ -1,0 +1,150 @@
+"""Real servers for the API tests: `decode-server serve` subprocesses on 127.0.0.1, free ports, tiny-dsa on CPU.
+
+Servers run with a short context length so that property-based tests cannot ask for long generations.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+API_KEY = "test-key"
+CONTEXT_LENGTH = 256
+START_TIMEOUT_S = 180.0
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (read from /proc: no psutil needed)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...; comm may contain spaces, so split after the last ')'
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class ServerProcess:
+    """`python -m decode_server.cli serve ...` with its log in a temporary file."""
+
+    def __init__(self, *extra_args: str, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        args = [sys.executable, "-m", "decode_server.cli", "serve", "--model-path", "tiny-dsa", "--device", "cpu",
+                "--host", "127.0.0.1", "--port", str(self.port), "--context-length", str(CONTEXT_LENGTH),
+                *extra_args]  # fmt: skip
+        if api_key:
+            args += ["--api-key", api_key]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="decode-server-", suffix=".log", delete=False)  # noqa: SIM115
+        self.proc = subprocess.Popen(args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+        self.engine_pid: int | None = None
+        self.children: list[int] = []  # every child seen while running (engine, multiprocessing helpers)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_text(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def wait_ready(self) -> ServerProcess:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode} during start-up:\n{self.log_text()}"
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    info = httpx.get(self.url + "/server_info", headers=self.headers, timeout=10).json()
+                    self.engine_pid = info["engine_pid"]
+                    self.children = child_pids(self.proc.pid)
+                    assert self.engine_pid in self.children
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"server not ready after {START_TIMEOUT_S} s:\n{self.log_text()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Send `sig`, wait for the exit; returns the exit code (kills and fails if it hangs)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(
+                f"server did not exit within {timeout} s of {sig!r}:\n{self.log_text()}"
+            ) from None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for pid in self.children:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/server_info", headers=self.headers, timeout=10).json()["stats"]
+
+
+def wait_until_idle(server: ServerProcess, timeout: float = 30.0) -> dict:
+    """Poll engine stats until no request runs or waits and every KV pool is empty; returns the last stats."""
+    deadline = time.monotonic() + timeout
+    stats: dict = {}
+    while time.monotonic() < deadline:
+        stats = server.stats()
+        pools = [stats[k]["used"] for k in ("host_pages", "device_slots", "indexer_slots", "dense_kv_slots")]
+        if stats["num_running_reqs"] == 0 and stats["num_queue_reqs"] == 0 and not any(pools):
+            return stats
+        time.sleep(0.1)
+    raise AssertionError(f"engine not idle after {timeout} s: {stats}")
+
+
+def assert_no_orphans(server: ServerProcess, timeout: float = 10.0) -> None:
+    """Neither the engine process nor any other child of the server outlives it."""
+    assert server.engine_pid is not None and server.children
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(pid_alive(p) for p in server.children):
+        time.sleep(0.1)
+    left = [p for p in server.children if pid_alive(p)]
+    assert not left, f"processes {left} outlived the server (engine pid {server.engine_pid})"
+
+
+def assert_clean_exit(server: ServerProcess, code: int) -> None:
+    """Exit code 0 and no process left behind."""
+    assert code == 0, f"exit code {code}:\n{server.log_text()}"
+    assert_no_orphans(server)

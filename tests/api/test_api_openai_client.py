@@ -1,0 +1,166 @@
+"""The official `openai` client against a real server: completions, chat, streaming with usage, stop strings,
+n, logprobs, and 32 concurrent greedy requests equal to the offline `LLM`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from api_server_harness import API_KEY, CONTEXT_LENGTH, ServerProcess
+
+from decode_server.engine.llm import LLM
+from decode_server.engine.sampling_params import SamplingParams
+
+MODEL = "tiny-dsa"
+PROMPTS = [f"Request {i}: the quick brown fox number {i * 7} jumps over" for i in range(32)]
+
+
+@pytest.fixture(scope="module")
+def client(dense_server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=dense_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(MODEL, device="cpu", context_length=CONTEXT_LENGTH)
+
+
+def test_models(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_usage_and_length(client: openai.OpenAI, offline: LLM) -> None:
+    out = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=6, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "length"
+    assert out.usage is not None and out.usage.completion_tokens == 6
+    expected = offline.generate(["Hello world"], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 6
+    assert choice.text == expected.text
+
+
+def test_chat(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}],
+        max_completion_tokens=5, temperature=0,
+    )  # fmt: skip
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 5 and out.usage.prompt_tokens > 0
+
+
+def test_streaming_completion_matches_non_streaming(client: openai.OpenAI) -> None:
+    full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_streaming_chat_with_usage(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "length"
+    ]
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_without_usage_ends_with_done(dense_server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "stream": True}
+    with httpx.stream(
+        "POST", dense_server.url + "/v1/completions", json=body, headers=dense_server.headers
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+    assert '"usage"' not in lines[-2] or '"usage":null' in lines[-2]
+
+
+def test_stop_string_finishes_with_stop(client: openai.OpenAI) -> None:
+    full = (
+        client.completions.create(model=MODEL, prompt="The sea", max_tokens=16, temperature=0).choices[0].text
+    )
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip(), f"greedy text too short to pick a stop string: {full!r}"
+    out = client.completions.create(model=MODEL, prompt="The sea", max_tokens=16, temperature=0, stop=[stop])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == full[: full.index(stop)]
+
+
+def test_n_choices(client: openai.OpenAI) -> None:
+    greedy = client.completions.create(model=MODEL, prompt="Numbers:", max_tokens=5, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert len({c.text for c in greedy.choices}) == 1
+    assert greedy.usage.completion_tokens == 15
+    sampled = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=12, temperature=1.0, n=2, seed=7
+    )
+    again = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=12, temperature=1.0, n=2, seed=7
+    )
+    assert [c.message.content for c in sampled.choices] == [c.message.content for c in again.choices]
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == 4 and len(lp.token_logprobs) == 4
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(t is not None and 1 <= len(t) <= 3 for t in lp.top_logprobs)
+    # greedy: the chosen token is the most likely one
+    assert all(
+        abs(max(t.values()) - v) < 1e-4 for t, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    )
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0, logprobs=True,
+        top_logprobs=2,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_32_concurrent_greedy_equal_offline(dense_server: ServerProcess, offline: LLM) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0)
+    expected = [o.text for o in offline.generate(PROMPTS, params)]
+
+    async def run_all() -> list[str]:
+        aclient = openai.AsyncOpenAI(
+            base_url=dense_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300
+        )
+        async with aclient:
+            outs = await asyncio.gather(
+                *(
+                    aclient.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0)
+                    for p in PROMPTS
+                )
+            )
+        assert all(o.choices[0].finish_reason == "length" for o in outs)
+        return [o.choices[0].text for o in outs]
+
+    got = asyncio.run(run_all())
+    mismatches = [(i, g, e) for i, (g, e) in enumerate(zip(got, expected, strict=True)) if g != e]
+    assert not mismatches, mismatches
