@@ -71,15 +71,16 @@ def indexer_topk(
     keys_fp8: torch.Tensor,
     scales: torch.Tensor,
     token_rows: torch.Tensor,
+    token_req: torch.Tensor,
     seq_lens: torch.Tensor,
     top_k: int,
 ) -> torch.Tensor:
-    """Lightning-indexer top-k (semantics: kernels/indexer_ref.py). Batched torch ops on CUDA."""
+    """Lightning-indexer top-k (semantics and arguments: kernels/indexer_ref.py). Batched torch ops on CUDA."""
     if q.is_cuda:
         from kernels.indexer_gpu import indexer_topk_batched
 
-        return indexer_topk_batched(q, weights, keys_fp8, scales, token_rows, seq_lens, top_k)
-    return indexer_topk_ref(q, weights, keys_fp8, scales, token_rows, seq_lens, top_k)
+        return indexer_topk_batched(q, weights, keys_fp8, scales, token_rows, token_req, seq_lens, top_k)
+    return indexer_topk_ref(q, weights, keys_fp8, scales, token_rows, token_req, seq_lens, top_k)
 
 
 def backup_rows(

@@ -61,14 +61,14 @@ def make_state(
     buffer_tokens = torch.arange(buffer_size, dtype=torch.int32).repeat(max_reqs, 1)
     lru_order = torch.arange(buffer_size, dtype=torch.int32).repeat(max_reqs, 1)
     for r, n in zip(rows, seq_lens, strict=True):
-        if n <= buffer_size:
-            for t in range(n):  # identity placement of the tokens written so far
-                device_pool[buffer_slots[r, t]] = host_pool[host_rows[r, t]]
+        if n <= buffer_size:  # identity placement of the tokens written so far
+            device_pool[buffer_slots[r, :n].long()] = host_pool[host_rows[r, :n].long()]
         else:
             buffer_tokens[r] = -1
             lru_order[r] = torch.tensor(rng.sample(range(buffer_size), buffer_size), dtype=torch.int32)
-            for t in range(max(buffer_size, n - num_recent), n - 1):
-                device_pool[buffer_slots[r, buffer_size + t % num_recent]] = host_pool[host_rows[r, t]]
+            recent = torch.arange(max(buffer_size, n - num_recent), n - 1)
+            ring = buffer_slots[r, buffer_size + recent % num_recent].long()
+            device_pool[ring] = host_pool[host_rows[r, recent].long()]
     return SwapState(
         buffer_size, num_recent, row_bytes, torch.tensor(rows, dtype=torch.int64),
         torch.tensor(seq_lens, dtype=torch.int64), buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,

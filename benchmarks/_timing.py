@@ -1,0 +1,45 @@
+"""Shared GPU timing helpers for the kernel benchmarks (CUDA events, warm-up, median)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+# ~100 µs of spinning at ~2 GHz: enough for the host to enqueue the timed call behind it, so that launch
+# overhead on the host is not counted as GPU time.
+_SPIN_CYCLES = 200_000
+
+
+def time_gpu_us(fn: Callable[[], object], reset: Callable[[], object] | None = None, warmup: int = 3,
+                iters: int = 20) -> float:
+    """Median GPU time of `fn` in microseconds. `reset` (untimed) runs before every call, e.g. to restore
+    tables that `fn` mutates; a GPU spin between them keeps host-side launch cost out of the measurement."""
+    times = []
+    for i in range(warmup + iters):
+        if reset is not None:
+            reset()
+        torch.cuda._sleep(_SPIN_CYCLES)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)
+
+
+def pinned_h2d_gbps(num_bytes: int, iters: int = 10) -> float:
+    """Bandwidth of one pinned host → device copy_ of `num_bytes` (GB/s, median of `iters`)."""
+    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    host.copy_(torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device="cuda"))
+    dev = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    us = time_gpu_us(lambda: dev.copy_(host, non_blocking=True), iters=iters)
+    return num_bytes / (us * 1e-6) / 1e9
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,165 @@
+"""Benchmark of the CUDA swap-in (plan + copy kernels) on synthetic long-context workloads.
+
+Each case: `batch` requests of `seq_len` tokens in the long path, device buffer D, top-k K, a controlled miss
+rate (misses are tokens not held in the buffer; hits are held tokens; no ring hits). The tables are restored
+before every timed call (untimed), so every call moves exactly miss_rate·K rows per request, and the calls
+rotate over several independent workloads. Prints µs per call, GB/s over the missed rows, and the ratio to a
+pinned host→device memcpy measured in the same run (one 256 MiB copy_, and one of the same bytes).
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_swap_in.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import device_name, pinned_h2d_gbps, time_gpu_us  # noqa: E402
+
+from kernels.swap_in_cuda import swap_in_cuda  # noqa: E402
+
+logger = logging.getLogger("bench_swap_in")
+NUM_RECENT = 4
+HOST_ROWS = 1 << 20
+
+
+@dataclass
+class Result:
+    row_bytes: int
+    buffer_size: int
+    top_k: int
+    batch: int
+    miss_rate: float
+    us_per_call: float
+    missed_mb: float
+    gbps: float
+    memcpy_same_bytes_us: float
+    ratio_to_memcpy: float
+
+
+def random_pinned(rows: int, row_bytes: int) -> torch.Tensor:
+    """Random bytes in pinned host memory (generated on the GPU, copied down: seconds faster than the CPU)."""
+    host = torch.empty((rows, row_bytes), dtype=torch.uint8, pin_memory=True)
+    chunk = 1 << 16
+    for start in range(0, rows, chunk):
+        part = torch.randint(0, 255, (min(chunk, rows - start), row_bytes), dtype=torch.uint8, device="cuda")
+        host[start : start + part.shape[0]].copy_(part)
+    torch.cuda.synchronize()
+    return host
+
+
+def make_workload(batch: int, buffer_size: int, top_k: int, miss_rate: float, seq_len: int):
+    """Tables (held tokens, LRU order) and a top-k with exactly round(miss_rate·K) misses per request."""
+    dev = "cuda"
+    pool = seq_len - NUM_RECENT  # tokens outside the recent ring
+    perm = torch.argsort(torch.rand(batch, pool, device=dev), dim=1).to(torch.int32)
+    held = perm[:, :buffer_size]
+    n_miss = round(miss_rate * top_k)
+    n_hit = top_k - n_miss
+    hit_pick = torch.argsort(torch.rand(batch, buffer_size, device=dev), dim=1)[:, :n_hit]
+    hits = torch.gather(held, 1, hit_pick)
+    misses = perm[:, buffer_size : buffer_size + n_miss]
+    sel = torch.cat([hits, misses], dim=1)
+    shuffle = torch.argsort(torch.rand(batch, top_k, device=dev), dim=1)
+    topk = torch.gather(sel, 1, shuffle).contiguous()
+    lru = torch.argsort(torch.rand(batch, buffer_size, device=dev), dim=1).to(torch.int32)
+    return topk, held.contiguous(), lru, n_miss
+
+
+def run_case(host_pool: torch.Tensor, device_pool: torch.Tensor, batch: int, buffer_size: int, top_k: int,
+             miss_rate: float, peak_gbps: float, rotations: int = 4) -> Result:
+    dev = "cuda"
+    seq_len = 4 * buffer_size
+    n_dev_rows = device_pool.shape[0]
+    width = buffer_size + NUM_RECENT
+    slots = torch.randperm(n_dev_rows, device=dev)[: batch * width].to(torch.int32).reshape(batch, width)
+    host_rows = torch.randint(0, host_pool.shape[0], (batch, seq_len), dtype=torch.int32, device=dev)
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int64, device=dev)
+    req_rows = torch.arange(batch, dtype=torch.int64, device=dev)
+    workloads = [make_workload(batch, buffer_size, top_k, miss_rate, seq_len) for _ in range(rotations)]
+    live_tokens = torch.empty((batch, buffer_size), dtype=torch.int32, device=dev)
+    live_lru = torch.empty_like(live_tokens)
+    counters = torch.zeros(2, dtype=torch.int64, device=dev)
+    state = {"i": 0}
+
+    def reset() -> None:
+        state["i"] = (state["i"] + 1) % rotations
+        _, tokens, lru, _ = workloads[state["i"]]
+        live_tokens.copy_(tokens)
+        live_lru.copy_(lru)
+
+    def call() -> None:
+        topk = workloads[state["i"]][0]
+        swap_in_cuda(topk, seq_lens, req_rows, slots, live_tokens, live_lru, host_rows, host_pool, device_pool,
+                     NUM_RECENT, counters)
+
+    reset()
+    counters.zero_()
+    call()
+    torch.cuda.synchronize()
+    n_miss = workloads[state["i"]][3]
+    got = counters.tolist()
+    if got != [batch * (top_k - n_miss), batch * n_miss]:
+        raise RuntimeError(f"unexpected hit/miss counts {got} for {batch}x{top_k} at {miss_rate:.0%} misses")
+    us = time_gpu_us(call, reset=reset)
+    row_bytes = host_pool.shape[1]
+    missed = batch * n_miss * row_bytes
+    gbps = missed / (us * 1e-6) / 1e9 if missed else 0.0
+    memcpy_us = 0.0
+    if missed:
+        src = host_pool[: (missed + row_bytes - 1) // row_bytes].reshape(-1)[:missed]
+        dst = torch.empty(missed, dtype=torch.uint8, device=dev)
+        memcpy_us = time_gpu_us(lambda: dst.copy_(src, non_blocking=True), iters=10)
+    return Result(row_bytes, buffer_size, top_k, batch, miss_rate, us, missed / 1e6, gbps, memcpy_us,
+                  gbps / peak_gbps if missed else 0.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer cases (smoke run)")
+    parser.add_argument("--json", type=Path, default=None, help="write all results here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.manual_seed(0)
+    top_k = 2048
+    batches = [1, 16, 64, 128] if not args.quick else [1, 64]
+    buffers = [4096, 8192] if not args.quick else [4096]
+    miss_rates = [0.0, 0.05, 0.2, 0.5]
+    row_sizes = [1152, 656]
+    peak = pinned_h2d_gbps(256 << 20)
+    logger.info("device: %s; pinned H2D memcpy, 256 MiB: %.1f GB/s", device_name(), peak)
+    results: list[Result] = []
+    for row_bytes in row_sizes:
+        host_pool = random_pinned(HOST_ROWS, row_bytes)
+        device_pool = torch.empty((max(batches) * (max(buffers) + NUM_RECENT) + 64, row_bytes), dtype=torch.uint8,
+                                  device="cuda")
+        for buffer_size in buffers:
+            for batch in batches:
+                for miss in miss_rates:
+                    r = run_case(host_pool, device_pool, batch, buffer_size, top_k, miss, peak)
+                    results.append(r)
+                    logger.info("row %4d B  D %5d  B %3d  miss %4.0f%%: %9.1f us  %8.2f MB  %6.1f GB/s  (memcpy same "
+                                "bytes %8.1f us)  %.2fx memcpy", r.row_bytes, r.buffer_size, r.batch, 100 * r.miss_rate,
+                                r.us_per_call, r.missed_mb, r.gbps, r.memcpy_same_bytes_us, r.ratio_to_memcpy)
+        del host_pool, device_pool
+        torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps({"device": device_name(), "memcpy_gbps": peak,
+                                         "results": [asdict(r) for r in results]}, indent=1))
+    print(f"\nswap-in, K={top_k}, {device_name()}, pinned H2D memcpy {peak:.1f} GB/s")
+    print("| row B | D | batch | miss | us/call | GB/s | x memcpy |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r.row_bytes} | {r.buffer_size} | {r.batch} | {r.miss_rate:.0%} | {r.us_per_call:.1f} | "
+              f"{r.gbps:.1f} | {r.ratio_to_memcpy:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,474 @@
+// HiSparse CUDA kernels: swap-in (plan + copy) and the all-layer KV backup.
+//
+// Semantics: kernels/swap_in_ref.py (the oracle of the GPU tests) and docs/architecture.md "HiSparse memory
+// layout". Design (docs/kernels.md):
+//   * plan kernel, one 1024-thread block per request: fast path (identity placement), or the long path with
+//     a shared-memory open-addressing hash of the selected tokens, a scan of the LRU order with warp ballots
+//     and a block-wide prefix sum to compact hits and evictable positions (both kept in LRU order), miss
+//     compaction in top-k order, slot assignment, LRU rewrite, and a per-request miss plan (src, dst).
+//   * copy kernel, a grid-stride over every miss of the batch (one warp per row, 16 B loads straight from
+//     pinned host memory through its device-visible UVA address), so that a batch of one request still
+//     keeps hundreds of rows in flight over PCIe.
+//   * backup kernel: newest token's rows of all layers, device -> pinned host, one launch.
+
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int kPlanThreads = 1024;
+constexpr int kPlanWarps = kPlanThreads / 32;
+constexpr int kCopyThreads = 256;
+constexpr int kEmpty = -1;
+
+#define HS_CUDA_CHECK(expr)                                                                     \
+  do {                                                                                          \
+    cudaError_t err__ = (expr);                                                                 \
+    TORCH_CHECK(err__ == cudaSuccess, "CUDA error: ", cudaGetErrorString(err__), " at " #expr); \
+  } while (0)
+
+__device__ __forceinline__ uint32_t hash_index(int32_t key, uint32_t mask) {
+  return (static_cast<uint32_t>(key) * 2654435761u) & mask;
+}
+
+__device__ __forceinline__ void hash_insert(int* keys, int* vals, uint32_t mask, int key, int val) {
+  uint32_t h = hash_index(key, mask);
+  while (true) {
+    const int prev = atomicCAS(&keys[h], kEmpty, key);
+    if (prev == kEmpty || prev == key) {
+      vals[h] = val;
+      return;
+    }
+    h = (h + 1) & mask;
+  }
+}
+
+__device__ __forceinline__ int hash_lookup(const int* keys, const int* vals, uint32_t mask, int key) {
+  uint32_t h = hash_index(key, mask);
+  while (true) {
+    const int k = keys[h];
+    if (k == key) return vals[h];
+    if (k == kEmpty) return -1;
+    h = (h + 1) & mask;
+  }
+}
+
+// Exclusive rank of `flag` among the block's threads (thread order) and the block total. Every thread of
+// the block must call it (it has barriers). s_warp: kPlanWarps ints of shared memory.
+__device__ __forceinline__ int block_rank(bool flag, int* s_warp, int* total) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+  const int in_warp = __popc(ballot & ((1u << lane) - 1u));
+  if (lane == 0) s_warp[warp] = __popc(ballot);
+  __syncthreads();
+  if (warp == 0) {
+    int v = lane < kPlanWarps ? s_warp[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int up = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += up;
+    }
+    if (lane < kPlanWarps) s_warp[lane] = v;  // inclusive prefix per warp
+  }
+  __syncthreads();
+  const int before = warp == 0 ? 0 : s_warp[warp - 1];
+  *total = s_warp[kPlanWarps - 1];
+  __syncthreads();  // s_warp is reused by the next call
+  return before + in_warp;
+}
+
+struct PlanArgs {
+  const int32_t* top_k;       // [B, K]
+  const int64_t* seq_lens;    // [B]
+  const int64_t* req_rows;    // [B]
+  const int32_t* buffer_slots;  // [max_reqs, D + R], row stride slots_stride
+  int32_t* buffer_tokens;     // [max_reqs, D], row stride tokens_stride
+  int32_t* lru_order;         // [max_reqs, D], row stride lru_stride
+  const int32_t* host_rows;   // [max_reqs, max_ctx], row stride host_rows_stride
+  int32_t* out;               // [B, K]
+  int32_t* plan_src;          // [B, K] host row of each miss, compacted
+  int32_t* plan_dst;          // [B, K] device slot of each miss, compacted
+  int32_t* miss_count;        // [B]
+  unsigned long long* counters;  // [2] or nullptr
+  int64_t slots_stride, tokens_stride, lru_stride, host_rows_stride;
+  int K, D, R;
+  uint32_t hash_mask;
+};
+
+__global__ void __launch_bounds__(kPlanThreads, 1) swap_in_plan_kernel(PlanArgs a) {
+  extern __shared__ int smem[];
+  __shared__ int s_warp[kPlanWarps];
+  __shared__ int s_ring_hits;
+  const int b = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int K = a.K, D = a.D, R = a.R;
+  const int64_t row = a.req_rows[b];
+  const int64_t n = a.seq_lens[b];
+  const int32_t* tk = a.top_k + static_cast<int64_t>(b) * K;
+  int32_t* o = a.out + static_cast<int64_t>(b) * K;
+  const int32_t* slots = a.buffer_slots + row * a.slots_stride;
+  if (tid == 0) s_ring_hits = 0;
+  __syncthreads();
+
+  if (n <= D) {  // fast path: token t sits at LRU position t
+    int valid = 0;
+    for (int i = tid; i < K; i += kPlanThreads) {
+      const int t = tk[i];
+      o[i] = t >= 0 ? slots[t] : -1;
+      valid += t >= 0;
+    }
+    if (valid) atomicAdd(&s_ring_hits, valid);
+    __syncthreads();
+    if (tid == 0) {
+      a.miss_count[b] = 0;
+      if (a.counters != nullptr && s_ring_hits) atomicAdd(&a.counters[0], static_cast<unsigned long long>(s_ring_hits));
+    }
+    return;
+  }
+
+  const int hash_size = static_cast<int>(a.hash_mask) + 1;
+  int* s_keys = smem;                 // hash_size
+  int* s_vals = s_keys + hash_size;   // hash_size
+  int* s_state = s_vals + hash_size;  // K: 1 = resolved (invalid, ring or table hit), 0 = miss so far
+  int* s_evict = s_state + K;         // D: evictable positions, LRU order
+  int* s_hits = s_evict + D;          // K: hit positions, LRU order
+  int* s_miss = s_hits + K;           // K: top-k indices of the misses, top-k order
+  int32_t* tokens = a.buffer_tokens + row * a.tokens_stride;
+  int32_t* lru = a.lru_order + row * a.lru_stride;
+  const int32_t* hrows = a.host_rows + row * a.host_rows_stride;
+
+  for (int j = tid; j < hash_size; j += kPlanThreads) s_keys[j] = kEmpty;
+  __syncthreads();
+
+  // 1. Classify the selected tokens: padding, recent-ring hits, or candidates for the LRU table.
+  int ring = 0;
+  for (int i = tid; i < K; i += kPlanThreads) {
+    const int t = tk[i];
+    int resolved = 1;
+    if (t < 0) {
+      o[i] = -1;
+    } else if (t >= D && static_cast<int64_t>(t) >= n - R) {
+      o[i] = slots[D + t % R];
+      ++ring;
+    } else {
+      resolved = 0;
+      hash_insert(s_keys, s_vals, a.hash_mask, t, i);
+    }
+    s_state[i] = resolved;
+  }
+  if (ring) atomicAdd(&s_ring_hits, ring);
+  __syncthreads();
+
+  // 2. Walk the LRU order: hits are resolved; the others are evictable. Both lists keep LRU order.
+  int num_hits = 0, num_evict = 0;
+  for (int base = 0; base < D; base += kPlanThreads) {
+    const int k = base + tid;
+    int pos = -1;
+    bool hit = false;
+    if (k < D) {
+      pos = lru[k];
+      const int t = tokens[pos];
+      if (t >= 0) {
+        const int i = hash_lookup(s_keys, s_vals, a.hash_mask, t);
+        if (i >= 0) {
+          hit = true;
+          o[i] = slots[pos];
+          s_state[i] = 1;
+        }
+      }
+    }
+    int total;
+    const int hit_rank = block_rank(hit, s_warp, &total);
+    if (hit) s_hits[num_hits + hit_rank] = pos;
+    num_hits += total;
+    const bool evictable = k < D && !hit;
+    const int ev_rank = block_rank(evictable, s_warp, &total);
+    if (evictable) s_evict[num_evict + ev_rank] = pos;
+    num_evict += total;
+  }
+
+  // 3. Compact the misses in top-k order (s_state was completed before the last barrier of step 2).
+  int num_miss = 0;
+  for (int base = 0; base < K; base += kPlanThreads) {
+    const int i = base + tid;
+    const bool miss = i < K && s_state[i] == 0;
+    int total;
+    const int rank = block_rank(miss, s_warp, &total);
+    if (miss) s_miss[num_miss + rank] = i;
+    num_miss += total;
+  }
+  __syncthreads();
+
+  // 4. The m-th miss takes the m-th least recently used evictable position; plan its copy.
+  int32_t* psrc = a.plan_src + static_cast<int64_t>(b) * K;
+  int32_t* pdst = a.plan_dst + static_cast<int64_t>(b) * K;
+  for (int m = tid; m < num_miss; m += kPlanThreads) {
+    const int pos = s_evict[m];
+    const int i = s_miss[m];
+    const int t = tk[i];
+    const int slot = slots[pos];
+    tokens[pos] = t;
+    o[i] = slot;
+    psrc[m] = hrows[t];
+    pdst[m] = slot;
+  }
+
+  // 5. New LRU order: [stale evictable, old order] + [just loaded, top-k order] + [hits, old order].
+  const int stale = num_evict - num_miss;
+  for (int k = tid; k < D; k += kPlanThreads) {
+    int v;
+    if (k < stale) {
+      v = s_evict[num_miss + k];
+    } else if (k < num_evict) {
+      v = s_evict[k - stale];
+    } else {
+      v = s_hits[k - num_evict];
+    }
+    lru[k] = v;
+  }
+  if (tid == 0) {
+    a.miss_count[b] = num_miss;
+    if (a.counters != nullptr) {
+      const unsigned long long h = static_cast<unsigned long long>(s_ring_hits) + num_hits;
+      if (h) atomicAdd(&a.counters[0], h);
+      if (num_miss) atomicAdd(&a.counters[1], static_cast<unsigned long long>(num_miss));
+    }
+  }
+}
+
+// One warp copies one row; each lane keeps all its 16 B chunks in flight before storing.
+template <int kMaxChunksPerLane>
+__device__ __forceinline__ void copy_row_vec16(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
+                                               int chunks, int lane) {
+  const int4* s = reinterpret_cast<const int4*>(src);
+  int4* d = reinterpret_cast<int4*>(dst);
+  int4 buf[kMaxChunksPerLane];
+#pragma unroll
+  for (int c = 0; c < kMaxChunksPerLane; ++c) {
+    const int idx = lane + c * 32;
+    if (idx < chunks) buf[c] = __ldg(s + idx);
+  }
+#pragma unroll
+  for (int c = 0; c < kMaxChunksPerLane; ++c) {
+    const int idx = lane + c * 32;
+    if (idx < chunks) d[idx] = buf[c];
+  }
+}
+
+__device__ __forceinline__ void copy_row_bytes(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
+                                               int64_t row_bytes, int lane) {
+  for (int64_t i = lane; i < row_bytes; i += 32) dst[i] = src[i];
+}
+
+__device__ __forceinline__ void copy_row(const uint8_t* src, uint8_t* dst, int64_t row_bytes, bool vec16,
+                                         int lane) {
+  if (vec16) {
+    const int chunks = static_cast<int>(row_bytes / 16);
+    if (chunks <= 64) {
+      copy_row_vec16<2>(src, dst, chunks, lane);
+    } else if (chunks <= 96) {
+      copy_row_vec16<3>(src, dst, chunks, lane);
+    } else {
+      for (int base = 0; base < chunks; base += 96) {
+        const int n = chunks - base < 96 ? chunks - base : 96;
+        copy_row_vec16<3>(src + static_cast<int64_t>(base) * 16, dst + static_cast<int64_t>(base) * 16, n, lane);
+      }
+    }
+  } else {
+    copy_row_bytes(src, dst, row_bytes, lane);
+  }
+}
+
+// Grid-stride over all misses of the batch. Each block first turns the per-request miss counts into an
+// inclusive prefix (s_prefix, B entries), then each warp finds its request by binary search.
+__global__ void __launch_bounds__(kCopyThreads) swap_in_copy_kernel(
+    const int32_t* __restrict__ miss_count, const int32_t* __restrict__ plan_src,
+    const int32_t* __restrict__ plan_dst, const uint8_t* host_base, int64_t host_pitch, uint8_t* dev_base,
+    int64_t dev_pitch, int64_t row_bytes, int batch, int K, bool vec16) {
+  extern __shared__ int s_prefix[];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  if (warp == 0) {  // warp 0 scans 32 requests at a time, carrying the running total in a register
+    int carry = 0;
+    for (int base = 0; base < batch; base += 32) {
+      const int i = base + lane;
+      int v = i < batch ? miss_count[i] : 0;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int up = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += up;
+      }
+      v += carry;
+      if (i < batch) s_prefix[i] = v;
+      carry = __shfl_sync(0xffffffffu, v, 31);
+    }
+  }
+  __syncthreads();
+  const int total = s_prefix[batch - 1];
+  const int warps_total = gridDim.x * (kCopyThreads / 32);
+  for (int g = blockIdx.x * (kCopyThreads / 32) + warp; g < total; g += warps_total) {
+    int lo = 0, hi = batch - 1;  // first request whose inclusive prefix exceeds g
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (s_prefix[mid] > g) hi = mid; else lo = mid + 1;
+    }
+    const int m = g - (lo == 0 ? 0 : s_prefix[lo - 1]);
+    const int64_t e = static_cast<int64_t>(lo) * K + m;
+    const uint8_t* src = host_base + static_cast<int64_t>(plan_src[e]) * host_pitch;
+    uint8_t* dst = dev_base + static_cast<int64_t>(plan_dst[e]) * dev_pitch;
+    copy_row(src, dst, row_bytes, vec16, lane);
+  }
+}
+
+// rows = n * L; row g: layer g / n, entry g % n.
+__global__ void __launch_bounds__(kCopyThreads) backup_kernel(
+    const uint8_t* dev_base, int64_t dev_layer_pitch, int64_t dev_pitch, uint8_t* host_base,
+    int64_t host_layer_pitch, int64_t host_pitch, const int64_t* __restrict__ src_slots,
+    const int64_t* __restrict__ dst_rows, int n, int layers, int64_t row_bytes, bool vec16) {
+  const int lane = threadIdx.x & 31;
+  const int warps_total = gridDim.x * (kCopyThreads / 32);
+  const int64_t rows = static_cast<int64_t>(n) * layers;
+  for (int64_t g = blockIdx.x * (kCopyThreads / 32) + (threadIdx.x >> 5); g < rows; g += warps_total) {
+    const int64_t l = g / n;
+    const int64_t i = g % n;
+    const uint8_t* src = dev_base + l * dev_layer_pitch + src_slots[i] * dev_pitch;
+    uint8_t* dst = host_base + l * host_layer_pitch + dst_rows[i] * host_pitch;
+    copy_row(src, dst, row_bytes, vec16, lane);
+  }
+}
+
+// Device-visible address of a tensor's data: itself for device memory, the UVA mapping for pinned host memory.
+const uint8_t* device_visible(const torch::Tensor& t) {
+  const void* p = t.data_ptr();
+  if (t.is_cuda()) return static_cast<const uint8_t*>(p);
+  cudaPointerAttributes attr{};
+  HS_CUDA_CHECK(cudaPointerGetAttributes(&attr, p));
+  TORCH_CHECK(attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr,
+              "host pool must be pinned (page-locked) host memory mapped into the device's address space");
+  return static_cast<const uint8_t*>(attr.devicePointer);
+}
+
+bool vec16_ok(const void* a, const void* b, int64_t row_bytes, int64_t pitch_a, int64_t pitch_b) {
+  return row_bytes % 16 == 0 && pitch_a % 16 == 0 && pitch_b % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(a) % 16 == 0 && reinterpret_cast<uintptr_t>(b) % 16 == 0;
+}
+
+int sm_count() {
+  static int count = 0;
+  if (count == 0) {
+    int dev = 0;
+    HS_CUDA_CHECK(cudaGetDevice(&dev));
+    HS_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev));
+  }
+  return count;
+}
+
+void check_row_major(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+}  // namespace
+
+void swap_in(torch::Tensor top_k, torch::Tensor seq_lens, torch::Tensor req_rows, torch::Tensor buffer_slots,
+             torch::Tensor buffer_tokens, torch::Tensor lru_order, torch::Tensor host_rows,
+             torch::Tensor host_pool, torch::Tensor device_pool, int64_t num_recent, torch::Tensor counters,
+             bool use_counters, torch::Tensor out, torch::Tensor plan_src, torch::Tensor plan_dst,
+             torch::Tensor miss_count) {
+  const c10::cuda::CUDAGuard guard(device_pool.device());
+  TORCH_CHECK(top_k.is_contiguous() && out.is_contiguous() && plan_src.is_contiguous() && plan_dst.is_contiguous(),
+              "top_k, out and plan tensors must be contiguous");
+  TORCH_CHECK(seq_lens.is_contiguous() && req_rows.is_contiguous() && miss_count.is_contiguous(),
+              "seq_lens, req_rows, miss_count must be contiguous");
+  check_row_major(buffer_slots, "buffer_slots");
+  check_row_major(buffer_tokens, "buffer_tokens");
+  check_row_major(lru_order, "lru_order");
+  check_row_major(host_rows, "host_rows");
+  check_row_major(host_pool, "host_pool");
+  check_row_major(device_pool, "device_pool");
+  const int batch = static_cast<int>(top_k.size(0));
+  const int K = static_cast<int>(top_k.size(1));
+  const int D = static_cast<int>(buffer_tokens.size(1));
+  if (batch == 0) return;
+  uint32_t hash_size = 1;
+  while (hash_size < 2u * static_cast<uint32_t>(K)) hash_size <<= 1;
+  const size_t smem = (2 * static_cast<size_t>(hash_size) + 3 * static_cast<size_t>(K) + D) * sizeof(int);
+  int dev = 0, max_smem = 0;
+  HS_CUDA_CHECK(cudaGetDevice(&dev));
+  HS_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  TORCH_CHECK(smem + 256 <= static_cast<size_t>(max_smem), "swap-in needs ", smem,
+              " B of shared memory for D=", D, ", K=", K, "; the device allows ", max_smem);
+  static size_t configured_smem = 0;  // raise the kernel's dynamic shared-memory limit once per size
+  if (smem > configured_smem) {
+    HS_CUDA_CHECK(cudaFuncSetAttribute(swap_in_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+    configured_smem = smem;
+  }
+  PlanArgs a;
+  a.top_k = top_k.data_ptr<int32_t>();
+  a.seq_lens = seq_lens.data_ptr<int64_t>();
+  a.req_rows = req_rows.data_ptr<int64_t>();
+  a.buffer_slots = buffer_slots.data_ptr<int32_t>();
+  a.buffer_tokens = buffer_tokens.data_ptr<int32_t>();
+  a.lru_order = lru_order.data_ptr<int32_t>();
+  a.host_rows = host_rows.data_ptr<int32_t>();
+  a.out = out.data_ptr<int32_t>();
+  a.plan_src = plan_src.data_ptr<int32_t>();
+  a.plan_dst = plan_dst.data_ptr<int32_t>();
+  a.miss_count = miss_count.data_ptr<int32_t>();
+  a.counters = use_counters ? reinterpret_cast<unsigned long long*>(counters.data_ptr<int64_t>()) : nullptr;
+  a.slots_stride = buffer_slots.stride(0);
+  a.tokens_stride = buffer_tokens.stride(0);
+  a.lru_stride = lru_order.stride(0);
+  a.host_rows_stride = host_rows.stride(0);
+  a.K = K;
+  a.D = D;
+  a.R = static_cast<int>(num_recent);
+  a.hash_mask = hash_size - 1;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  swap_in_plan_kernel<<<batch, kPlanThreads, smem, stream>>>(a);
+  HS_CUDA_CHECK(cudaGetLastError());
+
+  const uint8_t* host_base = device_visible(host_pool);
+  uint8_t* dev_base = device_pool.data_ptr<uint8_t>();
+  const int64_t row_bytes = device_pool.size(1);
+  const bool vec16 = vec16_ok(host_base, dev_base, row_bytes, host_pool.stride(0), device_pool.stride(0));
+  const int max_rows = batch * K;
+  const int blocks = std::max(1, std::min(2 * sm_count(), (max_rows + 7) / 8));
+  swap_in_copy_kernel<<<blocks, kCopyThreads, batch * sizeof(int), stream>>>(
+      a.miss_count, a.plan_src, a.plan_dst, host_base, host_pool.stride(0), dev_base, device_pool.stride(0),
+      row_bytes, batch, K, vec16);
+  HS_CUDA_CHECK(cudaGetLastError());
+}
+
+void backup(torch::Tensor device_pool, torch::Tensor host_pool, torch::Tensor src_slots, torch::Tensor dst_rows) {
+  const c10::cuda::CUDAGuard guard(device_pool.device());
+  TORCH_CHECK(device_pool.dim() == 3 && host_pool.dim() == 3, "pools must be [L, N, row_bytes]");
+  TORCH_CHECK(device_pool.stride(2) == 1 && host_pool.stride(2) == 1, "pool rows must be contiguous");
+  TORCH_CHECK(src_slots.is_contiguous() && dst_rows.is_contiguous(), "index tensors must be contiguous");
+  const int n = static_cast<int>(src_slots.size(0));
+  const int layers = static_cast<int>(device_pool.size(0));
+  if (n == 0 || layers == 0) return;
+  const uint8_t* dev_base = device_pool.data_ptr<uint8_t>();
+  uint8_t* host_base = const_cast<uint8_t*>(device_visible(host_pool));
+  const int64_t row_bytes = device_pool.size(2);
+  const bool vec16 = vec16_ok(host_base, dev_base, row_bytes, host_pool.stride(1), device_pool.stride(1)) &&
+                     host_pool.stride(0) % 16 == 0 && device_pool.stride(0) % 16 == 0;
+  const int64_t rows = static_cast<int64_t>(n) * layers;
+  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(4 * sm_count(), (rows + 7) / 8)));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  backup_kernel<<<blocks, kCopyThreads, 0, stream>>>(
+      dev_base, device_pool.stride(0), device_pool.stride(1), host_base, host_pool.stride(0), host_pool.stride(1),
+      src_slots.data_ptr<int64_t>(), dst_rows.data_ptr<int64_t>(), n, layers, row_bytes, vec16);
+  HS_CUDA_CHECK(cudaGetLastError());
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("swap_in", &swap_in, "HiSparse swap-in: plan kernel + copy kernel (one layer, one batch)");
+  m.def("backup", &backup, "Copy rows of all layers device -> pinned host in one launch");
+}

@@ -1,0 +1,54 @@
+"""Lightning-indexer top-k for a batch, with batched torch ops (no per-query Python loop, no host sync).
+
+Same semantics as kernels/indexer_ref.py (`indexer_topk_ref`): scores in fp32, then torch.topk per query;
+queries whose request has <= top_k tokens get 0..n-1 ascending and −1 pads. Equal scores may be ordered
+differently (ties aside, the selected sets match). Runs on any device; the dispatcher uses it on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Bound on the fp32 [queries, heads, positions] logits materialized at once (elements).
+_MAX_LOGITS = 1 << 27
+
+
+def indexer_topk_batched(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys_fp8: torch.Tensor,
+    scales: torch.Tensor,
+    token_rows: torch.Tensor,
+    token_req: torch.Tensor,
+    seq_lens: torch.Tensor,
+    top_k: int,
+) -> torch.Tensor:
+    """q [T, Hi, 128], weights [T, Hi], keys_fp8 [N, 128], scales [N], token_rows [B, L] (cache row of each
+    position of each request), token_req [T] (request of each query), seq_lens [T]
+    → [T, top_k] int32 positions (best first), −1 pads."""
+    num_q = q.shape[0]
+    max_len = token_rows.shape[1]
+    device = q.device
+    seq = seq_lens.to(device=device, dtype=torch.int64)
+    ar = torch.arange(top_k, device=device, dtype=torch.int64)
+    dense = torch.where(ar.unsqueeze(0) < seq.unsqueeze(1), ar.unsqueeze(0), -1).to(torch.int32)
+    if num_q == 0 or max_len <= top_k:
+        return dense  # every request fits: attention is dense over 0..n-1
+    # Only the first max(seq_len) positions can be visible.
+    max_len = min(max_len, max(top_k + 1, int(seq.max())))
+    heads = q.shape[1]
+    rows_per_chunk = max(1, _MAX_LOGITS // max(1, heads * max_len))
+    positions = torch.arange(max_len, device=device)
+    picked = torch.empty((num_q, top_k), dtype=torch.int32, device=device)
+    num_keys = keys_fp8.shape[0]
+    for start in range(0, num_q, rows_per_chunk):
+        end = min(num_q, start + rows_per_chunk)
+        rows = token_rows[token_req[start:end].long()].long().clamp(0, num_keys - 1)  # [t, L]
+        keys = keys_fp8[rows].float()  # [t, L, 128]
+        logits = torch.bmm(q[start:end].float(), keys.transpose(1, 2))  # [t, Hi, L]
+        scores = torch.bmm(weights[start:end].float().unsqueeze(1), torch.relu(logits)).squeeze(1)  # [t, L]
+        scores = scores * scales.float()[rows]
+        visible = positions.unsqueeze(0) < seq[start:end].unsqueeze(1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        picked[start:end] = torch.topk(scores, top_k, dim=1, sorted=True).indices.to(torch.int32)
+    return torch.where((seq <= top_k).unsqueeze(1), dense, picked)

@@ -1,0 +1,54 @@
+"""HiSparse swap-in on the GPU: a plan kernel (one block per request) and a copy kernel spread over every
+miss of the batch, reading pinned host rows directly through UVA (kernels/csrc/hisparse_kernels.cu).
+Same arguments and results as kernels/swap_in_ref.py, which is its test oracle."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cuda_ext import load_extension
+from kernels.swap_in_ref import check_swap_in_args
+
+
+def swap_in_cuda(
+    top_k_tokens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_rows: torch.Tensor,
+    buffer_slots: torch.Tensor,
+    buffer_tokens: torch.Tensor,
+    lru_order: torch.Tensor,
+    host_rows: torch.Tensor,
+    host_pool: torch.Tensor,
+    device_pool: torch.Tensor,
+    num_recent: int,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See kernels/swap_in_ref.py. All tensors on the device pool's GPU except the host pool, which must be
+    pinned (or on that GPU). Asynchronous on the current stream."""
+    batch, top_k, _ = check_swap_in_args(
+        top_k_tokens, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
+        device_pool, num_recent, counters,
+    )
+    device = device_pool.device
+    for name, t in (("top_k_tokens", top_k_tokens), ("buffer_slots", buffer_slots),
+                    ("buffer_tokens", buffer_tokens), ("lru_order", lru_order), ("host_rows", host_rows)):
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if not host_pool.is_cuda and not host_pool.is_pinned():
+        raise ValueError("host_pool must be pinned host memory (the GPU reads it directly through UVA)")
+    if counters is not None and counters.device != device:
+        raise ValueError(f"counters must be on {device}")
+    ext = load_extension()
+    out = torch.empty((batch, top_k), dtype=torch.int32, device=device)
+    plan_src = torch.empty((batch, top_k), dtype=torch.int32, device=device)
+    plan_dst = torch.empty((batch, top_k), dtype=torch.int32, device=device)
+    miss_count = torch.empty((batch,), dtype=torch.int32, device=device)
+    seq = seq_lens.to(device=device, dtype=torch.int64).contiguous()
+    rows = req_rows.to(device=device, dtype=torch.int64).contiguous()
+    use_counters = counters is not None
+    ext.swap_in(
+        top_k_tokens.contiguous(), seq, rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
+        device_pool, int(num_recent), counters if use_counters else miss_count, use_counters, out, plan_src,
+        plan_dst, miss_count,
+    )
+    return out

@@ -1,0 +1,203 @@
+"""GPU kernels against their PyTorch references (run on the device machine: pytest -m gpu tests/kernels)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kernels_swap_traces import POISON, assert_rows_resident, make_state, next_topk, write_current_token
+
+from kernels import backup_rows, indexer_topk, pack_fp8_rows, sparse_mla_decode, swap_in
+from kernels.dispatch import sparse_mla_decode_rows_ref
+from kernels.indexer_ref import index_scores_ref, indexer_topk_ref, quantize_index_keys
+from kernels.swap_in_ref import swap_in_ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DEV = "cuda"
+
+
+def _to_gpu_state(state):
+    """Device copies of the tables and pools; the host pool pinned."""
+    return {
+        "buffer_slots": state.buffer_slots.to(DEV),
+        "buffer_tokens": state.buffer_tokens.to(DEV),
+        "lru_order": state.lru_order.to(DEV),
+        "host_rows": state.host_rows.to(DEV),
+        "host_pool": state.host_pool.pin_memory(),
+        "device_pool": state.device_pool.to(DEV),
+    }
+
+
+def _write_current_token_gpu(state, gpu) -> None:
+    d, big_r = state.buffer_size, state.num_recent
+    for r, n in zip(state.req_rows.tolist(), state.seq_lens.tolist(), strict=True):
+        t = n - 1
+        slot = state.buffer_slots[r, t] if n <= d else state.buffer_slots[r, d + t % big_r]
+        gpu["device_pool"][int(slot)] = state.host_pool[state.host_rows[r, t]].to(DEV)
+
+
+def run_gpu_trace(seed: int, seq_lens: list[int], buffer_size: int, top_k: int, num_recent: int, overlap: float,
+                  steps: int, row_bytes: int) -> None:
+    rng = random.Random(seed)
+    state = make_state(rng, seq_lens, buffer_size, num_recent, row_bytes, max_steps=steps)
+    gpu = _to_gpu_state(state)
+    counters_ref = torch.zeros(2, dtype=torch.int64)
+    counters_gpu = torch.zeros(2, dtype=torch.int64, device=DEV)
+    for _ in range(steps):
+        write_current_token(state)
+        _write_current_token_gpu(state, gpu)
+        topk = next_topk(rng, state, top_k, overlap)
+        expect = swap_in_ref(topk, state.seq_lens, state.req_rows, state.buffer_slots, state.buffer_tokens,
+                             state.lru_order, state.host_rows, state.host_pool, state.device_pool, num_recent,
+                             counters_ref)
+        got = swap_in(topk.to(DEV), state.seq_lens.to(DEV), state.req_rows.to(DEV), gpu["buffer_slots"],
+                      gpu["buffer_tokens"], gpu["lru_order"], gpu["host_rows"], gpu["host_pool"],
+                      gpu["device_pool"], num_recent, counters_gpu)
+        torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), expect), "slots differ from the reference"
+        assert torch.equal(gpu["buffer_tokens"].cpu(), state.buffer_tokens), "buffer_tokens differ"
+        assert torch.equal(gpu["lru_order"].cpu(), state.lru_order), "LRU order differs"
+        assert torch.equal(gpu["device_pool"].cpu(), state.device_pool), "device pool differs"
+        assert_rows_resident(state, topk, got.cpu(), gpu["device_pool"])
+        assert counters_gpu.cpu().tolist() == counters_ref.tolist()
+        state.seq_lens += 1
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.5, 0.8, 1.0])
+@pytest.mark.parametrize("row_bytes", [656, 1152])
+def test_swap_in_cuda_matches_reference_overlap(overlap: float, row_bytes: int) -> None:
+    d, k = 256, 128
+    lens = [d - 3, d, d + 1, 2 * d, 5 * d, 100, d - 1, 3 * d + 7]
+    run_gpu_trace(int(overlap * 10) + row_bytes, lens, d, k, num_recent=4, overlap=overlap, steps=6,
+                  row_bytes=row_bytes)
+
+
+@pytest.mark.parametrize(("buffer_size", "top_k", "batch", "num_recent"),
+                         [(64, 64, 1, 1), (96, 64, 5, 2), (2048, 2048, 3, 4), (4096, 2048, 17, 8),
+                          (8192, 2048, 2, 4), (1500, 1000, 33, 3)])
+def test_swap_in_cuda_matches_reference_shapes(buffer_size: int, top_k: int, batch: int, num_recent: int) -> None:
+    rng = random.Random(buffer_size + batch)
+    lens = [rng.choice([buffer_size - 1, buffer_size, buffer_size + 1, buffer_size + rng.randrange(1, 3 * buffer_size)])
+            for _ in range(batch)]
+    run_gpu_trace(buffer_size * 7 + top_k, lens, buffer_size, top_k, num_recent, overlap=0.6, steps=3, row_bytes=656)
+
+
+def test_swap_in_cuda_rejects_small_buffer() -> None:
+    rng = random.Random(0)
+    st = make_state(rng, [10], buffer_size=16, num_recent=2, row_bytes=16, max_steps=1)
+    gpu = _to_gpu_state(st)
+    topk = torch.zeros(1, 32, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="must be >= top_k"):
+        swap_in(topk, st.seq_lens.to(DEV), st.req_rows.to(DEV), gpu["buffer_slots"], gpu["buffer_tokens"],
+                gpu["lru_order"], gpu["host_rows"], gpu["host_pool"], gpu["device_pool"], 2, None)
+
+
+def _nan_poisoned_pool(rows: torch.Tensor, n_slots: int, fp8: bool, gen: torch.Generator):
+    """Rows scattered into a larger pool whose other slots read as NaN; returns (pool, slot of each row)."""
+    slots = torch.randperm(n_slots, generator=gen)[: rows.shape[0]]
+    if fp8:
+        packed = pack_fp8_rows(rows)
+        pool = torch.full((n_slots, packed.shape[1]), POISON, dtype=torch.uint8)
+        pool[slots] = packed
+    else:
+        pool = torch.full((n_slots, 576), float("nan"), dtype=torch.bfloat16)
+        pool[slots] = rows.bfloat16()
+    return pool.to(DEV), slots
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("heads", [16, 32, 64, 128])
+@pytest.mark.parametrize(("batch", "top_k"), [(1, 2048), (3, 128), (17, 512)])
+def test_sparse_mla_triton_matches_reference(fp8: bool, heads: int, batch: int, top_k: int) -> None:
+    gen = torch.Generator().manual_seed(heads * 31 + batch + top_k + fp8)
+    n_rows = top_k + 300
+    rows = torch.randn(n_rows, 576, generator=gen)
+    pool, slots = _nan_poisoned_pool(rows, 2 * n_rows + 11, fp8, gen)
+    logical = torch.stack([torch.randperm(n_rows, generator=gen)[:top_k] for _ in range(batch)])
+    indices = slots[logical].to(torch.int32)
+    indices[0, top_k // 3:] = -1  # ragged padding
+    if batch > 2:
+        indices[1, ::5] = -1
+        indices[2] = -1  # all invalid
+    q = torch.randn(batch, heads, 576, generator=gen).bfloat16().to(DEV)
+    indices = indices.to(DEV)
+    out, lse = sparse_mla_decode(q, pool, indices, 0.135)
+    ref_out, ref_lse = sparse_mla_decode_rows_ref(q, pool, indices, 0.135)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all(), "NaN from an unselected (poisoned) slot or an empty row"
+    err = (out.float() - ref_out.float()).norm() / ref_out.float().norm()
+    assert err < 1e-2, f"norm-relative error {err:.2e}"
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-3, rtol=1e-4)
+    if batch > 2:
+        assert torch.equal(out[2].float(), torch.zeros_like(out[2].float())) and bool((lse[2] > 0).all())
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("batch", [1, 9])
+def test_sparse_mla_triton_independent_of_slot_placement(fp8: bool, batch: int) -> None:
+    """Same rows, same order, other slots: bit-identical output (HiSparse vs dense)."""
+    gen = torch.Generator().manual_seed(5 + batch + fp8)
+    top_k, heads = 1024, 64
+    rows = torch.randn(top_k * batch, 576, generator=gen)
+    pool_a, slots_a = _nan_poisoned_pool(rows, 3 * rows.shape[0], fp8, gen)
+    pool_b, slots_b = _nan_poisoned_pool(rows, 2 * rows.shape[0] + 77, fp8, gen)
+    logical = torch.arange(top_k * batch).reshape(batch, top_k)
+    logical = logical[:, torch.randperm(top_k, generator=gen)]
+    idx_a = slots_a[logical].to(torch.int32)
+    idx_b = slots_b[logical].to(torch.int32)
+    idx_a[0, -100:] = -1
+    idx_b[0, -100:] = -1
+    q = torch.randn(batch, heads, 576, generator=gen).bfloat16().to(DEV)
+    out_a, lse_a = sparse_mla_decode(q, pool_a, idx_a.to(DEV), 0.1)
+    out_b, lse_b = sparse_mla_decode(q, pool_b, idx_b.to(DEV), 0.1)
+    assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+
+
+def test_indexer_gpu_matches_reference() -> None:
+    gen = torch.Generator().manual_seed(11)
+    num_q, heads, n_keys, max_len, top_k = 12, 64, 5000, 3000, 256
+    q = torch.randn(num_q, heads, 128, generator=gen)
+    w = torch.rand(num_q, heads, generator=gen)
+    keys, scales = quantize_index_keys(torch.randn(n_keys, 128, generator=gen))
+    token_rows = torch.stack([torch.randperm(n_keys, generator=gen)[:max_len] for _ in range(4)]).to(torch.int32)
+    token_req = torch.tensor([0, 1, 1, 2, 3, 0, 2, 3, 1, 0, 3, 2])
+    seq_lens = torch.tensor([3000, 100, 256, 257, 2999, 1500, 700, 300, 2048, 5, 1024, 3000])
+    ref = indexer_topk_ref(q, w, keys, scales, token_rows, token_req, seq_lens, top_k)
+    got = indexer_topk(q.to(DEV), w.to(DEV), keys.to(DEV), scales.to(DEV), token_rows.to(DEV), token_req.to(DEV),
+                       seq_lens.to(DEV), top_k).cpu()
+    assert torch.equal(got < 0, ref < 0)
+    for t in range(num_q):
+        n = int(seq_lens[t])
+        if n <= top_k:
+            assert torch.equal(got[t], ref[t])
+            continue
+        rows = token_rows[token_req[t], :n].long()
+        s = index_scores_ref(q[t:t + 1], w[t:t + 1], keys[rows], scales[rows])[0]
+        assert len(set(got[t].tolist())) == top_k and int(got[t].max()) < n
+        # Ties aside: the picked scores are the top_k scores.
+        ref_sorted = s[ref[t].long()].sort(descending=True).values
+        got_sorted = s[got[t].long()].sort(descending=True).values
+        assert torch.allclose(got_sorted, ref_sorted, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("row_bytes", [656, 1152, 40])
+def test_backup_rows_copies_all_layers(row_bytes: int) -> None:
+    gen = torch.Generator().manual_seed(row_bytes)
+    layers, n_dev, n_host, n = 5, 300, 900, 37
+    device_pool = torch.randint(0, 255, (layers, n_dev, row_bytes), dtype=torch.uint8, generator=gen).to(DEV)
+    host_pool = torch.zeros(layers, n_host, row_bytes, dtype=torch.uint8).pin_memory()
+    src = torch.randperm(n_dev, generator=gen)[:n].to(DEV)
+    dst = torch.randperm(n_host, generator=gen)[:n].to(DEV)
+    expect = host_pool.clone()
+    expect[:, dst.cpu()] = device_pool[:, src].cpu()
+    event = backup_rows(device_pool, host_pool, src, dst)
+    assert isinstance(event, torch.cuda.Event)
+    event.synchronize()
+    assert torch.equal(host_pool, expect)
