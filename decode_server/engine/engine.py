@@ -57,7 +57,8 @@ class Engine:
     """One model, one KV manager (dense or HiSparse), one scheduler.
 
     `model`, `model_config` and `tokenizer` may be passed in (tests, benchmarks); otherwise they are loaded
-    from `config.model_path`. `logits_hook(rids, logits)` sees every sampled logits batch (tests compare modes).
+    from `config.model_path`. `kv_manager` replaces the one sized from the config (benchmarks size pools
+    for a known context length). `logits_hook(rids, logits)` sees every sampled logits batch (tests compare modes).
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class Engine:
         model: Any = None,
         model_config: Any = None,
         tokenizer: Any = None,
+        kv_manager: KVManager | None = None,
     ) -> None:
         self.config = config
         self.device = resolve_device(config)
@@ -81,7 +83,7 @@ class Engine:
         self.context_length = min(config.context_length or model_ctx, model_ctx or config.context_length or 0)
         if self.context_length <= 0:
             raise ValueError("context length unknown: set context_length")
-        self.kv = self._build_kv_manager()
+        self.kv = kv_manager if kv_manager is not None else self._build_kv_manager()
         self.scheduler = Scheduler(self.kv, config.max_running_requests, config.chunked_prefill_size)
         self.sampler = Sampler()
         self.eos_token_ids = _eos_ids(model_config, tokenizer)

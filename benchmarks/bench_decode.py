@@ -1,0 +1,332 @@
+"""Decode throughput, dense vs HiSparse, under the same device KV budget (issue 4).
+
+For each context length L and each mode, the engine is built with a fixed device KV budget, filled with as many
+requests as fit (each with synthetic KV of L tokens injected straight into the pools: no prefill), and then
+timed over N decode steps of the real engine loop (schedule → forward → sample). Modes:
+  dense            all KV on the device (the baseline)
+  hisparse         host pool + device buffers; the model's own indexer picks the top-k
+  hisparse-mX      same, but the indexer's top-k is replaced by a synthetic trace with miss rate ≈ X %
+                   (the indexer still runs, so its cost is counted): each layer selects a window of K positions
+                   over a random permutation of the context that advances by X % of K per step.
+Reports batch, tokens/s, step time, hit rate and PCIe bytes per step; writes JSON and a PNG plot.
+
+GPU:   python benchmarks/bench_decode.py --contexts 8192 32768 65536 --device-kv-budget-gib 16
+CPU:   python benchmarks/bench_decode.py --smoke      (tiny-dsa, tiny contexts; checks the script end to end)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import math
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from decode_server.config import EngineConfig, HiSparseConfig
+from decode_server.engine.engine import Engine
+from decode_server.engine.memory import resolve_kv_dtype, resolve_model_dtype, row_bytes_of
+from decode_server.engine.request import Request
+from decode_server.engine.sampling_params import SamplingParams
+from decode_server.hisparse.coordinator import HiSparseCoordinator, HiSparseLayout
+from decode_server.hisparse.indexer_pool import INDEX_KEY_BYTES
+from decode_server.model import build_random_model, load_config
+from kernels.indexer_ref import quantize_index_keys
+
+logger = logging.getLogger("bench_decode")
+GIB = 1 << 30
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="dsv32-bench", help="model config name in configs/ or a checkpoint dir")
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 65536])
+    p.add_argument("--device-kv-budget-gib", type=float, default=16.0, help="device bytes for KV + indexer keys")
+    p.add_argument("--host-kv-budget-gib", type=float, default=64.0, help="pinned host bytes for HiSparse KV")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--max-batch", type=int, default=256, help="cap on requests per mode")
+    p.add_argument("--batch-sizes", type=int, nargs="*", default=[1],
+                   help="also run each mode at these fixed batch sizes (e.g. 1: step time at batch 1)")
+    p.add_argument("--modes", nargs="+", default=["dense", "hisparse"], choices=["dense", "hisparse"])
+    p.add_argument("--miss-rates", type=float, nargs="*", default=[0.05, 0.15],
+                   help="synthetic top-k trace miss rates for extra HiSparse runs (empty: none)")
+    p.add_argument("--buffer-size", type=int, default=None, help="HiSparse D (default 2 * index_topk)")
+    p.add_argument("--num-recent", type=int, default=4)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON results (default benchmarks/results/bench_decode[_smoke].json)")
+    p.add_argument("--plot", default=None, help="PNG plot (default next to the JSON)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU: tiny-dsa, 2 contexts, 3 steps")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.config = "tiny-dsa"
+        args.contexts = [192, 384]
+        args.device_kv_budget_gib = 4 / 1024
+        args.host_kv_budget_gib = 64 / 1024
+        args.steps, args.warmup, args.max_batch = 3, 1, 8
+        args.batch_sizes = [1]
+        args.page_size = 16
+        args.device = "cpu" if args.device == "auto" else args.device
+    stem = "bench_decode_smoke" if args.smoke else "bench_decode"
+    args.out = args.out or f"benchmarks/results/{stem}.json"
+    args.plot = args.plot or str(Path(args.out).with_suffix(".png"))
+    return args
+
+
+class SyntheticTopK:
+    """Replaces the indexer's decode top-k with a window over a per-(request, layer) random permutation of the
+    context, advancing by `miss_rate * K` positions per step: every entering position was last selected long
+    ago, so it misses, and the rest were selected one step earlier, so they hit."""
+
+    def __init__(self, engine: Engine, context: int, miss_rate: float, seed: int) -> None:
+        self.engine = engine
+        self.context = context
+        self.advance = max(1, round(miss_rate * int(engine.model_config.index_topk)))
+        gen = torch.Generator().manual_seed(seed)
+        max_reqs = engine.config.max_running_requests
+        num_layers = int(engine.model_config.num_hidden_layers)
+        # One permutation per request row (shared by layers, which start at different offsets).
+        self.perm = torch.stack([torch.randperm(context, generator=gen) for _ in range(max_reqs)]).to(
+            engine.device, torch.int32)
+        self.layer_offset = torch.randint(0, context, (num_layers,), generator=gen).tolist()
+        self.step_of_layer = [0] * num_layers
+        backend = engine.kv.backend
+        self.original = backend.index_topk
+        backend.index_topk = self.index_topk
+
+    def index_topk(self, layer_id: int, q: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
+        real = self.original(layer_id, q, weights, top_k)  # keep the indexer's cost in the step
+        batch = self.engine.kv.backend._current()
+        if not batch.is_decode:
+            return real
+        start = self.layer_offset[layer_id] + self.step_of_layer[layer_id] * self.advance
+        self.step_of_layer[layer_id] += 1
+        cols = (start + torch.arange(top_k, device=q.device)) % self.context
+        return self.perm[batch.req_rows][:, cols].contiguous()
+
+
+def hisparse_layout(args, model_config, kv_dtype, context: int, max_len: int, batch_cap: int) -> HiSparseLayout:
+    """Size the pools for requests of `max_len` tokens: as many (buffer + indexer keys) as the device budget
+    holds, capped by what the host budget holds."""
+    num_layers = int(model_config.num_hidden_layers)
+    top_k = int(model_config.index_topk)
+    D = args.buffer_size or 2 * top_k
+    rb = row_bytes_of(kv_dtype)
+    ps = args.page_size
+    pages = math.ceil(max_len / ps)
+    per_req_device = (D + args.num_recent) * rb * num_layers + pages * ps * INDEX_KEY_BYTES * num_layers
+    per_req_host = pages * ps * rb * num_layers
+    n = min(batch_cap, int(args.device_kv_budget_gib * GIB) // per_req_device,
+            int(args.host_kv_budget_gib * GIB) // per_req_host)
+    if n < 1:
+        raise ValueError(f"context {context}: the budgets do not hold one HiSparse request")
+    return HiSparseLayout(num_layers=num_layers, top_k=top_k, buffer_size=D, num_recent=args.num_recent,
+                          num_buffers=n, host_pages=n * pages, indexer_pages=n * pages, page_size=ps, row_bytes=rb,
+                          max_reqs=n, max_ctx=max_len)
+
+
+def build_engine(args, model, model_config, mode: str, context: int, max_len: int, batch_cap: int) -> Engine:
+    device = torch.device(args.device)
+    hisparse = mode.startswith("hisparse")
+    cfg = EngineConfig(
+        device=args.device, enable_hisparse=hisparse, page_size=args.page_size, context_length=max_len,
+        device_kv_budget_bytes=int(args.device_kv_budget_gib * GIB),
+        host_kv_budget_bytes=int(args.host_kv_budget_gib * GIB), max_running_requests=batch_cap,
+        max_queued_requests=batch_cap + 1, chunked_prefill_size=max(2048, args.page_size),
+        hisparse=HiSparseConfig(device_buffer_size=args.buffer_size, num_recent_slots=args.num_recent),
+    )
+    kv = None
+    if hisparse:
+        kv_dtype = resolve_kv_dtype(cfg, resolve_model_dtype(cfg, device))
+        layout = hisparse_layout(args, model_config, kv_dtype, context, max_len, batch_cap)
+        kv = HiSparseCoordinator(layout, kv_dtype, device)
+        cfg = cfg.model_copy(update={"max_running_requests": layout.max_reqs})
+    return Engine(cfg, model=model, model_config=model_config, tokenizer=None, kv_manager=kv)
+
+
+class SyntheticKV:
+    """One random context (MLA rows and indexer keys) copied into every request."""
+
+    def __init__(self, context: int, kv_dtype: torch.dtype, device: torch.device, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.rows = (torch.randn(context, 576, generator=gen) * 0.5).to(kv_dtype)
+        keys, self.scales = quantize_index_keys(torch.randn(context, 128, generator=gen))
+        self.keys = keys
+        self.rows_dev = self.rows.to(device)
+        self.keys_dev, self.scales_dev = keys.to(device), self.scales.to(device)
+
+    def inject(self, engine: Engine, req: Request, context: int) -> None:
+        kv = engine.kv
+        row = req.row
+        if isinstance(kv, HiSparseCoordinator):
+            host_rows = kv.host.rows.slots(row, context).long().cpu()
+            data = self.rows.view(torch.uint8)
+            idx_rows = kv.indexer.rows.slots(row, context).long()
+            for layer in range(kv.layout.num_layers):
+                kv.host.kv[layer].index_copy_(0, host_rows, data)
+                kv.indexer.keys[layer, idx_rows] = self.keys_dev
+                kv.indexer.scales[layer, idx_rows] = self.scales_dev
+        else:
+            cache = kv.cache
+            slots = cache.tokens.slots(row, context).long()
+            for layer in range(cache.num_layers):
+                cache.kv[layer, slots] = self.rows_dev
+                cache.index_keys[layer, slots] = self.keys_dev
+                cache.index_scales[layer, slots] = self.scales_dev
+
+
+def fill(engine: Engine, synthetic: SyntheticKV, context: int, max_len: int, limit: int, seed: int) -> int:
+    """Admit requests with injected KV until the budget (or `limit`) is reached; returns the batch size."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = int(engine.model_config.vocab_size)
+    prompt = torch.randint(2, vocab, (context,), generator=gen).tolist()
+    params = SamplingParams(max_tokens=max_len - context, temperature=0.0, ignore_eos=True)
+    sched = engine.scheduler
+    n = 0
+    while n < limit:
+        rid = f"b{n}"
+        engine.add_request(rid, prompt, params)
+        req = engine._requests[rid]
+        if not sched.try_admit(req) or not engine.kv.ensure_room(req.row, max_len):
+            engine.abort_request(rid)
+            break
+        synthetic.inject(engine, req, context)
+        req.num_computed = context
+        sched.on_prefill_done(req)
+        req.output_ids.append(int(prompt[-1]))
+        n += 1
+    engine.step()  # returns the abort delta, if any, and runs the first decode step
+    return n
+
+
+def layer_totals(engine: Engine) -> tuple[int, int, int, int]:
+    stats = engine.stats()
+    return stats.hisparse_hits, stats.hisparse_misses, stats.bytes_h2d, stats.bytes_d2h
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_one(args, model, model_config, mode: str, context: int, miss_rate: float | None,
+            fixed_batch: int | None) -> dict:
+    device = torch.device(args.device)
+    max_len = context + args.warmup + args.steps + 4  # room for every step; nothing finishes while timed
+    cap = fixed_batch or args.max_batch
+    engine = build_engine(args, model, model_config, mode, context, max_len, cap)
+    kv_dtype = engine.kv_dtype
+    name = mode if miss_rate is None else f"hisparse-m{round(miss_rate * 100)}"
+    synthetic = SyntheticKV(context, kv_dtype, device, args.seed)
+    batch = fill(engine, synthetic, context, max_len, cap, args.seed)
+    if fixed_batch is not None and batch < fixed_batch:
+        raise RuntimeError(f"{name} at {context}: only {batch} of {fixed_batch} requests fit")
+    if miss_rate is not None:
+        SyntheticTopK(engine, context, miss_rate, args.seed)
+    for _ in range(args.warmup):
+        engine.step()
+    sync(device)
+    h0, m0, up0, down0 = layer_totals(engine)
+    t0 = time.perf_counter()
+    for _ in tqdm(range(args.steps), desc=f"{name} L={context} B={batch}", leave=False, file=sys.stderr):
+        deltas = engine.step()
+        if any(d.finished for d in deltas):
+            raise RuntimeError("a request finished during the timed steps (max_tokens too small)")
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    h1, m1, up1, down1 = layer_totals(engine)
+    selected = (h1 - h0) + (m1 - m0)
+    result = {
+        "mode": name, "context": context, "batch": batch, "fixed_batch": fixed_batch, "steps": args.steps,
+        "step_ms": 1000 * elapsed / args.steps, "tokens_per_s": batch * args.steps / elapsed,
+        "hit_rate": (h1 - h0) / selected if selected else None,
+        "pcie_bytes_per_step": ((up1 - up0) + (down1 - down0)) / args.steps,
+        "h2d_bytes_per_step": (up1 - up0) / args.steps, "d2h_bytes_per_step": (down1 - down0) / args.steps,
+    }
+    del engine, synthetic
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in dict.fromkeys(r["mode"] for r in results):
+        pts = sorted((r["context"], r["tokens_per_s"]) for r in results if r["mode"] == mode and not r["fixed_batch"])
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode tokens/s (budget filled)")
+    ax.set_title("Decode throughput under the same device KV budget")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model_config = load_config(args.config)
+    model = build_random_model(model_config, device, dtype, seed=args.seed)
+    runs: list[tuple[str, float | None, int | None]] = [(m, None, None) for m in args.modes]
+    if "hisparse" in args.modes:
+        runs += [("hisparse", r, None) for r in args.miss_rates]
+    runs += [(m, None, b) for b in args.batch_sizes for m in args.modes]
+    results = []
+    for context in args.contexts:
+        for mode, miss, fixed in runs:
+            try:
+                results.append(run_one(args, model, model_config, mode, context, miss, fixed))
+            except (ValueError, RuntimeError, torch.OutOfMemoryError) as exc:
+                logger.warning("skipped %s (miss %s, batch %s) at context %d: %s", mode, miss, fixed, context, exc)
+                results.append({"mode": mode if miss is None else f"hisparse-m{round(miss * 100)}",
+                                "context": context, "fixed_batch": fixed, "error": str(exc)})
+    ok = [r for r in results if "error" not in r]
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    header = (f"{'mode':<14}{'context':>8}{'batch':>7}{'tok/s':>11}{'step ms':>10}{'hit rate':>10}"
+              f"{'PCIe MB/step':>14}")
+    print(f"device: {device_name}; config: {args.config}; budget: {args.device_kv_budget_gib:g} GiB device, "
+          f"{args.host_kv_budget_gib:g} GiB host; steps: {args.steps}")
+    print(header)
+    for r in results:
+        label = r["mode"] + (f"@B{r['fixed_batch']}" if r.get("fixed_batch") else "")
+        if "error" in r:
+            print(f"{label:<14}{r['context']:>8}  error: {r['error']}")
+            continue
+        hit = f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "-"
+        print(f"{label:<14}{r['context']:>8}{r['batch']:>7}{r['tokens_per_s']:>11.1f}{r['step_ms']:>10.2f}"
+              f"{hit:>10}{r['pcie_bytes_per_step'] / 1e6:>14.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_name,
+            "command": " ".join(sys.argv), "args": vars(args)}
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    if ok:
+        plot(ok, Path(args.plot))
+    print(f"wrote {out} and {args.plot}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
