@@ -179,6 +179,8 @@ class Engine:
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         rows = [r.row for r in batch.requests]
         fb = ForwardBatch.build(rows, batch.prefix_lens, batch.extend_lens, self.device)
+        # A prefill batch whose chunks are all one token long is still prefill (HiSparse routes it differently).
+        fb.is_decode = batch.is_decode
         ids = [r.token_at(p + i) for r, p, e in zip(batch.requests, batch.prefix_lens, batch.extend_lens, strict=True)
                for i in range(e)]
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)

@@ -59,6 +59,10 @@ def test_hisparse_matches_dense_on_cuda():
     tiny = (model, config, Tokenizer.from_dir(resolve_model_path("tiny-dsa")))
     arrivals = workload()
     dense = run_script(make_engine(tiny, hisparse=False, device="cuda"), arrivals)
+    again = run_script(make_engine(tiny, hisparse=False, device="cuda"), arrivals)
+    # If this fails, the model itself is not run-to-run deterministic on this GPU (e.g. atomics), and no
+    # comparison below can be bit-exact.
+    assert_identical(dense, again)
     engine = make_engine(tiny, hisparse=True, device="cuda")
     assert engine.kv.host.pinned
     sparse = run_script(engine, arrivals)
@@ -72,3 +76,16 @@ def test_hisparse_matches_dense_on_cuda():
     assert_identical(dense, sparse)
     assert engine.stats().num_retractions > 0
     assert engine.is_idle_and_empty()
+
+
+def test_one_token_prefill_chunks_are_not_decode(tiny_cpu):
+    """A prefill batch whose chunks are all one token long (chunk budget 1 at the end of prompts) must still go
+    through the prefill path: the prompt's rows are only on the host until the buffer is preloaded."""
+    gen = torch.Generator().manual_seed(3)
+    arrivals = [Arrival(0, "a", random_prompt(gen, 81), 5), Arrival(0, "b", random_prompt(gen, 1), 3)]
+    dense = run_script(make_engine(tiny_cpu, hisparse=False, chunk=40), arrivals)
+    engine = make_engine(tiny_cpu, hisparse=True, chunk=40)
+    sparse = run_script(engine, arrivals)
+    # 81 = 40 + 40 + 1: the last chunk of "a" and the whole of "b" make a batch of one-token chunks.
+    assert (["a", "b"], [80, 0], [1, 1], False) in sparse.schedule
+    assert_identical(dense, sparse)
