@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import torch
 
-# ~100 µs of spinning at ~2 GHz: enough for the host to enqueue the timed call behind it, so that launch
+# ~0.5 ms of spinning at ~2 GHz: enough for the host to enqueue the timed call behind it, so that launch
 # overhead on the host is not counted as GPU time.
-_SPIN_CYCLES = 200_000
+_SPIN_CYCLES = 1_000_000
 
 
 def time_gpu_us(fn: Callable[[], object], reset: Callable[[], object] | None = None, warmup: int = 3,
@@ -43,3 +43,39 @@ def pinned_h2d_gbps(num_bytes: int, iters: int = 10) -> float:
 
 def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def kernel_times_us(fn: Callable[[], object], reset: Callable[[], object] | None = None, calls: int = 10,
+                    name_filter: str = "") -> dict[str, float]:
+    """Mean GPU time per call of each kernel whose name contains `name_filter` (torch profiler, CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            if reset is not None:
+                reset()
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for evt in prof.key_averages():
+        if name_filter in evt.key:
+            total = getattr(evt, "device_time_total", None)
+            if total is None:
+                total = evt.cuda_time_total
+            short = evt.key.split("(")[0].replace("void ", "").replace("(anonymous namespace)::", "")
+            out[short] = total / calls
+    return out
+
+
+def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
+    """Host time to issue one call (launches are asynchronous: this is the CPU-side overhead)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import device_name, pinned_h2d_gbps, time_gpu_us  # noqa: E402
+from _timing import device_name, host_us_per_call, kernel_times_us, pinned_h2d_gbps, time_gpu_us  # noqa: E402
 
 from kernels.swap_in_cuda import swap_in_cuda  # noqa: E402
 
@@ -74,7 +74,7 @@ def make_workload(batch: int, buffer_size: int, top_k: int, miss_rate: float, se
 
 
 def run_case(host_pool: torch.Tensor, device_pool: torch.Tensor, batch: int, buffer_size: int, top_k: int,
-             miss_rate: float, peak_gbps: float, rotations: int = 4) -> Result:
+             miss_rate: float, peak_gbps: float, rotations: int = 4, breakdown: bool = False) -> Result:
     dev = "cuda"
     seq_len = 4 * buffer_size
     n_dev_rows = device_pool.shape[0]
@@ -109,6 +109,11 @@ def run_case(host_pool: torch.Tensor, device_pool: torch.Tensor, batch: int, buf
     if got != [batch * (top_k - n_miss), batch * n_miss]:
         raise RuntimeError(f"unexpected hit/miss counts {got} for {batch}x{top_k} at {miss_rate:.0%} misses")
     us = time_gpu_us(call, reset=reset)
+    if breakdown:
+        kernels = kernel_times_us(call, reset, name_filter="swap_in")
+        host = host_us_per_call(call)
+        logger.info("  breakdown (B %d, D %d, %.0f%% misses): %s; host %.1f us per call", batch, buffer_size,
+                    100 * miss_rate, ", ".join(f"{k} {v:.1f} us" for k, v in sorted(kernels.items())), host)
     row_bytes = host_pool.shape[1]
     missed = batch * n_miss * row_bytes
     gbps = missed / (us * 1e-6) / 1e9 if missed else 0.0
@@ -143,7 +148,8 @@ def main() -> None:
         for buffer_size in buffers:
             for batch in batches:
                 for miss in miss_rates:
-                    r = run_case(host_pool, device_pool, batch, buffer_size, top_k, miss, peak)
+                    r = run_case(host_pool, device_pool, batch, buffer_size, top_k, miss, peak,
+                                 breakdown=batch == 64 and miss in (0.0, 0.2))
                     results.append(r)
                     logger.info("row %4d B  D %5d  B %3d  miss %4.0f%%: %9.1f us  %8.2f MB  %6.1f GB/s  (memcpy same "
                                 "bytes %8.1f us)  %.2fx memcpy", r.row_bytes, r.buffer_size, r.batch, 100 * r.miss_rate,

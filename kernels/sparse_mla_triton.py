@@ -174,10 +174,9 @@ def _num_sms(device_index: int) -> int:
 
 
 def default_config(num_heads: int, fp8: bool) -> dict[str, int]:
-    """Block sizes by head count: 64 heads per program at most (the accumulator is [BLOCK_H, 512] fp32)."""
+    """Block sizes by head count (measured on an H200, docs/benchmarks.md): 64 heads per program at most."""
     block_h = min(num_heads, 64)
-    return {"BLOCK_H": block_h, "BLOCK_N": 32 if block_h == 64 else 64, "num_warps": 8 if block_h == 64 else 4,
-            "num_stages": 2}
+    return {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 8 if block_h == 64 else 4, "num_stages": 2}
 
 
 def choose_splits(batch: int, num_heads: int, top_k: int, block_h: int, block_n: int, num_sms: int) -> int:

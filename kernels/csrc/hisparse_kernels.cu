@@ -58,14 +58,18 @@ __device__ __forceinline__ int hash_lookup(const int* keys, const int* vals, uin
   }
 }
 
-// Exclusive rank of `flag` among the block's threads (thread order) and the block total. Every thread of
-// the block must call it (it has barriers). s_warp: kPlanWarps ints of shared memory.
-__device__ __forceinline__ int block_rank(bool flag, int* s_warp, int* total) {
+// Exclusive prefix sum of `value` over the block's threads (thread order) and the block total. Every thread
+// of the block must call it (it has barriers). s_warp: kPlanWarps ints of shared memory.
+__device__ __forceinline__ int block_exclusive_sum(int value, int* s_warp, int* total) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
-  const int in_warp = __popc(ballot & ((1u << lane) - 1u));
-  if (lane == 0) s_warp[warp] = __popc(ballot);
+  int x = value;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int up = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += up;
+  }
+  if (lane == 31) s_warp[warp] = x;  // warp total
   __syncthreads();
   if (warp == 0) {
     int v = lane < kPlanWarps ? s_warp[lane] : 0;
@@ -74,13 +78,27 @@ __device__ __forceinline__ int block_rank(bool flag, int* s_warp, int* total) {
       const int up = __shfl_up_sync(0xffffffffu, v, o);
       if (lane >= o) v += up;
     }
-    if (lane < kPlanWarps) s_warp[lane] = v;  // inclusive prefix per warp
+    if (lane < kPlanWarps) s_warp[lane] = v;  // inclusive prefix over warps
   }
   __syncthreads();
-  const int before = warp == 0 ? 0 : s_warp[warp - 1];
+  const int before = (warp == 0 ? 0 : s_warp[warp - 1]) + x - value;
   *total = s_warp[kPlanWarps - 1];
   __syncthreads();  // s_warp is reused by the next call
-  return before + in_warp;
+  return before;
+}
+
+// Programmatic dependent launch (Hopper): the copy kernel is launched while the plan kernel still runs and
+// waits here until the plan kernel's writes are visible; the plan kernel lets it launch right away.
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 struct PlanArgs {
@@ -101,10 +119,15 @@ struct PlanArgs {
   uint32_t hash_mask;
 };
 
+// Thread t owns LRU ranks [t*D_ITEMS, (t+1)*D_ITEMS) and top-k entries [t*K_ITEMS, (t+1)*K_ITEMS): consecutive
+// runs, so one block-wide prefix sum per phase keeps LRU order and top-k order, and all of a thread's global
+// loads are issued before their first use.
+template <int D_ITEMS, int K_ITEMS>
 __global__ void __launch_bounds__(kPlanThreads, 1) swap_in_plan_kernel(PlanArgs a) {
   extern __shared__ int smem[];
   __shared__ int s_warp[kPlanWarps];
   __shared__ int s_ring_hits;
+  allow_dependent_launch();
   const int b = blockIdx.x;
   const int tid = threadIdx.x;
   const int K = a.K, D = a.D, R = a.R;
@@ -113,10 +136,10 @@ __global__ void __launch_bounds__(kPlanThreads, 1) swap_in_plan_kernel(PlanArgs 
   const int32_t* tk = a.top_k + static_cast<int64_t>(b) * K;
   int32_t* o = a.out + static_cast<int64_t>(b) * K;
   const int32_t* slots = a.buffer_slots + row * a.slots_stride;
-  if (tid == 0) s_ring_hits = 0;
-  __syncthreads();
 
   if (n <= D) {  // fast path: token t sits at LRU position t
+    if (tid == 0) s_ring_hits = 0;
+    __syncthreads();
     int valid = 0;
     for (int i = tid; i < K; i += kPlanThreads) {
       const int t = tk[i];
@@ -127,7 +150,9 @@ __global__ void __launch_bounds__(kPlanThreads, 1) swap_in_plan_kernel(PlanArgs 
     __syncthreads();
     if (tid == 0) {
       a.miss_count[b] = 0;
-      if (a.counters != nullptr && s_ring_hits) atomicAdd(&a.counters[0], static_cast<unsigned long long>(s_ring_hits));
+      if (a.counters != nullptr && s_ring_hits) {
+        atomicAdd(&a.counters[0], static_cast<unsigned long long>(s_ring_hits));
+      }
     }
     return;
   }
@@ -135,21 +160,40 @@ __global__ void __launch_bounds__(kPlanThreads, 1) swap_in_plan_kernel(PlanArgs 
   const int hash_size = static_cast<int>(a.hash_mask) + 1;
   int* s_keys = smem;                 // hash_size
   int* s_vals = s_keys + hash_size;   // hash_size
-  int* s_state = s_vals + hash_size;  // K: 1 = resolved (invalid, ring or table hit), 0 = miss so far
+  int* s_state = s_vals + hash_size;  // K: 1 = resolved (padding, ring or table hit), 0 = miss
   int* s_evict = s_state + K;         // D: evictable positions, LRU order
   int* s_hits = s_evict + D;          // K: hit positions, LRU order
-  int* s_miss = s_hits + K;           // K: top-k indices of the misses, top-k order
   int32_t* tokens = a.buffer_tokens + row * a.tokens_stride;
   int32_t* lru = a.lru_order + row * a.lru_stride;
   const int32_t* hrows = a.host_rows + row * a.host_rows_stride;
 
+  // Issue this thread's global loads first: top-k entries and LRU ranks.
+  int tok[K_ITEMS];
+#pragma unroll
+  for (int e = 0; e < K_ITEMS; ++e) {
+    const int i = tid * K_ITEMS + e;
+    tok[e] = i < K ? tk[i] : -1;
+  }
+  int pos[D_ITEMS];
+#pragma unroll
+  for (int e = 0; e < D_ITEMS; ++e) {
+    const int k = tid * D_ITEMS + e;
+    pos[e] = k < D ? lru[k] : -1;
+  }
   for (int j = tid; j < hash_size; j += kPlanThreads) s_keys[j] = kEmpty;
+  int held[D_ITEMS];
+#pragma unroll
+  for (int e = 0; e < D_ITEMS; ++e) held[e] = pos[e] >= 0 ? tokens[pos[e]] : -1;
+  if (tid == 0) s_ring_hits = 0;
   __syncthreads();
 
   // 1. Classify the selected tokens: padding, recent-ring hits, or candidates for the LRU table.
   int ring = 0;
-  for (int i = tid; i < K; i += kPlanThreads) {
-    const int t = tk[i];
+#pragma unroll
+  for (int e = 0; e < K_ITEMS; ++e) {
+    const int i = tid * K_ITEMS + e;
+    if (i >= K) continue;
+    const int t = tok[e];
     int resolved = 1;
     if (t < 0) {
       o[i] = -1;
@@ -165,61 +209,68 @@ __global__ void __launch_bounds__(kPlanThreads, 1) swap_in_plan_kernel(PlanArgs 
   if (ring) atomicAdd(&s_ring_hits, ring);
   __syncthreads();
 
-  // 2. Walk the LRU order: hits are resolved; the others are evictable. Both lists keep LRU order.
-  int num_hits = 0, num_evict = 0;
-  for (int base = 0; base < D; base += kPlanThreads) {
-    const int k = base + tid;
-    int pos = -1;
-    bool hit = false;
-    if (k < D) {
-      pos = lru[k];
-      const int t = tokens[pos];
-      if (t >= 0) {
-        const int i = hash_lookup(s_keys, s_vals, a.hash_mask, t);
-        if (i >= 0) {
-          hit = true;
-          o[i] = slots[pos];
-          s_state[i] = 1;
-        }
+  // 2. LRU walk: a held token that is selected is a hit; every other position is evictable. One prefix sum
+  //    of (hits | evictable << 16) places both lists in LRU order.
+  unsigned hit_mask = 0;
+  int my_hits = 0, my_evict = 0;
+#pragma unroll
+  for (int e = 0; e < D_ITEMS; ++e) {
+    if (pos[e] < 0) continue;
+    const int i = held[e] >= 0 ? hash_lookup(s_keys, s_vals, a.hash_mask, held[e]) : -1;
+    if (i >= 0) {
+      hit_mask |= 1u << e;
+      o[i] = slots[pos[e]];
+      s_state[i] = 1;
+      ++my_hits;
+    } else {
+      ++my_evict;
+    }
+  }
+  int total;
+  const int packed = block_exclusive_sum(my_hits | (my_evict << 16), s_warp, &total);
+  const int num_hits = total & 0xFFFF;
+  const int num_evict = total >> 16;
+  {
+    int h = packed & 0xFFFF;
+    int v = packed >> 16;
+#pragma unroll
+    for (int e = 0; e < D_ITEMS; ++e) {
+      if (pos[e] < 0) continue;
+      if (hit_mask & (1u << e)) {
+        s_hits[h++] = pos[e];
+      } else {
+        s_evict[v++] = pos[e];
       }
     }
-    int total;
-    const int hit_rank = block_rank(hit, s_warp, &total);
-    if (hit) s_hits[num_hits + hit_rank] = pos;
-    num_hits += total;
-    const bool evictable = k < D && !hit;
-    const int ev_rank = block_rank(evictable, s_warp, &total);
-    if (evictable) s_evict[num_evict + ev_rank] = pos;
-    num_evict += total;
   }
 
-  // 3. Compact the misses in top-k order (s_state was completed before the last barrier of step 2).
-  int num_miss = 0;
-  for (int base = 0; base < K; base += kPlanThreads) {
-    const int i = base + tid;
-    const bool miss = i < K && s_state[i] == 0;
-    int total;
-    const int rank = block_rank(miss, s_warp, &total);
-    if (miss) s_miss[num_miss + rank] = i;
-    num_miss += total;
+  // 3. Misses in top-k order (s_state complete: the prefix sum above has barriers). The m-th miss takes the
+  //    m-th least recently used evictable position; s_evict is complete after the next prefix sum.
+  int my_miss = 0;
+#pragma unroll
+  for (int e = 0; e < K_ITEMS; ++e) {
+    const int i = tid * K_ITEMS + e;
+    my_miss += (i < K && s_state[i] == 0);
   }
-  __syncthreads();
-
-  // 4. The m-th miss takes the m-th least recently used evictable position; plan its copy.
+  int m = block_exclusive_sum(my_miss, s_warp, &total);
+  const int num_miss = total;
   int32_t* psrc = a.plan_src + static_cast<int64_t>(b) * K;
   int32_t* pdst = a.plan_dst + static_cast<int64_t>(b) * K;
-  for (int m = tid; m < num_miss; m += kPlanThreads) {
-    const int pos = s_evict[m];
-    const int i = s_miss[m];
-    const int t = tk[i];
-    const int slot = slots[pos];
-    tokens[pos] = t;
+#pragma unroll
+  for (int e = 0; e < K_ITEMS; ++e) {
+    const int i = tid * K_ITEMS + e;
+    if (i >= K || s_state[i] != 0) continue;
+    const int p = s_evict[m];
+    const int t = tok[e];
+    const int slot = slots[p];
+    tokens[p] = t;
     o[i] = slot;
     psrc[m] = hrows[t];
     pdst[m] = slot;
+    ++m;
   }
 
-  // 5. New LRU order: [stale evictable, old order] + [just loaded, top-k order] + [hits, old order].
+  // 4. New LRU order: [stale evictable, old order] + [just loaded, top-k order] + [hits, old order].
   const int stale = num_evict - num_miss;
   for (int k = tid; k < D; k += kPlanThreads) {
     int v;
@@ -294,6 +345,7 @@ __global__ void __launch_bounds__(kCopyThreads) swap_in_copy_kernel(
   extern __shared__ int s_prefix[];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
+  wait_for_prerequisite_grid();
   if (warp == 0) {  // warp 0 scans 32 requests at a time, carrying the running total in a register
     int carry = 0;
     for (int base = 0; base < batch; base += 32) {
@@ -373,6 +425,44 @@ void check_row_major(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
 
+using PlanKernel = void (*)(PlanArgs);
+
+// Items per thread: the smallest power of two with items * kPlanThreads >= n.
+int items_for(int n) {
+  int items = 1;
+  while (items * kPlanThreads < n) items <<= 1;
+  return items;
+}
+
+PlanKernel pick_plan_kernel(int d_items, int k_items) {
+#define HS_PLAN_CASE(DI, KI) \
+  if (d_items == DI && k_items == KI) return swap_in_plan_kernel<DI, KI>;
+  HS_PLAN_CASE(1, 1)
+  HS_PLAN_CASE(2, 1)
+  HS_PLAN_CASE(2, 2)
+  HS_PLAN_CASE(4, 1)
+  HS_PLAN_CASE(4, 2)
+  HS_PLAN_CASE(4, 4)
+  HS_PLAN_CASE(8, 1)
+  HS_PLAN_CASE(8, 2)
+  HS_PLAN_CASE(8, 4)
+  HS_PLAN_CASE(16, 1)
+  HS_PLAN_CASE(16, 2)
+  HS_PLAN_CASE(16, 4)
+#undef HS_PLAN_CASE
+  return nullptr;
+}
+
+int compute_major() {
+  static int major = -1;
+  if (major < 0) {
+    int dev = 0;
+    HS_CUDA_CHECK(cudaGetDevice(&dev));
+    HS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  }
+  return major;
+}
+
 }  // namespace
 
 void swap_in(torch::Tensor top_k, torch::Tensor seq_lens, torch::Tensor req_rows, torch::Tensor buffer_slots,
@@ -395,20 +485,22 @@ void swap_in(torch::Tensor top_k, torch::Tensor seq_lens, torch::Tensor req_rows
   const int K = static_cast<int>(top_k.size(1));
   const int D = static_cast<int>(buffer_tokens.size(1));
   if (batch == 0) return;
+  TORCH_CHECK(K <= D, "device buffer size D=", D, " must be >= top_k K=", K);
+  TORCH_CHECK(D <= kPlanThreads * 16 && K <= kPlanThreads * 4, "the CUDA swap-in supports D <= ",
+              kPlanThreads * 16, " and K <= ", kPlanThreads * 4, "; got D=", D, ", K=", K);
   uint32_t hash_size = 1;
   while (hash_size < 2u * static_cast<uint32_t>(K)) hash_size <<= 1;
-  const size_t smem = (2 * static_cast<size_t>(hash_size) + 3 * static_cast<size_t>(K) + D) * sizeof(int);
+  const size_t smem = (2 * static_cast<size_t>(hash_size) + 2 * static_cast<size_t>(K) + D) * sizeof(int);
   int dev = 0, max_smem = 0;
   HS_CUDA_CHECK(cudaGetDevice(&dev));
   HS_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  TORCH_CHECK(smem + 256 <= static_cast<size_t>(max_smem), "swap-in needs ", smem,
+  TORCH_CHECK(smem + 512 <= static_cast<size_t>(max_smem), "swap-in needs ", smem,
               " B of shared memory for D=", D, ", K=", K, "; the device allows ", max_smem);
-  static size_t configured_smem = 0;  // raise the kernel's dynamic shared-memory limit once per size
-  if (smem > configured_smem) {
-    HS_CUDA_CHECK(cudaFuncSetAttribute(swap_in_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem)));
-    configured_smem = smem;
-  }
+  const int d_items = items_for(D);
+  const int k_items = items_for(K);
+  const PlanKernel kernel = pick_plan_kernel(d_items, k_items);
+  TORCH_CHECK(kernel != nullptr, "no swap-in plan kernel for D=", D, ", K=", K);
+  HS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   PlanArgs a;
   a.top_k = top_k.data_ptr<int32_t>();
   a.seq_lens = seq_lens.data_ptr<int64_t>();
@@ -431,7 +523,7 @@ void swap_in(torch::Tensor top_k, torch::Tensor seq_lens, torch::Tensor req_rows
   a.R = static_cast<int>(num_recent);
   a.hash_mask = hash_size - 1;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  swap_in_plan_kernel<<<batch, kPlanThreads, smem, stream>>>(a);
+  kernel<<<batch, kPlanThreads, smem, stream>>>(a);
   HS_CUDA_CHECK(cudaGetLastError());
 
   const uint8_t* host_base = device_visible(host_pool);
@@ -440,10 +532,20 @@ void swap_in(torch::Tensor top_k, torch::Tensor seq_lens, torch::Tensor req_rows
   const bool vec16 = vec16_ok(host_base, dev_base, row_bytes, host_pool.stride(0), device_pool.stride(0));
   const int max_rows = batch * K;
   const int blocks = std::max(1, std::min(2 * sm_count(), (max_rows + 7) / 8));
-  swap_in_copy_kernel<<<blocks, kCopyThreads, batch * sizeof(int), stream>>>(
-      a.miss_count, a.plan_src, a.plan_dst, host_base, host_pool.stride(0), dev_base, device_pool.stride(0),
-      row_bytes, batch, K, vec16);
-  HS_CUDA_CHECK(cudaGetLastError());
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(kCopyThreads);
+  cfg.dynamicSmemBytes = batch * sizeof(int);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = compute_major() >= 9 ? 1 : 0;
+  HS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, swap_in_copy_kernel, static_cast<const int32_t*>(a.miss_count),
+                                   static_cast<const int32_t*>(a.plan_src), static_cast<const int32_t*>(a.plan_dst),
+                                   host_base, host_pool.stride(0), dev_base, device_pool.stride(0), row_bytes, batch,
+                                   K, vec16));
 }
 
 void backup(torch::Tensor device_pool, torch::Tensor host_pool, torch::Tensor src_slots, torch::Tensor dst_rows) {

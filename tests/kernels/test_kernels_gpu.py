@@ -79,7 +79,7 @@ def test_swap_in_cuda_matches_reference_overlap(overlap: float, row_bytes: int) 
 
 @pytest.mark.parametrize(("buffer_size", "top_k", "batch", "num_recent"),
                          [(64, 64, 1, 1), (96, 64, 5, 2), (2048, 2048, 3, 4), (4096, 2048, 17, 8),
-                          (8192, 2048, 2, 4), (1500, 1000, 33, 3)])
+                          (8192, 2048, 2, 4), (1500, 1000, 33, 3), (16384, 4096, 2, 2)])
 def test_swap_in_cuda_matches_reference_shapes(buffer_size: int, top_k: int, batch: int, num_recent: int) -> None:
     rng = random.Random(buffer_size + batch)
     lens = [rng.choice([buffer_size - 1, buffer_size, buffer_size + 1, buffer_size + rng.randrange(1, 3 * buffer_size)])
