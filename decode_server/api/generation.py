@@ -44,6 +44,7 @@ class ChoiceState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     last_token_time: float | None = None
+    counted: bool = False  # its end is in the metrics already
 
 
 class GenerationGroup:
@@ -107,10 +108,15 @@ class GenerationGroup:
             if delta.finished:
                 choice.finished = True
                 choice.finish_reason = delta.finish_reason or "stop"
-                self.metrics.on_finished(choice.finish_reason, time.monotonic() - self.arrival)
+                self._count_finished(choice, choice.finish_reason)
                 if delta.error and delta.finish_reason != "abort":
                     logger.warning("request %s ended with an engine error: %s", choice.rid, delta.error)
             yield choice, event
+
+    def _count_finished(self, choice: ChoiceState, reason: str) -> None:
+        if not choice.counted:
+            choice.counted = True
+            self.metrics.on_finished(reason, time.monotonic() - self.arrival)
 
     def _record(self, choice: ChoiceState, new_token_ids: list[int]) -> None:
         if not new_token_ids:
@@ -128,8 +134,9 @@ class GenerationGroup:
         than once). Returns how many were aborted."""
         aborted = 0
         for choice in self._submitted:
-            if not choice.finished:
-                aborted += int(self.client.abort_nowait(choice.rid, reason))
+            if not choice.finished and self.client.abort_nowait(choice.rid, reason):
+                aborted += 1
+                self._count_finished(choice, "abort")
         if self.on_done is not None:
             callback, self.on_done = self.on_done, None
             callback()

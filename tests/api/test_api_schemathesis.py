@@ -1,0 +1,62 @@
+"""Property-based fuzzing of every route in /openapi.json (schemathesis): no input may produce a 5xx.
+
+Both valid and invalid bodies are generated (schemathesis' positive and negative modes). Generation length is
+capped before sending (an integer `max_tokens` becomes at most 8, an absent one 8) so that a valid chat request
+cannot run to the end of the context on CPU; out-of-range `max_tokens` values are covered in test_api_errors.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import httpx
+import hypothesis
+import schemathesis
+from api_server_harness import ServerProcess, wait_until_idle
+from hypothesis import HealthCheck, Phase
+
+MAX_EXAMPLES = 12
+MAX_GENERATED = 8
+
+
+def _cap_generation(body: object) -> None:
+    if not isinstance(body, dict) or not ("prompt" in body or "messages" in body):
+        return
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is None or (
+            isinstance(value, int) and not isinstance(value, bool) and value > MAX_GENERATED
+        ):
+            body[key] = MAX_GENERATED
+    if isinstance(body.get("n"), int) and body["n"] > 2:
+        body["n"] = 2
+
+
+def test_no_server_errors(dense_server: ServerProcess) -> None:
+    schema = schemathesis.openapi.from_url(dense_server.url + "/openapi.json", headers=dense_server.headers)
+    failures: list[str] = []
+    statuses: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+    for result in schema.get_all_operations():
+        operation = result.ok()
+
+        @hypothesis.settings(
+            max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
+            phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck),
+        )  # fmt: skip
+        @hypothesis.given(case=operation.as_strategy())
+        def check(case: schemathesis.Case) -> None:
+            _cap_generation(case.body)
+            response = case.call(base_url=dense_server.url, headers=dense_server.headers, timeout=120)
+            statuses[f"{case.method} {case.path}"][response.status_code] += 1
+            if response.status_code >= 500:
+                failures.append(f"{case.method} {case.path} body={case.body!r} -> {response.status_code} "
+                                f"{response.text[:300]}")  # fmt: skip
+
+        check()
+    assert not failures, "\n".join(failures)
+    assert len(statuses) >= 8, statuses
+    for route in ("POST /v1/completions", "POST /v1/chat/completions"):
+        assert statuses[route][200] and statuses[route][400], (route, statuses[route])
+    # the fuzzing left nothing running and the server still serves
+    wait_until_idle(dense_server, timeout=60)
+    assert httpx.get(dense_server.url + "/health", timeout=10).status_code == 200
