@@ -10,7 +10,7 @@ timed over N decode steps of the real engine loop (schedule → forward → samp
                    over a random permutation of the context that advances by X % of K per step.
 Reports batch, tokens/s, step time, hit rate and PCIe bytes per step; writes JSON and a PNG plot.
 
-GPU:   python benchmarks/bench_decode.py --contexts 8192 32768 65536 --device-kv-budget-gib 16
+GPU:   python benchmarks/bench_decode.py --contexts 8192 32768 65536 --device-kv-budget-gib 8
 CPU:   python benchmarks/bench_decode.py --smoke      (tiny-dsa, tiny contexts; checks the script end to end)
 """
 
@@ -35,6 +35,7 @@ from decode_server.engine.engine import Engine
 from decode_server.engine.memory import resolve_kv_dtype, resolve_model_dtype, row_bytes_of
 from decode_server.engine.request import Request
 from decode_server.engine.sampling_params import SamplingParams
+from decode_server.hisparse import ops as hisparse_ops
 from decode_server.hisparse.coordinator import HiSparseCoordinator, HiSparseLayout
 from decode_server.hisparse.indexer_pool import INDEX_KEY_BYTES
 from decode_server.model import build_random_model, load_config
@@ -48,11 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="dsv32-bench", help="model config name in configs/ or a checkpoint dir")
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 65536])
-    p.add_argument("--device-kv-budget-gib", type=float, default=16.0, help="device bytes for KV + indexer keys")
-    p.add_argument("--host-kv-budget-gib", type=float, default=64.0, help="pinned host bytes for HiSparse KV")
+    p.add_argument("--device-kv-budget-gib", type=float, default=8.0, help="device bytes for KV + indexer keys")
+    p.add_argument("--host-kv-budget-gib", type=float, default=40.0, help="pinned host bytes for HiSparse KV")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--max-batch", type=int, default=256, help="cap on requests per mode")
+    p.add_argument("--max-batch", type=int, default=512, help="cap on requests per mode")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[1],
                    help="also run each mode at these fixed batch sizes (e.g. 1: step time at batch 1)")
     p.add_argument("--modes", nargs="+", default=["dense", "hisparse"], choices=["dense", "hisparse"])
@@ -208,6 +209,64 @@ def fill(engine: Engine, synthetic: SyntheticKV, context: int, max_len: int, lim
     return n
 
 
+class SpanTimer:
+    """Accumulates the time of calls to wrapped functions while enabled: CUDA events on the current stream
+    (no sync per call; includes GPU idle gaps inside the span) on GPU, wall time on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.enabled = False
+        self.spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.cpu_seconds = 0.0
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            if not self.enabled:
+                return fn(*args, **kwargs)
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = fn(*args, **kwargs)
+                end.record()
+                self.spans.append((start, end))
+                return out
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.cpu_seconds += time.perf_counter() - t
+            return out
+
+        return timed
+
+    def total_ms(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(s.elapsed_time(e) for s, e in self.spans)
+        return 1000 * self.cpu_seconds
+
+
+class StepBreakdown:
+    """Where a decode step's time goes: forward, indexer top-k, attention (incl. swap-in), swap-in alone."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.timers = {name: SpanTimer(engine.device) for name in ("forward", "indexer", "attention", "swap_in")}
+        backend = engine.kv.backend
+        engine._forward = self.timers["forward"].wrap(engine._forward)
+        backend.index_topk = self.timers["indexer"].wrap(backend.index_topk)
+        backend.sparse_attention = self.timers["attention"].wrap(backend.sparse_attention)
+        self._ops_swap_in = hisparse_ops.swap_in
+        hisparse_ops.swap_in = self.timers["swap_in"].wrap(self._ops_swap_in)
+
+    def enable(self) -> None:
+        for t in self.timers.values():
+            t.enabled = True
+
+    def close(self) -> None:
+        hisparse_ops.swap_in = self._ops_swap_in
+
+    def per_step_ms(self, steps: int) -> dict[str, float]:
+        return {f"{name}_ms": t.total_ms() / steps for name, t in self.timers.items()}
+
+
 def layer_totals(engine: Engine) -> tuple[int, int, int, int]:
     stats = engine.stats()
     return stats.hisparse_hits, stats.hisparse_misses, stats.bytes_h2d, stats.bytes_d2h
@@ -232,18 +291,25 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
         raise RuntimeError(f"{name} at {context}: only {batch} of {fixed_batch} requests fit")
     if miss_rate is not None:
         SyntheticTopK(engine, context, miss_rate, args.seed)
-    for _ in range(args.warmup):
-        engine.step()
-    sync(device)
-    h0, m0, up0, down0 = layer_totals(engine)
-    t0 = time.perf_counter()
-    for _ in tqdm(range(args.steps), desc=f"{name} L={context} B={batch}", leave=False, file=sys.stderr):
-        deltas = engine.step()
-        if any(d.finished for d in deltas):
-            raise RuntimeError("a request finished during the timed steps (max_tokens too small)")
-    sync(device)
-    elapsed = time.perf_counter() - t0
-    h1, m1, up1, down1 = layer_totals(engine)
+    breakdown = StepBreakdown(engine)
+    try:
+        for _ in range(args.warmup):
+            engine.step()
+        sync(device)
+        h0, m0, up0, down0 = layer_totals(engine)
+        t0 = time.perf_counter()
+        for i in tqdm(range(args.steps), desc=f"{name} L={context} B={batch}", leave=False, file=sys.stderr):
+            if i == 1:  # time the breakdown on all but the first timed step (events cost a little)
+                breakdown.enable()
+            deltas = engine.step()
+            if any(d.finished for d in deltas):
+                raise RuntimeError("a request finished during the timed steps (max_tokens too small)")
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        h1, m1, up1, down1 = layer_totals(engine)
+        spans = breakdown.per_step_ms(max(1, args.steps - 1))
+    finally:
+        breakdown.close()
     selected = (h1 - h0) + (m1 - m0)
     result = {
         "mode": name, "context": context, "batch": batch, "fixed_batch": fixed_batch, "steps": args.steps,
@@ -251,6 +317,7 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
         "hit_rate": (h1 - h0) / selected if selected else None,
         "pcie_bytes_per_step": ((up1 - up0) + (down1 - down0)) / args.steps,
         "h2d_bytes_per_step": (up1 - up0) / args.steps, "d2h_bytes_per_step": (down1 - down0) / args.steps,
+        **spans,
     }
     del engine, synthetic
     gc.collect()
@@ -305,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = [r for r in results if "error" not in r]
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     header = (f"{'mode':<14}{'context':>8}{'batch':>7}{'tok/s':>11}{'step ms':>10}{'hit rate':>10}"
-              f"{'PCIe MB/step':>14}")
+              f"{'PCIe MB/step':>14}{'fwd ms':>9}{'idx ms':>9}{'attn ms':>9}{'swap ms':>9}")
     print(f"device: {device_name}; config: {args.config}; budget: {args.device_kv_budget_gib:g} GiB device, "
           f"{args.host_kv_budget_gib:g} GiB host; steps: {args.steps}")
     print(header)
@@ -316,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         hit = f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "-"
         print(f"{label:<14}{r['context']:>8}{r['batch']:>7}{r['tokens_per_s']:>11.1f}{r['step_ms']:>10.2f}"
-              f"{hit:>10}{r['pcie_bytes_per_step'] / 1e6:>14.2f}")
+              f"{hit:>10}{r['pcie_bytes_per_step'] / 1e6:>14.2f}{r['forward_ms']:>9.2f}{r['indexer_ms']:>9.2f}"
+              f"{r['attention_ms']:>9.2f}{r['swap_in_ms']:>9.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_name,
