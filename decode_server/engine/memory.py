@@ -21,6 +21,8 @@ from kernels.sparse_mla_ref import D_QK
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_DEVICE_BUDGET = 256 << 20
+# A derived (not explicit) host budget never takes more than this share of the memory available now.
+HOST_AVAILABLE_FRACTION = 0.5
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -64,6 +66,33 @@ def device_kv_budget(config: EngineConfig, device: torch.device) -> int:
     return CPU_DEFAULT_DEVICE_BUDGET
 
 
+def available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def host_kv_budget(config: EngineConfig, device_budget: int) -> int:
+    """Explicit, else `host_to_device_ratio` × the device budget, capped at half of the available host memory
+    (pinning more than the machine has would take the whole host down)."""
+    if config.host_kv_budget_bytes is not None:
+        return config.host_kv_budget_bytes
+    budget = int(config.hisparse.host_to_device_ratio * device_budget)
+    available = available_host_memory()
+    if available is not None and budget > HOST_AVAILABLE_FRACTION * available:
+        capped = int(HOST_AVAILABLE_FRACTION * available)
+        logger.warning("host KV budget %.1f GiB capped to %.1f GiB (half of the available host memory); set "
+                       "host_kv_budget_bytes to choose", budget / 2**30, capped / 2**30)
+        budget = capped
+    return budget
+
+
 def plan_dense_slots(config: EngineConfig, device: torch.device, num_layers: int, kv_dtype: torch.dtype) -> int:
     per_token = num_layers * (row_bytes_of(kv_dtype) + INDEX_KEY_BYTES)
     slots = device_kv_budget(config, device) // per_token
@@ -86,9 +115,7 @@ def plan_hisparse(
     rb = row_bytes_of(kv_dtype)
     ps = config.page_size
     device_budget = device_kv_budget(config, device)
-    host_budget = config.host_kv_budget_bytes
-    if host_budget is None:
-        host_budget = int(hs.host_to_device_ratio * device_budget)
+    host_budget = host_kv_budget(config, device_budget)
     host_pages = host_budget // (rb * num_layers * ps)
     if host_pages < 1:
         raise ValueError(f"the host KV budget ({host_budget} B) holds less than one page of {ps} tokens")
