@@ -20,7 +20,6 @@ import logging
 import os
 import signal
 import sys
-import traceback
 from typing import Any
 
 import zmq
@@ -211,7 +210,7 @@ def run_engine_process(
     except Exception as exc:
         logger.exception("engine process failed")
         with contextlib.suppress(zmq.ZMQError):
-            push.send(encode(FatalMsg(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}")))
+            push.send(encode(FatalMsg(f"{type(exc).__name__}: {exc}")))
         exit_code = 1
     finally:
         push.close(linger=1000)

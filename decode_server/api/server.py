@@ -24,7 +24,7 @@ from decode_server.api.engine_client import EngineClient
 from decode_server.api.metrics import ServerMetrics
 from decode_server.api.serving import ModelInfo
 from decode_server.config import EngineConfig, ServerConfig
-from decode_server.errors import ServerShuttingDownError
+from decode_server.errors import EngineDeadError, ServerShuttingDownError
 
 logger = logging.getLogger("decode_server.server")
 
@@ -149,4 +149,8 @@ def _import_tokenizer_class() -> Any:
 
 
 def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    return asyncio.run(serve(engine_config, server_config))
+    try:
+        return asyncio.run(serve(engine_config, server_config))
+    except EngineDeadError as exc:
+        logger.error("could not start: %s", exc.message)
+        return 1
