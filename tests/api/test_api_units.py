@@ -1,0 +1,266 @@
+"""Unit tests without a server: message codec, engine loop over ZMQ, error mapping, SSE, metrics, CLI."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from decode_server.api.engine_process import EngineLoop
+from decode_server.api.errors import validation_error_response
+from decode_server.api.messages import (
+    AbortMsg,
+    AcceptedMsg,
+    DeltasMsg,
+    GenerateMsg,
+    RejectedMsg,
+    ShutdownMsg,
+    StatsMsg,
+    StatsQueryMsg,
+    decode_from_engine,
+    decode_to_engine,
+    encode,
+)
+from decode_server.api.metrics import ServerMetrics, ThroughputWindow
+from decode_server.api.sse import DONE_FRAME, parse_sse, sse_frame
+from decode_server.cli import build_parser, engine_config_from_args, main, parse_bytes
+from decode_server.engine.sampling_params import SamplingParams
+from decode_server.engine.types import EngineStats, HiSparseLayerStats, PoolUsage, RequestDelta
+from decode_server.errors import ContextLengthExceededError, QueueFullError, ServerShuttingDownError
+
+# ------------------------------------------------------------------------------------------------ messages
+
+
+def test_codec_round_trip_and_direction_check() -> None:
+    msg = GenerateMsg("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, stop=["x"]))
+    back = decode_to_engine(encode(msg))
+    assert back == msg and back.params.stop == ["x"]
+    deltas = DeltasMsg(
+        [RequestDelta(rid="r1", new_token_ids=[7], text="a", finished=True, finish_reason="length")]
+    )
+    assert decode_from_engine(encode(deltas)) == deltas
+    with pytest.raises(TypeError):
+        decode_to_engine(encode(deltas))  # an engine→api message is refused by the engine
+    with pytest.raises(TypeError):
+        decode_from_engine(encode(AbortMsg("r1")))
+    with pytest.raises(TypeError):
+        encode({"not": "a message"})  # type: ignore[arg-type]
+
+
+def test_rejection_keeps_error_class_message_and_param() -> None:
+    exc = ContextLengthExceededError("too long", param="max_tokens")
+    rebuilt = decode_from_engine(encode(RejectedMsg.from_exception("r", exc))).to_exception()
+    assert type(rebuilt) is ContextLengthExceededError
+    assert rebuilt.status_code == 400 and rebuilt.message == "too long" and rebuilt.param == "max_tokens"
+    assert type(RejectedMsg.from_exception("r", QueueFullError("full")).to_exception()) is QueueFullError
+    assert RejectedMsg.from_exception("r", ServerShuttingDownError("x")).to_exception().status_code == 503
+    generic = RejectedMsg.from_exception("r", RuntimeError("boom")).to_exception()
+    assert generic.status_code == 500 and "boom" in generic.message
+
+
+class _ScriptedEngine:
+    """The Engine API in miniature: each request emits `max_tokens` tokens, one per step."""
+
+    def __init__(self) -> None:
+        self.reqs: dict[str, list[int]] = {}
+        self.aborted: list[str] = []
+
+    def add_request(self, rid: str, ids: list[int], params: SamplingParams) -> None:
+        if len(ids) > 5:
+            raise ContextLengthExceededError("prompt beyond 5 tokens", param="prompt")
+        self.reqs[rid] = [params.max_tokens, 0]
+
+    def abort_request(self, rid: str) -> None:
+        self.reqs.pop(rid, None)
+        self.aborted.append(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.reqs)
+
+    def step(self) -> list[RequestDelta]:
+        out = []
+        for rid, state in list(self.reqs.items()):
+            state[1] += 1
+            done = state[1] == state[0]
+            out.append(RequestDelta(rid=rid, new_token_ids=[state[1]], finished=done,
+                                    finish_reason="length" if done else None))  # fmt: skip
+            if done:
+                del self.reqs[rid]
+        return out
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running_reqs=len(self.reqs))
+
+
+def test_engine_loop_acknowledges_before_deltas_and_aborts_on_shutdown() -> None:
+    ctx = zmq.Context()
+    name = uuid.uuid4().hex
+    api_push, engine_pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    engine_push, api_pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    api_push.bind(f"inproc://{name}-in")
+    engine_pull.connect(f"inproc://{name}-in")
+    api_pull.bind(f"inproc://{name}-out")
+    engine_push.connect(f"inproc://{name}-out")
+    engine = _ScriptedEngine()
+    loop = EngineLoop(engine, engine_pull, engine_push, parent_pid=None)
+    thread = threading.Thread(target=loop.run, daemon=True)  # each socket is used by one thread only
+    try:
+        greedy = SamplingParams(max_tokens=3, temperature=0.0)
+        for msg in (GenerateMsg("ok", [1], greedy), GenerateMsg("long", [1] * 9, greedy),
+                    GenerateMsg("slow", [1], SamplingParams(max_tokens=10**6)), StatsQueryMsg(4)):  # fmt: skip
+            api_push.send(encode(msg))
+        thread.start()
+        replies = [decode_from_engine(api_pull.recv()) for _ in range(4)]
+        assert replies[0] == AcceptedMsg("ok")
+        assert isinstance(replies[1], RejectedMsg) and replies[1].error_class == "ContextLengthExceededError"
+        assert replies[2] == AcceptedMsg("slow")
+        assert isinstance(replies[3], StatsMsg) and replies[3].query_id == 4
+        assert replies[3].stats.num_running_reqs == 2
+        tokens: dict[str, list[int]] = {"ok": [], "slow": []}
+        while True:  # until "ok" finishes after its 3 tokens
+            msg = decode_from_engine(api_pull.recv())
+            assert isinstance(msg, DeltasMsg)
+            for d in msg.deltas:
+                tokens[d.rid] += d.new_token_ids
+            if any(d.rid == "ok" and d.finished for d in msg.deltas):
+                break
+        assert tokens["ok"] == [1, 2, 3] and tokens["slow"][:3] == [1, 2, 3]
+        api_push.send(encode(ShutdownMsg("test")))
+        thread.join(10)
+        assert not thread.is_alive()
+        assert engine.aborted == ["slow"] and not engine.reqs and loop.active == set()
+    finally:
+        loop.stopping = True
+        thread.join(10)
+        for sock in (api_push, engine_pull, engine_push, api_pull):
+            sock.close(linger=0)
+        ctx.term()
+
+
+# ------------------------------------------------------------------------------------------------ HTTP edge
+
+
+def test_validation_errors_become_400_with_param() -> None:
+    r = validation_error_response(
+        [{"type": "greater_than_equal", "loc": ("body", "max_tokens"), "msg": "Input should be >= 1"}]
+    )
+    body = json.loads(r.body)
+    assert r.status_code == 400
+    assert body == {"error": {"message": "invalid value for 'max_tokens': Input should be >= 1",
+                              "type": "invalid_request_error", "param": "max_tokens", "code": 400}}  # fmt: skip
+    r = validation_error_response([{"type": "missing", "loc": ("body", "messages"), "msg": "Field required"}])
+    assert json.loads(r.body)["error"]["message"] == "missing required parameter 'messages'"
+    r = validation_error_response(
+        [{"type": "json_invalid", "loc": ("body", 3), "msg": "x", "ctx": {"error": "bad"}}]
+    )
+    assert r.status_code == 400 and "not valid JSON" in json.loads(r.body)["error"]["message"]
+    union = [{"type": "string_type", "loc": ("body", "messages", 0, "content", "str"), "msg": "bad"}]
+    assert json.loads(validation_error_response(union).body)["error"]["param"] == "messages.0.content"
+
+
+def test_sse_frames() -> None:
+    frame = sse_frame({"a": "line1\nline2", "b": "ü"})
+    assert frame.startswith("data: ") and frame.endswith("\n\n") and frame.count("\n") == 2
+    assert parse_sse(frame + DONE_FRAME) == ['{"a":"line1\\nline2","b":"ü"}', "[DONE]"]
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+def test_throughput_window() -> None:
+    w = ThroughputWindow(window_s=10.0)
+    w.add(50, now=100.0)
+    w.add(50, now=105.0)
+    assert w.rate(now=106.0) == pytest.approx(10.0)
+    assert w.rate(now=112.0) == pytest.approx(5.0)  # the first batch left the window
+    assert w.rate(now=200.0) == 0.0
+
+
+def test_metrics_render_engine_stats_and_latencies() -> None:
+    m = ServerMetrics("tiny-dsa")
+    m.latest_stats = EngineStats(
+        num_running_reqs=3, num_queue_reqs=2, token_usage=0.25, num_generated_tokens=40, num_prompt_tokens=90,
+        hisparse_enabled=True, host_pages=PoolUsage(used=2, total=8),
+        hisparse_layers=[HiSparseLayerStats(layer=0, hits=30, misses=10, bytes_h2d=1000, bytes_d2h=10),
+                         HiSparseLayerStats(layer=1, hits=10, misses=10)],
+    )  # fmt: skip
+    m.on_first_token(0.2)
+    m.on_tokens(1, None)
+    m.on_tokens(2, 0.1)
+    m.on_finished("length", 0.5)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}  # fmt: skip
+    lbl = (("model_name", "tiny-dsa"),)
+    assert samples[("sglang:num_running_reqs", lbl)] == 3
+    assert samples[("sglang:num_queue_reqs", lbl)] == 2
+    assert samples[("sglang:token_usage", lbl)] == 0.25
+    assert samples[("sglang:generation_tokens_total", lbl)] == 40
+    assert samples[("sglang:prompt_tokens_total", lbl)] == 90
+    assert samples[("sglang:time_to_first_token_seconds_count", lbl)] == 1
+    assert samples[("sglang:inter_token_latency_seconds_count", lbl)] == 2  # two tokens, 0.05 s each
+    assert samples[("sglang:inter_token_latency_seconds_sum", lbl)] == pytest.approx(0.1)
+    assert samples[("sglang:e2e_request_latency_seconds_count", lbl)] == 1
+    assert (
+        samples[("sglang:num_requests_total", (("finish_reason", "length"), ("model_name", "tiny-dsa")))] == 1
+    )
+    layer0 = (("layer", "0"), ("model_name", "tiny-dsa"))
+    assert samples[("hisparse:swap_in_hits_total", layer0)] == 30
+    assert samples[("hisparse:swap_in_misses_total", layer0)] == 10
+    assert samples[("hisparse:bytes_h2d_total", layer0)] == 1000
+    assert samples[("hisparse:hit_rate", lbl)] == pytest.approx(40 / 60)
+    assert samples[("hisparse:host_pool_usage", lbl)] == 0.25
+    assert samples[("sglang:gen_throughput", lbl)] > 0
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_flags_map_to_configs() -> None:
+    args = build_parser().parse_args([
+        "serve", "--model-path", "/m", "--enable-hisparse", "--hisparse-config", '{"top_k": 8, "device_buffer_size": 16}',
+        "--kv-cache-dtype", "bfloat16", "--device", "cpu", "--mem-fraction-static", "0.5",
+        "--max-running-requests", "7", "--chunked-prefill-size", "512", "--host-kv-budget", "2GiB",
+        "--api-key", "k", "--served-model-name", "m", "--port", "1234",
+    ])  # fmt: skip
+    cfg = engine_config_from_args(args)
+    assert cfg.model_path == "/m" and cfg.enable_hisparse and cfg.hisparse.top_k == 8
+    assert cfg.hisparse.device_buffer_size == 16 and cfg.kv_cache_dtype == "bfloat16" and cfg.device == "cpu"
+    assert (
+        cfg.mem_fraction_static == 0.5 and cfg.max_running_requests == 7 and cfg.chunked_prefill_size == 512
+    )
+    assert cfg.host_kv_budget_bytes == 2 * 2**30
+    assert (args.api_key, args.served_model_name, args.port) == ("k", "m", 1234)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("1024", 1024), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
+                                                 ("2gib", 2 * 2**30), ("4k", 4000)])  # fmt: skip
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", [
+    ["--hisparse-config", "{not json"],
+    ["--hisparse-config", '{"top_k": 64, "device_buffer_size": 8}'],
+    ["--hisparse-config", '{"unknown_key": 1}'],
+    ["--mem-fraction-static", "1.5"],
+    ["--max-running-requests", "0"],
+    ["--port", "70000"],
+])  # fmt: skip
+def test_cli_rejects_bad_flags(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", *bad])
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_cli_generate_offline(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["generate", "--model-path", "tiny-dsa", "--device", "cpu", "--context-length", "128",
+                 "--prompt", "Hello", "--prompt", "World", "--max-tokens", "3", "--ignore-eos", "--json"])  # fmt: skip
+    assert code == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [x["prompt"] for x in lines] == ["Hello", "World"]
+    assert all(len(x["token_ids"]) == 3 and x["finish_reason"] == "length" for x in lines)
