@@ -1,8 +1,8 @@
 """Host KV pool: every token's MLA row of every running (or retracted) request, in pinned host memory.
 
 One uint8 tensor `[L, N_host, row_bytes]` (pinned on CUDA so kernels can read it over UVA and the backup can
-write it asynchronously), rows handed out in pages; `rows.table[req_row, p]` (the lead's `RequestTokenTable`) is the host row of token p in every
-layer.
+write it asynchronously), rows handed out in pages; `rows.table[req_row, p]` (a `RequestTokenTable`) is the host
+row of token p in every layer.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ class HostKVPool:
     ) -> None:
         pin = device.type == "cuda" and torch.cuda.is_available()
         num_rows = num_pages * page_size
-        self.kv = torch.zeros((num_layers, num_rows, row_bytes), dtype=torch.uint8, pin_memory=pin)
+        # Not zero-filled (tens of GiB take seconds to touch): every row is written (prefill or backup) before
+        # anything reads it.
+        self.kv = torch.empty((num_layers, num_rows, row_bytes), dtype=torch.uint8, pin_memory=pin)
         self.rows = RequestTokenTable(PagedAllocator(num_rows, page_size, name="host KV"), max_reqs, max_ctx, device)
         self.row_bytes = row_bytes
         self.pinned = pin
