@@ -20,6 +20,9 @@ from decode_server.model.indexer import Indexer
 from decode_server.model.layers import RMSNorm
 from decode_server.model.rope import apply_rope_interleaved
 
+# Tokens per step of the query absorption (bounds its temporary to this many tokens × H × 512).
+_ABSORB_CHUNK_TOKENS = 1024
+
 
 class MLAAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
@@ -59,6 +62,20 @@ class MLAAttention(nn.Module):
         k_pe = apply_rope_interleaved(kv_a[:, self.kv_lora_rank :], cos, sin)
         return torch.cat((c_kv, k_pe.to(c_kv.dtype)), dim=-1)
 
+    def absorbed_query(self, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[T, H, 576] = [W_UKᵀ q_nope ; RoPE(q_pe)] per head (its intermediates die on return)."""
+        num_tokens = q_latent.shape[0]
+        q = self.q_b_proj(q_latent).view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
+        query = torch.empty(num_tokens, self.num_heads, self.kv_lora_rank + self.rope_dim, dtype=q.dtype,
+                            device=q.device)
+        # W_UKᵀ q_nope per head, in token chunks so the temporary stays small for long prefills.
+        for start in range(0, num_tokens, _ABSORB_CHUNK_TOKENS):
+            rows = slice(start, start + _ABSORB_CHUNK_TOKENS)
+            latent = torch.matmul(q[rows, :, : self.nope_dim].transpose(0, 1), self.w_uk)  # [H, t, 512]
+            query[rows, :, : self.kv_lora_rank] = latent.transpose(0, 1)
+        query[..., self.kv_lora_rank :] = apply_rope_interleaved(q[..., self.nope_dim :], cos, sin)
+        return query
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cos32: torch.Tensor, sin32: torch.Tensor
     ) -> torch.Tensor:
@@ -69,17 +86,15 @@ class MLAAttention(nn.Module):
         num_tokens = x.shape[0]
 
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_latent).view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
-        q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim :]
-        q_pe = apply_rope_interleaved(q_pe, cos, sin)
-        q_absorbed = torch.einsum("thd,hdc->thc", q_nope, self.w_uk)  # [T, H, 512]
-        query = torch.cat((q_absorbed, q_pe.to(q_absorbed.dtype)), dim=-1)  # [T, H, 576]
-
+        query = self.absorbed_query(q_latent, cos, sin)
         backend.write_kv(self.layer_id, self.latent_rows(x, cos, sin))
         index = self.indexer(x, q_latent, cos32, sin32)
         backend.write_index_keys(self.layer_id, index.keys_fp8, index.key_scales)
         positions = backend.index_topk(self.layer_id, index.q, index.weights, self.index_topk)
+        del index, q_latent
         latent_out = backend.sparse_attention(self.layer_id, query, positions, self.softmax_scale)  # [T, H, 512]
-
-        out = torch.einsum("thc,hvc->thv", latent_out.to(self.w_uv.dtype), self.w_uv)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+        del query
+        # [H, T, 512] @ [H, 512, v] → [H, T, v] → [T, H·v]
+        out = torch.matmul(latent_out.to(self.w_uv.dtype).transpose(0, 1), self.w_uv.transpose(1, 2))
+        del latent_out
+        return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.v_dim))

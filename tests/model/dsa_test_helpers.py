@@ -117,3 +117,24 @@ def small_model(dtype=torch.float64, seed: int = 0, **overrides):
 
     config = ModelConfig.from_dict(small_config_dict(**overrides))
     return build_random_model(config, "cpu", dtype, seed=seed)
+
+
+def dense_backend(config, num_slots: int = 4096, max_requests: int = 8, max_context: int = 4096,
+                  kv_dtype=torch.float32):
+    """The engine's DenseBackend over a small cache (the backend the engine runs on CPU)."""
+    from decode_server.engine.dense_backend import DenseBackend, DenseKVCache
+
+    cache = DenseKVCache(config.num_hidden_layers, num_slots, max_requests, max_context, kv_dtype, "cpu")
+    return DenseBackend(cache)
+
+
+def greedy_generate(model, backend, prompt: list[int], steps: int, req_row: int = 0) -> list[int]:
+    """Prefill the prompt, then decode `steps` tokens greedily, one forward pass per token."""
+    backend.reserve(req_row, len(prompt) + steps)
+    logits = model.compute_logits(forward_tokens(model, backend, [req_row], [0], [prompt])[-1:])
+    out = [int(logits.argmax())]
+    while len(out) < steps:
+        hidden = forward_tokens(model, backend, [req_row], [len(prompt) + len(out) - 1], [[out[-1]]])
+        out.append(int(model.compute_logits(hidden).argmax()))
+    backend.release(req_row)
+    return out
