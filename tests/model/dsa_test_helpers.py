@@ -83,8 +83,8 @@ class ListBackend(AttentionBackend):
 
 def forward_tokens(model, backend, req_rows, prefix_lens, token_lists) -> torch.Tensor:
     """One forward pass extending each request by its tokens; returns hidden [T, hidden]."""
-    batch = ForwardBatch.build(req_rows, prefix_lens, [len(t) for t in token_lists], "cpu")
-    ids = torch.tensor([tok for toks in token_lists for tok in toks], dtype=torch.int64)
+    batch = ForwardBatch.build(req_rows, prefix_lens, [len(t) for t in token_lists], model.device)
+    ids = torch.tensor([tok for toks in token_lists for tok in toks], dtype=torch.int64, device=model.device)
     with forward_context(batch, backend):
         return model(ids, batch.positions)
 
@@ -120,11 +120,11 @@ def small_model(dtype=torch.float64, seed: int = 0, **overrides):
 
 
 def dense_backend(config, num_slots: int = 4096, max_requests: int = 8, max_context: int = 4096,
-                  kv_dtype=torch.float32):
+                  kv_dtype=torch.float32, device="cpu"):
     """The engine's DenseBackend over a small cache (the backend the engine runs on CPU)."""
     from decode_server.engine.dense_backend import DenseBackend, DenseKVCache
 
-    cache = DenseKVCache(config.num_hidden_layers, num_slots, max_requests, max_context, kv_dtype, "cpu")
+    cache = DenseKVCache(config.num_hidden_layers, num_slots, max_requests, max_context, kv_dtype, device)
     return DenseBackend(cache)
 
 
