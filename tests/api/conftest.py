@@ -7,7 +7,9 @@ import signal
 from collections.abc import Iterator
 
 import pytest
-from api_server_harness import API_KEY, ServerProcess, assert_clean_exit
+from api_server_harness import API_KEY, CONTEXT_LENGTH, ServerProcess, assert_clean_exit
+
+from decode_server.engine.llm import LLM
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +24,9 @@ def dense_server() -> Iterator[ServerProcess]:
             assert_clean_exit(server, code)
         finally:
             server.kill()
+
+
+@pytest.fixture(scope="session")
+def offline_llm() -> LLM:
+    """The offline API with the servers' engine settings: the reference for greedy outputs (dense mode)."""
+    return LLM("tiny-dsa", device="cpu", context_length=CONTEXT_LENGTH)

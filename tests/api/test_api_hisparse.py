@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from api_server_harness import CONTEXT_LENGTH, ServerProcess, assert_clean_exit, wait_until_idle
+from api_server_harness import ServerProcess, assert_clean_exit, wait_until_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 from decode_server.engine.llm import LLM
@@ -39,8 +39,8 @@ def _samples(server: ServerProcess) -> list:
     return [s for f in text_string_to_metric_families(text) for s in f.samples]
 
 
-def test_hisparse_greedy_equals_dense(hisparse_server: ServerProcess) -> None:
-    dense = LLM(MODEL, device="cpu", context_length=CONTEXT_LENGTH)
+def test_hisparse_greedy_equals_dense(hisparse_server: ServerProcess, offline_llm: LLM) -> None:
+    dense = offline_llm
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     expected = dense.generate(PROMPTS, params)
     assert all(len(o.prompt_token_ids) + 12 > 64 for o in expected), "prompts too short to need swap-ins"

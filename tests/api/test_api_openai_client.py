@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import openai
 import pytest
-from api_server_harness import API_KEY, CONTEXT_LENGTH, ServerProcess
+from api_server_harness import API_KEY, ServerProcess
 
 from decode_server.engine.llm import LLM
 from decode_server.engine.sampling_params import SamplingParams
@@ -23,8 +23,8 @@ def client(dense_server: ServerProcess) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def offline() -> LLM:
-    return LLM(MODEL, device="cpu", context_length=CONTEXT_LENGTH)
+def offline(offline_llm: LLM) -> LLM:
+    return offline_llm
 
 
 def test_models(client: openai.OpenAI) -> None:
