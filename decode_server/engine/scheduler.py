@@ -4,7 +4,9 @@ Each call to `schedule()` picks one forward pass:
 1. resume retracted requests (oldest first) when memory allows; while any remain, new requests wait;
 2. admit waiting requests (FIFO) while a request row is free and the KV manager accepts them;
 3. if some admitted request still has prompt left, a prefill batch of prompt chunks under the token budget
-   (`chunked_prefill_size`) — prefill goes first so new requests join the decode batch quickly;
+   (`chunked_prefill_size`), so new requests join the decode batch quickly — but never two prefill passes in a
+   row while requests are decoding: prefill and decode alternate, so a long prompt delays each running request
+   by at most one chunk per token;
 4. otherwise one decode step for every running request. Before it, each request gets room for its next token;
    when memory runs out, the newest running requests are retracted until the rest fit.
 """
@@ -48,6 +50,7 @@ class Scheduler:
         self.retracted: list[Request] = []
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
         self.num_retractions = 0
+        self._last_was_prefill = False
 
     # -- bookkeeping --
     @property
@@ -80,8 +83,10 @@ class Scheduler:
         self._resume_retracted()
         if not self.retracted:
             self._admit_waiting()
-        if self.prefilling:
+        if self.prefilling and not (self._last_was_prefill and self.running):
+            self._last_was_prefill = True
             return self._prefill_batch()
+        self._last_was_prefill = False
         if self.running:
             return self._decode_batch()
         if self.waiting or self.retracted:

@@ -171,7 +171,9 @@ class HiSparseCoordinator(KVManager):
         self.buffers.free(req_row)
 
     def try_resume(self, req_row: int, num_tokens: int) -> bool:
-        idx_pages = self.indexer.rows.pages_needed(req_row, num_tokens + 1)
+        """Resume only with one spare indexer page per request holding a buffer, so that the requests already
+        running can grow a page each before anyone must be retracted again (no retract/resume ping-pong)."""
+        idx_pages = self.indexer.rows.pages_needed(req_row, num_tokens + 1) + self.buffers.used_buffers
         if self.buffers.free_buffers < 1 or not self.indexer.rows.allocator.can_allocate(idx_pages):
             return False
         self.indexer.rows.ensure(req_row, num_tokens + 1)
