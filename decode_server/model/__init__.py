@@ -45,10 +45,13 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
 
 
 def load_config(name_or_path: str | Path) -> ModelConfig:
-    """A checkpoint's config, or one of the JSON files in configs/ by name (e.g. "dsv32-bench")."""
+    """A config by name from configs/ (e.g. "dsv32-bench"), a config JSON file, or a checkpoint's config."""
     bundled = CONFIG_DIR / f"{name_or_path}.json"
     if str(name_or_path) != TINY_NAME and bundled.is_file():
         return ModelConfig.from_json(bundled)
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return ModelConfig.from_json(path)
     return ModelConfig.from_json(resolve_model_path(name_or_path) / "config.json")
 
 

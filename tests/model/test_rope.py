@@ -113,3 +113,8 @@ def test_config_derived_sizes() -> None:
     assert (bench.index_n_heads, bench.index_head_dim, bench.index_topk) == (64, 128, 2048)
     with pytest.raises(ValueError, match="model_type"):
         ModelConfig.from_dict({"model_type": "llama"})
+    # Written back as config.json, a config reads the same (and by name / file path through load_config).
+    assert ModelConfig.from_dict(tiny.to_hf_dict()) == tiny
+    from decode_server.model import load_config
+
+    assert load_config("dsv32-bench") == bench == load_config(CONFIGS / "dsv32-bench.json")
