@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.25
+MIN_TEMPERATURE = 1e-5  # below: greedy (as vLLM does)
+MIN_TOP_P = 1e-6
 
 
 @dataclass
@@ -168,11 +170,15 @@ class OpenAIServing:
     ) -> SamplingParams:
         # With an explicit seed, choice i samples with seed + i: n identical choices would be pointless.
         seed = None if req.seed is None else (req.seed + choice) % 2**63
+        # Temperatures this close to 0 overflow float32 logits (inf/NaN probabilities): they mean greedy. A top_p
+        # below float32's reach would round to 0 and drop every token; any value that small keeps only the top one.
+        temperature = 0.0 if req.temperature < MIN_TEMPERATURE else req.temperature
+        top_p = max(req.top_p, MIN_TOP_P)
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
+                temperature=temperature,
+                top_p=top_p,
                 top_k=req.top_k,
                 seed=seed,
                 stop=self._stop_list(req.stop),

@@ -124,3 +124,14 @@ def test_abort_request_validation(dense_server: ServerProcess) -> None:
 
 def test_health_generate(dense_server: ServerProcess) -> None:
     assert httpx.get(dense_server.url + "/health_generate", timeout=60).status_code == 200
+
+
+def test_extreme_sampling_values_do_not_break_the_engine(dense_server: ServerProcess) -> None:
+    base = {"model": MODEL, "prompt": "edge", "max_tokens": 4, "ignore_eos": True}
+    greedy = post(dense_server, "/v1/completions", dict(base, temperature=0)).json()["choices"][0]["text"]
+    tiny_t = post(dense_server, "/v1/completions", dict(base, temperature=1e-300))
+    assert tiny_t.status_code == 200 and tiny_t.json()["choices"][0]["text"] == greedy
+    for override in ({"top_p": 1e-300}, {"top_k": 10**9}, {"seed": 2**63 - 1}, {"stop_token_ids": [10**9]}):
+        r = post(dense_server, "/v1/completions", dict(base, temperature=1.0, **override))
+        assert r.status_code == 200, (override, r.text)
+    assert httpx.get(dense_server.url + "/health", timeout=10).status_code == 200
