@@ -62,8 +62,8 @@ def kernel_times_us(fn: Callable[[], object], reset: Callable[[], object] | None
             total = getattr(evt, "device_time_total", None)
             if total is None:
                 total = evt.cuda_time_total
-            short = evt.key.split("(")[0].replace("void ", "").replace("(anonymous namespace)::", "")
-            out[short] = total / calls
+            name = evt.key.replace("void ", "").replace("(anonymous namespace)::", "")
+            out[name.split("(")[0]] = total / calls
     return out
 
 

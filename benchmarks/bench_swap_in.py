@@ -112,7 +112,8 @@ def run_case(host_pool: torch.Tensor, device_pool: torch.Tensor, batch: int, buf
     if breakdown:
         kernels = kernel_times_us(call, reset, name_filter="swap_in")
         host = host_us_per_call(call)
-        logger.info("  breakdown (B %d, D %d, %.0f%% misses): %s; host %.1f us per call", batch, buffer_size,
+        logger.info("  kernels (B %d, D %d, %.0f%% misses; the copy kernel's time includes its PDL wait for the plan): "
+                    "%s; host %.1f us per call", batch, buffer_size,
                     100 * miss_rate, ", ".join(f"{k} {v:.1f} us" for k, v in sorted(kernels.items())), host)
     row_bytes = host_pool.shape[1]
     missed = batch * n_miss * row_bytes

@@ -180,14 +180,25 @@ def default_config(num_heads: int, fp8: bool) -> dict[str, int]:
 
 
 def choose_splits(batch: int, num_heads: int, top_k: int, block_h: int, block_n: int, num_sms: int) -> int:
-    """Largest divisor of the tile count that brings the grid near two waves; a function of shapes only."""
+    """Split count of the top-k list, a function of shapes only (so results never depend on slot placement).
+
+    Cost model: programs run in waves of `num_sms · per_sm` (one 64-head program fills an SM's shared
+    memory); time ∝ waves · tiles per split. Splitting only pays when it removes idle SMs, and every split
+    beyond one costs a combine pass over fp32 partials, so the smallest split count of least cost wins.
+    """
     tiles = top_k // block_n
     programs = batch * (num_heads // block_h)
-    target = max(1, math.ceil(2 * num_sms / programs))
-    best = 1
+    per_sm = 1 if block_h >= 64 else 2
+    slots = num_sms * per_sm
+    best, best_cost = 1, math.inf
     for s in range(1, tiles + 1):
-        if tiles % s == 0 and s <= target:
-            best = s
+        if tiles % s:
+            continue
+        cost = math.ceil(programs * s / slots) * (tiles // s)
+        if s > 1:
+            cost = cost * 1.1 + 1  # fp32 partials written and read back by the combine kernel
+        if cost < best_cost:
+            best, best_cost = s, cost
     return best
 
 

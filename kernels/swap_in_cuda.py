@@ -25,30 +25,20 @@ def swap_in_cuda(
 ) -> torch.Tensor:
     """See kernels/swap_in_ref.py. All tensors on the device pool's GPU except the host pool, which must be
     pinned (or on that GPU). Asynchronous on the current stream."""
-    batch, top_k, _ = check_swap_in_args(
+    check_swap_in_args(
         top_k_tokens, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
         device_pool, num_recent, counters,
     )
     device = device_pool.device
-    for name, t in (("top_k_tokens", top_k_tokens), ("buffer_slots", buffer_slots),
-                    ("buffer_tokens", buffer_tokens), ("lru_order", lru_order), ("host_rows", host_rows)):
-        if t.device != device:
-            raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if top_k_tokens.device != device or buffer_tokens.device != device or lru_order.device != device:
+        raise ValueError(f"top_k_tokens, buffer_tokens and lru_order must be on {device}")
+    if buffer_slots.device != device or host_rows.device != device:
+        raise ValueError(f"buffer_slots and host_rows must be on {device}")
     if not host_pool.is_cuda and not host_pool.is_pinned():
         raise ValueError("host_pool must be pinned host memory (the GPU reads it directly through UVA)")
     if counters is not None and counters.device != device:
         raise ValueError(f"counters must be on {device}")
-    ext = load_extension()
-    out = torch.empty((batch, top_k), dtype=torch.int32, device=device)
-    plan_src = torch.empty((batch, top_k), dtype=torch.int32, device=device)
-    plan_dst = torch.empty((batch, top_k), dtype=torch.int32, device=device)
-    miss_count = torch.empty((batch,), dtype=torch.int32, device=device)
-    seq = seq_lens.to(device=device, dtype=torch.int64).contiguous()
-    rows = req_rows.to(device=device, dtype=torch.int64).contiguous()
-    use_counters = counters is not None
-    ext.swap_in(
-        top_k_tokens.contiguous(), seq, rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
-        device_pool, int(num_recent), counters if use_counters else miss_count, use_counters, out, plan_src,
-        plan_dst, miss_count,
+    return load_extension().swap_in(
+        top_k_tokens, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool, device_pool,
+        int(num_recent), counters,
     )
-    return out

@@ -18,6 +18,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -465,42 +468,61 @@ int compute_major() {
 
 }  // namespace
 
-void swap_in(torch::Tensor top_k, torch::Tensor seq_lens, torch::Tensor req_rows, torch::Tensor buffer_slots,
-             torch::Tensor buffer_tokens, torch::Tensor lru_order, torch::Tensor host_rows,
-             torch::Tensor host_pool, torch::Tensor device_pool, int64_t num_recent, torch::Tensor counters,
-             bool use_counters, torch::Tensor out, torch::Tensor plan_src, torch::Tensor plan_dst,
-             torch::Tensor miss_count) {
+torch::Tensor swap_in(torch::Tensor top_k, torch::Tensor seq_lens, torch::Tensor req_rows,
+                      torch::Tensor buffer_slots, torch::Tensor buffer_tokens, torch::Tensor lru_order,
+                      torch::Tensor host_rows, torch::Tensor host_pool, torch::Tensor device_pool, int64_t num_recent,
+                      std::optional<torch::Tensor> counters) {
   const c10::cuda::CUDAGuard guard(device_pool.device());
-  TORCH_CHECK(top_k.is_contiguous() && out.is_contiguous() && plan_src.is_contiguous() && plan_dst.is_contiguous(),
-              "top_k, out and plan tensors must be contiguous");
-  TORCH_CHECK(seq_lens.is_contiguous() && req_rows.is_contiguous() && miss_count.is_contiguous(),
-              "seq_lens, req_rows, miss_count must be contiguous");
+  top_k = top_k.contiguous();
+  seq_lens = seq_lens.to(device_pool.device(), torch::kLong).contiguous();
+  req_rows = req_rows.to(device_pool.device(), torch::kLong).contiguous();
   check_row_major(buffer_slots, "buffer_slots");
   check_row_major(buffer_tokens, "buffer_tokens");
   check_row_major(lru_order, "lru_order");
   check_row_major(host_rows, "host_rows");
   check_row_major(host_pool, "host_pool");
   check_row_major(device_pool, "device_pool");
+  const bool use_counters = counters.has_value();
+  if (use_counters) {
+    TORCH_CHECK(counters->is_cuda() && counters->scalar_type() == torch::kLong && counters->numel() == 2 &&
+                    counters->is_contiguous(), "counters must be a contiguous [2] int64 CUDA tensor");
+  }
   const int batch = static_cast<int>(top_k.size(0));
   const int K = static_cast<int>(top_k.size(1));
   const int D = static_cast<int>(buffer_tokens.size(1));
-  if (batch == 0) return;
+  // One allocation for the output, the miss plan (src host row, dst slot) and the per-request miss counts.
+  torch::Tensor scratch = torch::empty({3 * static_cast<int64_t>(batch) * K + batch},
+                                       top_k.options().dtype(torch::kInt));
+  torch::Tensor out = scratch.narrow(0, 0, static_cast<int64_t>(batch) * K).view({batch, K});
+  if (batch == 0) return out;
   TORCH_CHECK(K <= D, "device buffer size D=", D, " must be >= top_k K=", K);
   TORCH_CHECK(D <= kPlanThreads * 16 && K <= kPlanThreads * 4, "the CUDA swap-in supports D <= ",
               kPlanThreads * 16, " and K <= ", kPlanThreads * 4, "; got D=", D, ", K=", K);
   uint32_t hash_size = 1;
   while (hash_size < 2u * static_cast<uint32_t>(K)) hash_size <<= 1;
   const size_t smem = (2 * static_cast<size_t>(hash_size) + 2 * static_cast<size_t>(K) + D) * sizeof(int);
-  int dev = 0, max_smem = 0;
-  HS_CUDA_CHECK(cudaGetDevice(&dev));
-  HS_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  static int max_smem = 0;
+  if (max_smem == 0) {
+    int dev = 0;
+    HS_CUDA_CHECK(cudaGetDevice(&dev));
+    HS_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  }
   TORCH_CHECK(smem + 512 <= static_cast<size_t>(max_smem), "swap-in needs ", smem,
               " B of shared memory for D=", D, ", K=", K, "; the device allows ", max_smem);
   const int d_items = items_for(D);
   const int k_items = items_for(K);
   const PlanKernel kernel = pick_plan_kernel(d_items, k_items);
   TORCH_CHECK(kernel != nullptr, "no swap-in plan kernel for D=", D, ", K=", K);
-  HS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  static std::vector<std::pair<PlanKernel, size_t>> configured;  // dynamic smem limit raised so far
+  auto it = std::find_if(configured.begin(), configured.end(), [&](const auto& c) { return c.first == kernel; });
+  if (it == configured.end() || it->second < smem) {
+    HS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    if (it == configured.end()) {
+      configured.emplace_back(kernel, smem);
+    } else {
+      it->second = smem;
+    }
+  }
   PlanArgs a;
   a.top_k = top_k.data_ptr<int32_t>();
   a.seq_lens = seq_lens.data_ptr<int64_t>();
@@ -509,11 +531,12 @@ void swap_in(torch::Tensor top_k, torch::Tensor seq_lens, torch::Tensor req_rows
   a.buffer_tokens = buffer_tokens.data_ptr<int32_t>();
   a.lru_order = lru_order.data_ptr<int32_t>();
   a.host_rows = host_rows.data_ptr<int32_t>();
-  a.out = out.data_ptr<int32_t>();
-  a.plan_src = plan_src.data_ptr<int32_t>();
-  a.plan_dst = plan_dst.data_ptr<int32_t>();
-  a.miss_count = miss_count.data_ptr<int32_t>();
-  a.counters = use_counters ? reinterpret_cast<unsigned long long*>(counters.data_ptr<int64_t>()) : nullptr;
+  int32_t* base = scratch.data_ptr<int32_t>();
+  a.out = base;
+  a.plan_src = base + static_cast<int64_t>(batch) * K;
+  a.plan_dst = base + 2 * static_cast<int64_t>(batch) * K;
+  a.miss_count = base + 3 * static_cast<int64_t>(batch) * K;
+  a.counters = use_counters ? reinterpret_cast<unsigned long long*>(counters->data_ptr<int64_t>()) : nullptr;
   a.slots_stride = buffer_slots.stride(0);
   a.tokens_stride = buffer_tokens.stride(0);
   a.lru_stride = lru_order.stride(0);
@@ -546,6 +569,7 @@ void swap_in(torch::Tensor top_k, torch::Tensor seq_lens, torch::Tensor req_rows
                                    static_cast<const int32_t*>(a.plan_src), static_cast<const int32_t*>(a.plan_dst),
                                    host_base, host_pool.stride(0), dev_base, device_pool.stride(0), row_bytes, batch,
                                    K, vec16));
+  return out;
 }
 
 void backup(torch::Tensor device_pool, torch::Tensor host_pool, torch::Tensor src_slots, torch::Tensor dst_rows) {
