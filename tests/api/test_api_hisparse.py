@@ -1,16 +1,16 @@
 """A HiSparse-mode server (`--enable-hisparse`): greedy outputs equal the dense offline engine's, swap-ins
-really happen (misses > 0 in /metrics), and the host pool and device buffers are empty again afterwards."""
+really happen (misses > 0 in /metrics), and the host pool and device buffers are empty again afterwards.
+Its teardown kills the api process outright and checks that the engine process dies with it."""
 
 from __future__ import annotations
 
 import asyncio
-import signal
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from api_server_harness import ServerProcess, assert_clean_exit, wait_until_idle
+from api_server_harness import ServerProcess, assert_no_orphans, wait_until_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 from decode_server.engine.llm import LLM
@@ -28,8 +28,12 @@ def hisparse_server() -> Iterator[ServerProcess]:
     try:
         yield server
     finally:
+        # SIGTERM and SIGINT are covered elsewhere; here the api process dies abruptly (SIGKILL): the engine
+        # process must not outlive it (parent-death signal), nor may any other child.
         try:
-            assert_clean_exit(server, server.stop(signal.SIGTERM))
+            server.proc.kill()
+            server.proc.wait(10)
+            assert_no_orphans(server)
         finally:
             server.kill()
 
