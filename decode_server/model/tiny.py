@@ -99,7 +99,10 @@ def cache_dir() -> Path:
 
 
 def tiny_config_dict() -> dict:
-    with (CONFIG_DIR / f"{TINY_NAME}.json").open() as fh:
+    path = CONFIG_DIR / f"{TINY_NAME}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: tiny-dsa is defined by configs/ of a source checkout")
+    with path.open() as fh:
         return json.load(fh)
 
 
