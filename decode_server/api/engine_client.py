@@ -173,8 +173,8 @@ class EngineClient:
         self.closing = True
         self.fail_all(ServerShuttingDownError(f"request aborted: {reason}"))
         if self._process is not None and self._process.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
-                await self._send(ShutdownMsg(reason))
+            with contextlib.suppress(zmq.ZMQError, EngineDeadError, TimeoutError):
+                await asyncio.wait_for(self._send(ShutdownMsg(reason)), timeout_s)
             deadline = time.monotonic() + timeout_s
             while self._process.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -242,9 +242,12 @@ class EngineClient:
             )
         )
         if not self.dead and not self._to_engine.closed:
-            # zmq.asyncio sends at once when the socket can take the message; the returned future is done.
+            # A non-blocking send completes at once; if the engine cannot take it (it is gone), there is
+            # nothing left to free there.
             with contextlib.suppress(zmq.ZMQError):
-                self._to_engine.send(encode(AbortMsg(rid)))
+                sent = self._to_engine.send(encode(AbortMsg(rid)), flags=zmq.NOBLOCK)
+                if sent.done() and sent.exception() is not None:
+                    logger.warning("could not send the abort of %s to the engine: %s", rid, sent.exception())
         return True
 
     async def abort(self, rid: str, reason: str = "aborted") -> bool:
@@ -290,7 +293,16 @@ class EngineClient:
             raise ServerShuttingDownError("server is shutting down; not accepting new requests")
 
     async def _send(self, msg: ToEngine) -> None:
-        await self._to_engine.send(encode(msg))
+        """Send without ever blocking on a vanished engine (a PUSH socket with no peer would wait forever)."""
+        data = encode(msg)
+        while True:
+            try:
+                await self._to_engine.send(data, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if self.dead or self._process is None or not self._process.is_alive():
+                    raise EngineDeadError("engine process is not running; the server is exiting") from None
+                await asyncio.sleep(0.005)
 
     # ------------------------------------------------------------------------------------------ background
 
