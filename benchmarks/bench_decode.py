@@ -35,6 +35,7 @@ from decode_server.engine.engine import Engine
 from decode_server.engine.memory import resolve_kv_dtype, resolve_model_dtype, row_bytes_of
 from decode_server.engine.request import Request
 from decode_server.engine.sampling_params import SamplingParams
+from decode_server.errors import DecodeServerError
 from decode_server.hisparse import ops as hisparse_ops
 from decode_server.hisparse.coordinator import HiSparseCoordinator, HiSparseLayout
 from decode_server.hisparse.indexer_pool import INDEX_KEY_BYTES
@@ -365,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode, miss, fixed in runs:
             try:
                 results.append(run_one(args, model, model_config, mode, context, miss, fixed))
-            except (ValueError, RuntimeError, torch.OutOfMemoryError) as exc:
+            except (ValueError, RuntimeError, torch.OutOfMemoryError, DecodeServerError) as exc:
                 logger.warning("skipped %s (miss %s, batch %s) at context %d: %s", mode, miss, fixed, context, exc)
                 results.append({"mode": mode if miss is None else f"hisparse-m{round(miss * 100)}",
                                 "context": context, "fixed_batch": fixed, "error": str(exc)})
