@@ -11,8 +11,9 @@ from harness import TOP_K, Arrival, assert_identical, make_engine, random_prompt
 
 def workload(seed: int = 0) -> list[Arrival]:
     gen = torch.Generator().manual_seed(seed)
-    # Prompts shorter and longer than the buffer (D = top_k = 64); the 120-token prompt needs 2 prefill chunks.
-    spec = [(0, 20, 4), (0, 120, 12), (2, 90, 16), (4, 40, 18), (7, 70, 4)]
+    # Prompts shorter and longer than the buffer (D = top_k = 64); the 120-token prompt needs 2 prefill chunks;
+    # the 56-token one crosses D during decode (fast path → ring + LRU).
+    spec = [(0, 20, 4), (0, 120, 12), (2, 90, 16), (4, 56, 14), (7, 70, 4)]
     return [Arrival(step, f"r{i}", random_prompt(gen, n), m) for i, (step, n, m) in enumerate(spec)]
 
 
