@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from decode_server.engine.dense_backend import DenseBackend, DenseKVCache
+from decode_server.engine.kv_alloc import PagedAllocator
 from decode_server.engine.kv_manager import KVManager
 from decode_server.engine.types import PoolUsage
 
@@ -25,7 +26,7 @@ class DenseKVManager(KVManager):
         self.max_ctx = max_ctx
 
     @property
-    def _alloc(self):
+    def _alloc(self) -> PagedAllocator:
         return self.cache.allocator
 
     def capacity_error(self, prompt_len: int, max_total_len: int) -> str | None:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from decode_server.engine.kv_manager import KVManager
-from decode_server.engine.types import PoolUsage
+from decode_server.engine.types import HiSparseLayerStats, PoolUsage
+from decode_server.hisparse.backend import HiSparseBackend
 from decode_server.hisparse.counters import HiSparseCounters
 from decode_server.hisparse.device_buffer import DeviceBufferPool
 from decode_server.hisparse.host_pool import HostKVPool
@@ -78,8 +79,6 @@ class HiSparseCoordinator(KVManager):
         self.backup_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending_backup: torch.cuda.Event | None = None
         self._saved_index_keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        from decode_server.hisparse.backend import HiSparseBackend
-
         self.backend = HiSparseBackend(self)
 
     # -- backup ordering --
@@ -207,7 +206,7 @@ class HiSparseCoordinator(KVManager):
         u = self.usage()
         return max(u["host_pages"].fraction, u["device_slots"].fraction, u["indexer_slots"].fraction)
 
-    def layer_stats(self):
+    def layer_stats(self) -> list[HiSparseLayerStats]:
         return self.counters.snapshot()
 
     def is_empty(self) -> bool:
