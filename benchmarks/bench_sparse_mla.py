@@ -83,7 +83,8 @@ def run_case(pool: torch.Tensor, fmt: str, batch: int, heads: int, top_k: int, c
     row_bytes = pool.shape[1] * pool.element_size()
     nbytes = batch * top_k * row_bytes + batch * heads * (576 + 512) * 2
     cfg = config or default_config(heads, fmt == "fp8")
-    cfg_s = f"H{cfg['BLOCK_H']}/N{cfg['BLOCK_N']}/w{cfg['num_warps']}/s{cfg['num_stages']}"
+    cfg_s = f"H{cfg['BLOCK_H']}/N{cfg['BLOCK_N']}/w{cfg['num_warps']}/s{cfg['num_stages']}" + (
+        "/wide" if cfg.get("WIDE") else "")
     return Result(fmt, batch, heads, top_k, cfg_s, us, flops / (us * 1e-6) / 1e12, nbytes / (us * 1e-6) / 1e9,
                   ref_us, ref_us / us if with_ref else 0.0, rel_err)
 
@@ -112,7 +113,11 @@ def main() -> None:
             for cfg in ({"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
                         {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
                         {"BLOCK_H": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-                        {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}):
+                        {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "WIDE": 1},
+                        {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "WIDE": 1},
+                        {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "WIDE": 1}):
+                if cfg.get("WIDE") and fmt == "fp8":
+                    continue
                 try:
                     r = run_case(pool, fmt, 64, 128, top_k, cfg, with_ref=False)
                 except Exception as exc:  # a config the compiler rejects (e.g. out of shared memory)

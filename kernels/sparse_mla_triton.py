@@ -146,6 +146,58 @@ def _sparse_mla_decode_kernel(
 
 
 @triton.jit
+def _sparse_mla_decode_wide_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+    stride_qb, stride_qh, stride_kv, stride_ib,
+    num_heads, top_k, scale_log2,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """Float rows only: the 512 latent dims as one tile (one QK dot of depth 512, one PV dot of width 512)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    head_blocks = num_heads // BLOCK_H
+    b = pid // head_blocks
+    heads = (pid % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, 512)
+    offs_r = tl.arange(0, 64)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    qn = tl.load(q_rows + offs_d[None, :])
+    qr = tl.load(q_rows + 512 + offs_r[None, :])
+    acc = tl.zeros([BLOCK_H, 512], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    start = split * TOKENS_PER_SPLIT
+    for tile in range(0, TOKENS_PER_SPLIT // BLOCK_N):
+        offs_n = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_ptr + b.to(tl.int64) * stride_ib + offs_n, mask=offs_n < top_k, other=-1)
+        valid = idx >= 0
+        rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kv
+        kn = tl.load(rows + offs_d[None, :], mask=valid[:, None], other=0.0)
+        kr = tl.load(rows + 512 + offs_r[None, :], mask=valid[:, None], other=0.0)
+        scores = tl.dot(qn, tl.trans(kn))
+        scores = tl.dot(qr, tl.trans(kr), scores)
+        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(kn.dtype), kn, acc * alpha[:, None])
+        m_i = m_new
+    has = l_i > 0.0
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    bh = b.to(tl.int64) * num_heads + heads
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + bh[:, None] * 512 + offs_d[None, :], (acc * inv[:, None]).to(out_ptr.dtype.element_ty))
+        tl.store(lse_ptr + bh, tl.where(has, lse2 * 0.6931471805599453, float("inf")))
+    else:
+        part = bh * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * 512 + offs_d[None, :], acc * inv[:, None])
+        tl.store(part_lse_ptr + part, lse2)
+
+
+@triton.jit
 def _combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, NUM_SPLITS: tl.constexpr,
                     SPLITS_P2: tl.constexpr):
     """Merge the splits of one (request, head) by their base-2 LSE, in split order."""
@@ -209,7 +261,8 @@ def sparse_mla_decode_triton(
     scale: float,
     config: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring. `config` overrides the block sizes (benchmarks try alternatives)."""
+    """See the module docstring. `config` overrides the block sizes (benchmarks try alternatives); "WIDE": 1
+    selects, for float rows, the variant that treats the 512 latent dims as one tile."""
     if q.dim() != 3 or q.shape[2] != D_QK or indices.dim() != 2 or indices.shape[0] != q.shape[0]:
         raise ValueError(f"expected q [B, H, 576] and indices [B, K], got {tuple(q.shape)}, {tuple(indices.shape)}")
     batch, num_heads, _ = q.shape
@@ -251,13 +304,22 @@ def sparse_mla_decode_triton(
         kv_f32 = kv_bf16 = kv
         strides = (kv.stride(0), kv.stride(0), kv.stride(0))
     grid = (batch * (num_heads // block_h), splits)
-    _sparse_mla_decode_kernel[grid](
-        q, kv, kv_f32, kv_bf16, indices, out, lse, part_out, part_lse,
-        q.stride(0), q.stride(1), *strides, indices.stride(0),
-        num_heads, top_k, float(scale) * LOG2E,
-        BLOCK_H=block_h, BLOCK_N=block_n, TOKENS_PER_SPLIT=top_k // splits, NUM_SPLITS=splits, FP8=fp8,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    if cfg.get("WIDE", 0) and not fp8:
+        _sparse_mla_decode_wide_kernel[grid](
+            q, kv, indices, out, lse, part_out, part_lse,
+            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
+            num_heads, top_k, float(scale) * LOG2E,
+            BLOCK_H=block_h, BLOCK_N=block_n, TOKENS_PER_SPLIT=top_k // splits, NUM_SPLITS=splits,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    else:
+        _sparse_mla_decode_kernel[grid](
+            q, kv, kv_f32, kv_bf16, indices, out, lse, part_out, part_lse,
+            q.stride(0), q.stride(1), *strides, indices.stride(0),
+            num_heads, top_k, float(scale) * LOG2E,
+            BLOCK_H=block_h, BLOCK_N=block_n, TOKENS_PER_SPLIT=top_k // splits, NUM_SPLITS=splits, FP8=fp8,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
     if splits > 1:
         _combine_kernel[(batch * num_heads,)](
             part_out, part_lse, out, lse, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),

@@ -134,21 +134,34 @@ __global__ void __launch_bounds__(kPlanThreads, 1) swap_in_plan_kernel(PlanArgs 
   const int b = blockIdx.x;
   const int tid = threadIdx.x;
   const int K = a.K, D = a.D, R = a.R;
-  const int64_t row = a.req_rows[b];
-  const int64_t n = a.seq_lens[b];
-  const int32_t* tk = a.top_k + static_cast<int64_t>(b) * K;
-  int32_t* o = a.out + static_cast<int64_t>(b) * K;
-  const int32_t* slots = a.buffer_slots + row * a.slots_stride;
+  const int64_t row = __ldg(a.req_rows + b);
+  const int64_t n = __ldg(a.seq_lens + b);
+  // Distinct arrays: __restrict__ lets the compiler keep independent loads in flight across the stores.
+  const int32_t* __restrict__ tk = a.top_k + static_cast<int64_t>(b) * K;
+  int32_t* __restrict__ o = a.out + static_cast<int64_t>(b) * K;
+  const int32_t* __restrict__ slots = a.buffer_slots + row * a.slots_stride;
+  if (tid == 0) s_ring_hits = 0;
 
   if (n <= D) {  // fast path: token t sits at LRU position t
-    if (tid == 0) s_ring_hits = 0;
-    __syncthreads();
-    int valid = 0;
-    for (int i = tid; i < K; i += kPlanThreads) {
-      const int t = tk[i];
-      o[i] = t >= 0 ? slots[t] : -1;
-      valid += t >= 0;
+    int t[K_ITEMS];
+    int slot[K_ITEMS];
+#pragma unroll
+    for (int e = 0; e < K_ITEMS; ++e) {
+      const int i = tid + e * kPlanThreads;
+      t[e] = i < K ? __ldg(tk + i) : -1;
     }
+    int valid = 0;
+#pragma unroll
+    for (int e = 0; e < K_ITEMS; ++e) {
+      slot[e] = t[e] >= 0 ? __ldg(slots + t[e]) : -1;
+      valid += t[e] >= 0;
+    }
+#pragma unroll
+    for (int e = 0; e < K_ITEMS; ++e) {
+      const int i = tid + e * kPlanThreads;
+      if (i < K) o[i] = slot[e];
+    }
+    __syncthreads();
     if (valid) atomicAdd(&s_ring_hits, valid);
     __syncthreads();
     if (tid == 0) {
@@ -166,16 +179,16 @@ __global__ void __launch_bounds__(kPlanThreads, 1) swap_in_plan_kernel(PlanArgs 
   int* s_state = s_vals + hash_size;  // K: 1 = resolved (padding, ring or table hit), 0 = miss
   int* s_evict = s_state + K;         // D: evictable positions, LRU order
   int* s_hits = s_evict + D;          // K: hit positions, LRU order
-  int32_t* tokens = a.buffer_tokens + row * a.tokens_stride;
-  int32_t* lru = a.lru_order + row * a.lru_stride;
-  const int32_t* hrows = a.host_rows + row * a.host_rows_stride;
+  int32_t* __restrict__ tokens = a.buffer_tokens + row * a.tokens_stride;
+  int32_t* __restrict__ lru = a.lru_order + row * a.lru_stride;
+  const int32_t* __restrict__ hrows = a.host_rows + row * a.host_rows_stride;
 
-  // Issue this thread's global loads first: top-k entries and LRU ranks.
+  // Issue this thread's global loads first: top-k entries, LRU ranks, then the tokens they hold.
   int tok[K_ITEMS];
 #pragma unroll
   for (int e = 0; e < K_ITEMS; ++e) {
     const int i = tid * K_ITEMS + e;
-    tok[e] = i < K ? tk[i] : -1;
+    tok[e] = i < K ? __ldg(tk + i) : -1;
   }
   int pos[D_ITEMS];
 #pragma unroll
@@ -187,7 +200,12 @@ __global__ void __launch_bounds__(kPlanThreads, 1) swap_in_plan_kernel(PlanArgs 
   int held[D_ITEMS];
 #pragma unroll
   for (int e = 0; e < D_ITEMS; ++e) held[e] = pos[e] >= 0 ? tokens[pos[e]] : -1;
-  if (tid == 0) s_ring_hits = 0;
+  int ring_slot[K_ITEMS];
+#pragma unroll
+  for (int e = 0; e < K_ITEMS; ++e) {
+    const int t = tok[e];
+    ring_slot[e] = (t >= D && static_cast<int64_t>(t) >= n - R) ? __ldg(slots + D + t % R) : -1;
+  }
   __syncthreads();
 
   // 1. Classify the selected tokens: padding, recent-ring hits, or candidates for the LRU table.
@@ -200,8 +218,8 @@ __global__ void __launch_bounds__(kPlanThreads, 1) swap_in_plan_kernel(PlanArgs 
     int resolved = 1;
     if (t < 0) {
       o[i] = -1;
-    } else if (t >= D && static_cast<int64_t>(t) >= n - R) {
-      o[i] = slots[D + t % R];
+    } else if (ring_slot[e] >= 0) {
+      o[i] = ring_slot[e];
       ++ring;
     } else {
       resolved = 0;
@@ -214,19 +232,22 @@ __global__ void __launch_bounds__(kPlanThreads, 1) swap_in_plan_kernel(PlanArgs 
 
   // 2. LRU walk: a held token that is selected is a hit; every other position is evictable. One prefix sum
   //    of (hits | evictable << 16) places both lists in LRU order.
-  unsigned hit_mask = 0;
+  int hit_i[D_ITEMS];
   int my_hits = 0, my_evict = 0;
 #pragma unroll
   for (int e = 0; e < D_ITEMS; ++e) {
-    if (pos[e] < 0) continue;
-    const int i = held[e] >= 0 ? hash_lookup(s_keys, s_vals, a.hash_mask, held[e]) : -1;
-    if (i >= 0) {
-      hit_mask |= 1u << e;
-      o[i] = slots[pos[e]];
-      s_state[i] = 1;
-      ++my_hits;
-    } else {
-      ++my_evict;
+    hit_i[e] = (pos[e] >= 0 && held[e] >= 0) ? hash_lookup(s_keys, s_vals, a.hash_mask, held[e]) : -1;
+    my_hits += hit_i[e] >= 0;
+    my_evict += pos[e] >= 0 && hit_i[e] < 0;
+  }
+  int hit_slot[D_ITEMS];
+#pragma unroll
+  for (int e = 0; e < D_ITEMS; ++e) hit_slot[e] = hit_i[e] >= 0 ? __ldg(slots + pos[e]) : -1;
+#pragma unroll
+  for (int e = 0; e < D_ITEMS; ++e) {
+    if (hit_i[e] >= 0) {
+      o[hit_i[e]] = hit_slot[e];
+      s_state[hit_i[e]] = 1;
     }
   }
   int total;
@@ -239,7 +260,7 @@ __global__ void __launch_bounds__(kPlanThreads, 1) swap_in_plan_kernel(PlanArgs 
 #pragma unroll
     for (int e = 0; e < D_ITEMS; ++e) {
       if (pos[e] < 0) continue;
-      if (hit_mask & (1u << e)) {
+      if (hit_i[e] >= 0) {
         s_hits[h++] = pos[e];
       } else {
         s_evict[v++] = pos[e];
@@ -249,28 +270,43 @@ __global__ void __launch_bounds__(kPlanThreads, 1) swap_in_plan_kernel(PlanArgs 
 
   // 3. Misses in top-k order (s_state complete: the prefix sum above has barriers). The m-th miss takes the
   //    m-th least recently used evictable position; s_evict is complete after the next prefix sum.
+  bool miss[K_ITEMS];
   int my_miss = 0;
 #pragma unroll
   for (int e = 0; e < K_ITEMS; ++e) {
     const int i = tid * K_ITEMS + e;
-    my_miss += (i < K && s_state[i] == 0);
+    miss[e] = i < K && s_state[i] == 0;
+    my_miss += miss[e];
   }
-  int m = block_exclusive_sum(my_miss, s_warp, &total);
+  const int first = block_exclusive_sum(my_miss, s_warp, &total);
   const int num_miss = total;
-  int32_t* psrc = a.plan_src + static_cast<int64_t>(b) * K;
-  int32_t* pdst = a.plan_dst + static_cast<int64_t>(b) * K;
+  int dst_pos[K_ITEMS], dst_slot[K_ITEMS], src_row[K_ITEMS];
+  {
+    int m = first;
+#pragma unroll
+    for (int e = 0; e < K_ITEMS; ++e) {
+      dst_pos[e] = miss[e] ? s_evict[m] : 0;
+      m += miss[e];
+    }
+  }
 #pragma unroll
   for (int e = 0; e < K_ITEMS; ++e) {
-    const int i = tid * K_ITEMS + e;
-    if (i >= K || s_state[i] != 0) continue;
-    const int p = s_evict[m];
-    const int t = tok[e];
-    const int slot = slots[p];
-    tokens[p] = t;
-    o[i] = slot;
-    psrc[m] = hrows[t];
-    pdst[m] = slot;
-    ++m;
+    dst_slot[e] = miss[e] ? __ldg(slots + dst_pos[e]) : 0;
+    src_row[e] = miss[e] ? __ldg(hrows + tok[e]) : 0;
+  }
+  int32_t* __restrict__ psrc = a.plan_src + static_cast<int64_t>(b) * K;
+  int32_t* __restrict__ pdst = a.plan_dst + static_cast<int64_t>(b) * K;
+  {
+    int m = first;
+#pragma unroll
+    for (int e = 0; e < K_ITEMS; ++e) {
+      if (!miss[e]) continue;
+      tokens[dst_pos[e]] = tok[e];
+      o[tid * K_ITEMS + e] = dst_slot[e];
+      psrc[m] = src_row[e];
+      pdst[m] = dst_slot[e];
+      ++m;
+    }
   }
 
   // 4. New LRU order: [stale evictable, old order] + [just loaded, top-k order] + [hits, old order].
@@ -555,6 +591,12 @@ torch::Tensor swap_in(torch::Tensor top_k, torch::Tensor seq_lens, torch::Tensor
   const bool vec16 = vec16_ok(host_base, dev_base, row_bytes, host_pool.stride(0), device_pool.stride(0));
   const int max_rows = batch * K;
   const int blocks = std::max(1, std::min(2 * sm_count(), (max_rows + 7) / 8));
+  static bool copy_configured = false;  // same shared-memory carveout as the plan kernel: no reconfiguration
+  if (!copy_configured) {
+    HS_CUDA_CHECK(cudaFuncSetAttribute(swap_in_copy_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                       cudaSharedmemCarveoutMaxShared));
+    copy_configured = true;
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(blocks);
   cfg.blockDim = dim3(kCopyThreads);

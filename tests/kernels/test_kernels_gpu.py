@@ -201,3 +201,35 @@ def test_backup_rows_copies_all_layers(row_bytes: int) -> None:
     assert isinstance(event, torch.cuda.Event)
     event.synchronize()
     assert torch.equal(host_pool, expect)
+
+
+@pytest.mark.parametrize("heads", [16, 64, 128])
+@pytest.mark.parametrize(("batch", "block_n"), [(3, 64), (17, 32)])
+def test_sparse_mla_wide_variant_matches_reference_and_placement(heads: int, batch: int, block_n: int) -> None:
+    """The float-row variant with one 512-wide tile (config WIDE=1): accuracy, poison, padding, placement."""
+    from kernels.sparse_mla_triton import sparse_mla_decode_triton
+
+    cfg = {"BLOCK_H": min(heads, 64), "BLOCK_N": block_n, "num_warps": 8 if heads >= 64 else 4, "num_stages": 2,
+           "WIDE": 1}
+    gen = torch.Generator().manual_seed(heads + batch)
+    top_k, n_rows = 512, 900
+    rows = torch.randn(n_rows, 576, generator=gen)
+    pool_a, slots_a = _nan_poisoned_pool(rows, 2 * n_rows + 5, False, gen)
+    pool_b, slots_b = _nan_poisoned_pool(rows, 3 * n_rows, False, gen)
+    logical = torch.stack([torch.randperm(n_rows, generator=gen)[:top_k] for _ in range(batch)])
+    idx_a = slots_a[logical].to(torch.int32)
+    idx_b = slots_b[logical].to(torch.int32)
+    for idx in (idx_a, idx_b):
+        idx[0, top_k // 3:] = -1
+        idx[2] = -1
+    q = torch.randn(batch, heads, 576, generator=gen).bfloat16().to(DEV)
+    out, lse = sparse_mla_decode_triton(q, pool_a, idx_a.to(DEV), 0.135, cfg)
+    out_b, lse_b = sparse_mla_decode_triton(q, pool_b, idx_b.to(DEV), 0.135, cfg)
+    ref_out, ref_lse = sparse_mla_decode_rows_ref(q, pool_a, idx_a.to(DEV), 0.135)
+    assert torch.isfinite(out.float()).all()
+    err = (out.float() - ref_out.float()).norm() / ref_out.float().norm()
+    assert err < 1e-2, f"norm-relative error {err:.2e}"
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and bool((lse[2] > 0).all())
+    finite = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-3, rtol=1e-4)
+    assert torch.equal(out, out_b) and torch.equal(lse, lse_b)
