@@ -18,7 +18,7 @@ MODEL = "tiny-dsa"
 LONG = {
     "model": MODEL,
     "prompt": "Go on:",
-    "max_tokens": 200,
+    "max_tokens": 240,  # near the context length: still running when the test stops the server
     "ignore_eos": True,
     "temperature": 0,
     "stream": True,
@@ -81,7 +81,10 @@ def test_queue_bound_then_sigterm_with_requests_in_flight() -> None:
             assert reader.payloads[-1] == "[DONE]", reader.payloads[-3:]
             last = json.loads(reader.payloads[-2])
             assert "error" in last, reader.payloads[-3:]
-            assert last["error"]["type"] == "server_shutting_down" and "shutting down" in last["error"]["message"]
+            assert (
+                last["error"]["type"] == "server_shutting_down"
+                and "shutting down" in last["error"]["message"]
+            )
         assert_clean_exit(server, code)
         assert "SIGTERM received" in server.log_text()
     finally:
