@@ -62,11 +62,9 @@ class _Uvicorn(uvicorn.Server):
 
 
 def _memory_summary(info: dict[str, Any]) -> str:
-    pools = info.get("pools") or {}
-    parts = [f"{k}={v}" for k, v in pools.items() if v]
-    memory = info.get("memory") or {}
-    parts += [f"{k}={v}" for k, v in memory.items()]
-    return ", ".join(parts) or "n/a"
+    """Bytes and tokens of each KV pool (falls back to the raw pool sizes)."""
+    sizes = info.get("memory") or {k: v for k, v in (info.get("pools") or {}).items() if v}
+    return ", ".join(f"{k} {v}" for k, v in sizes.items()) or "n/a"
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
