@@ -67,20 +67,23 @@ class GenerationGroup:
         return all(c.finished for c in self.choices)
 
     async def submit(self) -> None:
-        """Submit every choice; if one is refused, abort those already accepted and re-raise its error."""
+        """Submit every choice at once (one engine round trip, not n); if one is refused, abort those accepted
+        and re-raise its error."""
+
+        async def submit_one(choice: ChoiceState) -> None:
+            spec = choice.spec
+            await self.client.submit(choice.rid, spec.prompt_token_ids, spec.params, self.queue, spec.index)
+            self._submitted.append(choice)
+
         try:
-            for choice in self.choices:
-                await self.client.submit(
-                    choice.rid,
-                    choice.spec.prompt_token_ids,
-                    choice.spec.params,
-                    self.queue,
-                    choice.spec.index,
-                )
-                self._submitted.append(choice)
-        except BaseException:
-            self.abort_unfinished("another choice of the same request was refused")
+            results = await asyncio.gather(*(submit_one(c) for c in self.choices), return_exceptions=True)
+        except BaseException:  # cancelled (client gone) while waiting for the engine
+            self.abort_unfinished("request cancelled during submission")
             raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self.abort_unfinished("another choice of the same request was refused")
+            raise errors[0]
 
     async def events(self) -> AsyncIterator[tuple[ChoiceState, StreamEvent]]:
         """Yield each choice's deltas as they arrive (state already updated); raises the error that ends a
