@@ -84,3 +84,12 @@ def test_retract_keeps_host_kv_and_resume_restores_index_keys():
     assert torch.equal(co.indexer.scales[0, idx_rows], torch.arange(6, dtype=torch.float32) + 1)
     co.free(0)
     assert co.is_empty()
+
+
+def test_free_while_retracted_releases_everything():
+    co = make()
+    co.try_admit(0, 6, 12)
+    co.retract(0, 6)
+    assert not co.is_empty()  # host KV and saved keys are kept
+    co.free(0)
+    assert co.is_empty()
