@@ -164,3 +164,22 @@ def test_32_concurrent_greedy_equal_offline(dense_server: ServerProcess, offline
     got = asyncio.run(run_all())
     mismatches = [(i, g, e) for i, (g, e) in enumerate(zip(got, expected, strict=True)) if g != e]
     assert not mismatches, mismatches
+
+
+def test_streaming_n_choices_and_prompt_list(client: openai.OpenAI) -> None:
+    prompts = ["First prompt", "Second one"]
+    full = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in full.choices] == [0, 1, 2, 3]
+    stream = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=4, temperature=0, n=2, stream=True
+    )
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == {c.index: c.text for c in full.choices}
+    assert finishes == {0: "length", 1: "length", 2: "length", 3: "length"}
+    assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: the n copies agree
