@@ -26,7 +26,7 @@ from decode_server.engine.memory import (
     resolve_model_dtype,
 )
 from decode_server.engine.request import Request, RequestStatus
-from decode_server.engine.sampler import Sampler, make_generator
+from decode_server.engine.sampler import Sampler, is_greedy, make_generator
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.engine.scheduler import ScheduledBatch, Scheduler
 from decode_server.engine.types import EngineStats, RequestDelta
@@ -133,7 +133,7 @@ class Engine:
             raise CapacityError(f"request can never fit in the KV budgets: {reason}")
         if len(self.scheduler.waiting) >= self.config.max_queued_requests:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queued_requests} requests)")
-        if not params.is_greedy:
+        if not is_greedy(params):
             seed = params.seed if params.seed is not None else hash((self.config.seed, req.arrival))
             req.generator = make_generator(seed, self.device)
         if self.tokenizer is not None:

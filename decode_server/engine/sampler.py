@@ -11,6 +11,13 @@ import torch
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.engine.types import TokenLogprob
 
+# Temperatures below this sample like greedy: dividing logits by less overflows float32 and makes NaN probabilities.
+MIN_TEMPERATURE = 1e-5
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.is_greedy or params.temperature < MIN_TEMPERATURE
+
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
     gen = torch.Generator(device=device)
@@ -35,7 +42,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One row of float32 logits [V] → token id."""
-    if params.is_greedy:
+    if is_greedy(params):
         return int(torch.argmax(logits))
     scaled = filter_logits(logits / params.temperature, params.top_k, params.top_p)
     probs = torch.softmax(scaled, dim=-1)
@@ -64,7 +71,7 @@ class Sampler:
         logits = logits.float()
         tokens: list[int] = []
         logprobs: list[TokenLogprob | None] = []
-        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        greedy = [i for i, p in enumerate(params) if is_greedy(p)]
         greedy_ids = torch.argmax(logits[greedy], dim=-1).tolist() if greedy else []
         greedy_of = dict(zip(greedy, greedy_ids, strict=True))
         for i, p in enumerate(params):

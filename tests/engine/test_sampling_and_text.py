@@ -55,3 +55,12 @@ def test_stop_string_across_deltas_is_never_shown():
     checker = StopStringChecker(["STOP"])
     shown = [checker.add(x) for x in ["abc S", "Tx"]] + [checker.finish()]
     assert "".join(shown) == "abc STx" and checker.matched is None
+
+
+def test_tiny_temperature_and_top_p_never_produce_nan():
+    logits = torch.tensor([[50.0, 49.0, -20.0, 3.0]])
+    sampler = Sampler()
+    for t in (1e-8, 1e-5, 1e-3):
+        params = SamplingParams(temperature=t, top_p=1e-9)
+        tok, _ = sampler.sample(logits, [params], [make_generator(0, torch.device("cpu"))])
+        assert tok == [0]
