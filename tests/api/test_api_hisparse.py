@@ -19,7 +19,7 @@ from decode_server.engine.sampling_params import SamplingParams
 MODEL = "tiny-dsa"
 # device_buffer_size == the model's index_topk (64): prompts longer than that must swap rows in from the host.
 HISPARSE_CONFIG = '{"device_buffer_size": 64, "num_recent_slots": 4}'
-PROMPTS = [" ".join(f"w{(i * 31 + j) % 97}" for j in range(40 + 6 * i)) for i in range(8)]
+PROMPTS = [" ".join(f"w{(i * 31 + j) % 97}" for j in range(24 + 3 * i)) for i in range(8)]
 
 
 @pytest.fixture(scope="module")
