@@ -35,6 +35,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         probs = torch.softmax(sorted_logits, dim=-1)
         # Keep a token if the mass strictly before it is below top_p (the first token is always kept).
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop[..., 0] = False  # a top_p below float32's range would otherwise drop every token (NaN probs)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
     return logits

@@ -61,6 +61,7 @@ def test_tiny_temperature_and_top_p_never_produce_nan():
     logits = torch.tensor([[50.0, 49.0, -20.0, 3.0]])
     sampler = Sampler()
     for t in (1e-8, 1e-5, 1e-3):
-        params = SamplingParams(temperature=t, top_p=1e-9)
-        tok, _ = sampler.sample(logits, [params], [make_generator(0, torch.device("cpu"))])
-        assert tok == [0]
+        for top_p in (1e-9, 1e-300):  # 1e-300 underflows to 0 in float32
+            params = SamplingParams(temperature=t, top_p=top_p)
+            tok, _ = sampler.sample(logits, [params], [make_generator(0, torch.device("cpu"))])
+            assert tok == [0]
