@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON results (default benchmarks/results/bench_decode[_smoke].json)")
     p.add_argument("--plot", default=None, help="PNG plot (default next to the JSON)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU: tiny-dsa, 2 contexts, 3 steps")
+    p.add_argument("--profile-dir", default=None,
+                   help="after the timed steps of each run, profile 2 more steps with torch.profiler and write the "
+                        "top operators by self CPU and by device time to <dir>/profile_<mode>_<context>.txt")
     args = p.parse_args(argv)
     if args.smoke:
         args.config = "tiny-dsa"
@@ -311,6 +314,9 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
         spans = breakdown.per_step_ms(max(1, args.steps - 1))
     finally:
         breakdown.close()
+    if args.profile_dir:
+        label = name + (f"_B{fixed_batch}" if fixed_batch else "")
+        profile_steps(engine, device, Path(args.profile_dir) / f"profile_{label}_{context}.txt")
     selected = (h1 - h0) + (m1 - m0)
     result = {
         "mode": name, "context": context, "batch": batch, "fixed_batch": fixed_batch, "steps": args.steps,
@@ -325,6 +331,24 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def profile_steps(engine: Engine, device: torch.device, path: Path, steps: int = 2) -> None:
+    """Where host and device time go in a decode step: operator tables from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+    averages = prof.key_averages()
+    tables = [f"# {steps} decode steps\n", "## by self CPU time\n",
+              averages.table(sort_by="self_cpu_time_total", row_limit=30)]
+    if device.type == "cuda":
+        tables += ["\n## by device time\n", averages.table(sort_by="self_cuda_time_total", row_limit=30)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(tables))
 
 
 def plot(results: list[dict], path: Path) -> None:
