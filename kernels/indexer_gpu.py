@@ -1,16 +1,26 @@
-"""Lightning-indexer top-k for a batch, with batched torch ops (no per-query Python loop, no host sync).
+"""Lightning-indexer top-k for a batch: the Triton kernel on CUDA, batched torch ops elsewhere.
 
 Same semantics as kernels/indexer_ref.py (`indexer_topk_ref`): scores in fp32, then torch.topk per query;
 queries whose request has <= top_k tokens get 0..n-1 ascending and −1 pads. Equal scores may be ordered
-differently (ties aside, the selected sets match). Runs on any device; the dispatcher uses it on CUDA.
+differently (ties aside, the selected sets match). The dispatcher uses `indexer_topk_batched` on CUDA; it runs
+kernels/indexer_triton.py there (no host sync, no materialized keys) and the pure-torch version
+(`indexer_topk_torch`) on devices without Triton. Triton is imported lazily, so this module imports without it.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import torch
 
 # Bound on the fp32 [queries, heads, positions] logits materialized at once (elements).
 _MAX_LOGITS = 1 << 27
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def indexer_topk_batched(
@@ -25,7 +35,29 @@ def indexer_topk_batched(
 ) -> torch.Tensor:
     """q [T, Hi, 128], weights [T, Hi], keys_fp8 [N, 128], scales [N], token_rows [B, L] (cache row of each
     position of each request), token_req [T] (request of each query), seq_lens [T]
-    → [T, top_k] int32 positions (best first), −1 pads."""
+    → [T, top_k] int32 positions (best first), −1 pads. Triton on CUDA, torch ops otherwise."""
+    args = (q, weights, keys_fp8, scales, token_rows, token_req, seq_lens, top_k)
+    if q.is_cuda and triton_available():
+        from kernels.indexer_triton import indexer_topk_triton
+
+        return indexer_topk_triton(*args)
+    return indexer_topk_torch(*args)
+
+
+def indexer_topk_torch(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys_fp8: torch.Tensor,
+    scales: torch.Tensor,
+    token_rows: torch.Tensor,
+    token_req: torch.Tensor,
+    seq_lens: torch.Tensor,
+    top_k: int,
+) -> torch.Tensor:
+    """q [T, Hi, 128], weights [T, Hi], keys_fp8 [N, 128], scales [N], token_rows [B, L] (cache row of each
+    position of each request), token_req [T] (request of each query), seq_lens [T]
+    → [T, top_k] int32 positions (best first), −1 pads. Pure torch: gathers the keys as fp32 [t, L, 128]
+    in chunks and syncs once with the host (max seq_len bounds the scored width)."""
     num_q = q.shape[0]
     max_len = token_rows.shape[1]
     device = q.device
