@@ -55,7 +55,7 @@ def _indexer_scores_kernel(
     num_heads, max_len, blocks_per_prog,
     HEADS_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     span = tl.program_id(1)
     heads = tl.arange(0, HEADS_P)
     dims = tl.arange(0, 128)
@@ -73,30 +73,31 @@ def _indexer_scores_kernel(
     req = tl.load(req_ptr + t).to(tl.int64)
     seq_len = tl.minimum(tl.load(lens_ptr + t).to(tl.int64), max_len).to(tl.int32)
     row_base = rows_ptr + req * stride_rows_b
-    out_base = out_ptr + t.to(tl.int64) * stride_out
+    out_base = out_ptr + t * stride_out
 
     start = span * blocks_per_prog * BLOCK_N
     end = tl.minimum(start + blocks_per_prog * BLOCK_N, max_len)
     scored_end = tl.minimum(end, seq_len)
 
-    for i in range(0, blocks_per_prog):
-        block = start + i * BLOCK_N
-        pos = block + offs
-        if block < scored_end:
-            visible = pos < scored_end
-            rows = tl.load(row_base + pos * stride_rows_l, mask=visible, other=-1).to(tl.int64)
-            valid = visible & (rows >= 0)
-            raw = tl.load(keys_ptr + rows[:, None] * stride_keys + dims[None, :], mask=valid[:, None], other=0)
-            keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            logits = tl.dot(keys, q_hi_t)
-            logits = tl.dot(keys, q_lo_t, logits)
-            score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
-            score = score * tl.load(scales_ptr + rows, mask=valid, other=0.0)
-            score = tl.where(visible, score, float("-inf"))
-            tl.store(out_base + pos, score, mask=pos < end)
-        else:
-            # Wholly beyond seq_len: −inf without reading anything.
-            tl.store(out_base + pos, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=pos < end)
+    # Blocks holding a visible position, then blocks wholly beyond seq_len (−inf, nothing read). Loop bounds
+    # rather than a branch in the loop, so that the compiler can pipeline the gathers.
+    num_scored = (tl.maximum(scored_end - start, 0) + BLOCK_N - 1) // BLOCK_N
+    for i in range(0, num_scored):
+        pos = start + i * BLOCK_N + offs
+        visible = pos < scored_end
+        rows = tl.load(row_base + pos * stride_rows_l, mask=visible, other=-1).to(tl.int64)
+        valid = visible & (rows >= 0)
+        raw = tl.load(keys_ptr + rows[:, None] * stride_keys + dims[None, :], mask=valid[:, None], other=0)
+        keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        logits = tl.dot(keys, q_hi_t)
+        logits = tl.dot(keys, q_lo_t, logits)
+        score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
+        score = score * tl.load(scales_ptr + rows, mask=valid, other=0.0)
+        score = tl.where(visible, score, float("-inf"))
+        tl.store(out_base + pos, score, mask=pos < end)
+    for blank in range(start + num_scored * BLOCK_N, end, BLOCK_N):
+        pos = blank + offs
+        tl.store(out_base + pos, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=pos < end)
 
 
 def indexer_scores_triton(
