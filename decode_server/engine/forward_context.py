@@ -107,7 +107,11 @@ def forward_context(batch: ForwardBatch, backend: AttentionBackend) -> Iterator[
     if _current is not None:
         raise RuntimeError("forward_context is already active: forward passes must not nest")
     _current = ForwardContext(batch=batch, backend=backend)
-    backend.begin_forward(batch)
+    try:
+        backend.begin_forward(batch)
+    except BaseException:
+        _current = None  # a refused batch must not leave the context installed for every later step
+        raise
     try:
         yield _current
     finally:
