@@ -11,6 +11,7 @@ import torch
 from decode_server.engine.attention_backend import AttentionBackend
 from decode_server.engine.forward_context import ForwardBatch
 from decode_server.engine.kv_alloc import PagedAllocator, RequestTokenTable
+from decode_server.engine.kv_rows import encode_rows, row_bytes, storage_layout
 from kernels import indexer_topk as _indexer_topk
 from kernels import sparse_mla_decode as _sparse_mla
 from kernels.indexer_ref import INDEX_HEAD_DIM
@@ -21,7 +22,11 @@ _ATTENTION_CHUNK_BYTES = 256 << 20
 
 
 class DenseKVCache:
-    """Per-layer MLA rows and indexer keys for `num_slots` tokens, plus the request→slot table."""
+    """Per-layer MLA rows and indexer keys for `num_slots` tokens, plus the request→slot table.
+
+    `kv` is `[L, N, 576]` of a float KV dtype, or `[L, N, 656]` uint8 FlashMLA FP8 rows when `kv_dtype` is
+    `torch.float8_e4m3fn` (decode_server/engine/kv_rows.py).
+    """
 
     def __init__(
         self,
@@ -39,15 +44,15 @@ class DenseKVCache:
         self.allocator = PagedAllocator(num_slots, page_size, name="dense KV")
         self.tokens = RequestTokenTable(self.allocator, max_requests, max_context, self.device)
         n = self.allocator.num_slots
-        self.kv = torch.zeros((num_layers, n, D_QK), dtype=kv_dtype, device=self.device)
+        row_elems, elem_dtype = storage_layout(kv_dtype)
+        self.kv = torch.zeros((num_layers, n, row_elems), dtype=elem_dtype, device=self.device)
         self.index_keys = torch.zeros((num_layers, n, INDEX_HEAD_DIM), dtype=torch.float8_e4m3fn, device=self.device)
         self.index_scales = torch.zeros((num_layers, n), dtype=torch.float32, device=self.device)
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_dtype: torch.dtype) -> int:
         """Device bytes one cached token costs: MLA row + indexer key (128 FP8 + fp32 scale), all layers."""
-        row = D_QK * torch.empty((), dtype=kv_dtype).element_size()
-        return num_layers * (row + INDEX_HEAD_DIM + 4)
+        return num_layers * (row_bytes(kv_dtype) + INDEX_HEAD_DIM + 4)
 
 
 class DenseBackend(AttentionBackend):
@@ -88,7 +93,7 @@ class DenseBackend(AttentionBackend):
 
     def write_kv(self, layer_id: int, kv_rows: torch.Tensor) -> None:
         _, slots, _ = self._current()
-        self.cache.kv[layer_id, slots] = kv_rows.to(self.cache.kv_dtype)
+        self.cache.kv[layer_id, slots] = encode_rows(kv_rows, self.cache.kv_dtype)
 
     def write_index_keys(self, layer_id: int, keys_fp8: torch.Tensor, scales: torch.Tensor) -> None:
         _, slots, _ = self._current()

@@ -22,6 +22,7 @@ import torch
 
 from decode_server.engine.attention_backend import AttentionBackend
 from decode_server.engine.forward_context import ForwardBatch
+from decode_server.engine.kv_rows import attention_rows, encode_row_bytes
 from decode_server.hisparse import ops
 
 if TYPE_CHECKING:
@@ -81,7 +82,8 @@ class HiSparseBackend(AttentionBackend):
         return self._batch
 
     def _as_row_bytes(self, kv_rows: torch.Tensor) -> torch.Tensor:
-        return kv_rows.to(self.co.kv_dtype).contiguous().view(torch.uint8)
+        """Model rows → pool bytes: the dtype's raw bytes, or packed 656-byte FP8 rows."""
+        return encode_row_bytes(kv_rows, self.co.kv_dtype)
 
     # -- AttentionBackend --
     def write_kv(self, layer_id: int, kv_rows: torch.Tensor) -> None:
@@ -126,7 +128,7 @@ class HiSparseBackend(AttentionBackend):
             bufs.buffer_tokens[layer_id], bufs.lru_order[layer_id], co.host.rows.table, co.host.kv[layer_id],
             bufs.kv[layer_id], bufs.num_recent, co.counters.swap[layer_id],
         )
-        return ops.sparse_attention(q, bufs.kv[layer_id].view(co.kv_dtype), slots, softmax_scale)
+        return ops.sparse_attention(q, attention_rows(bufs.kv[layer_id], co.kv_dtype), slots, softmax_scale)
 
     def _extend_attention(
         self, layer_id: int, q: torch.Tensor, topk_positions: torch.Tensor, softmax_scale: float
@@ -145,4 +147,4 @@ class HiSparseBackend(AttentionBackend):
         co.counters.add_h2d(layer_id, int(real_rows.numel()))
         local = inverse - 1 if has_pad else inverse
         local = torch.where(valid, local, torch.full_like(local, -1)).to(torch.int32)
-        return ops.sparse_attention(q, scratch.view(co.kv_dtype), local, softmax_scale)
+        return ops.sparse_attention(q, attention_rows(scratch, co.kv_dtype), local, softmax_scale)

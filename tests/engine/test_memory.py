@@ -47,8 +47,6 @@ def test_hisparse_defaults_and_errors():
                          hisparse=HiSparseConfig(device_buffer_size=32))
     with pytest.raises(ValueError, match="must be >= top_k"):
         memory.plan_hisparse(small, CPU, num_layers=2, index_topk=64, kv_dtype=torch.float32, max_ctx=1024)
-    with pytest.raises(ValueError, match="fp8"):
-        memory.resolve_kv_dtype(EngineConfig(kv_cache_dtype="fp8_e4m3"), torch.bfloat16)
 
 
 def test_derived_host_budget_is_capped_by_available_memory(monkeypatch):
@@ -56,3 +54,23 @@ def test_derived_host_budget_is_capped_by_available_memory(monkeypatch):
     cfg = EngineConfig(enable_hisparse=True)
     assert memory.host_kv_budget(cfg, 100 << 30) == 5 << 30
     assert memory.host_kv_budget(cfg.model_copy(update={"host_kv_budget_bytes": 7 << 30}), 100 << 30) == 7 << 30
+
+
+def test_fp8_kv_rows_are_656_bytes_and_fit_more_tokens():
+    """fp8_e4m3 resolves to FlashMLA's 656 B row; every budget counts 656 B per row per layer."""
+    fp8 = memory.resolve_kv_dtype(EngineConfig(kv_cache_dtype="fp8_e4m3"), torch.bfloat16)
+    assert memory.row_bytes_of(fp8) == 656 and memory.row_bytes_of(torch.bfloat16) == ROW
+    cfg = EngineConfig(device="cpu", device_kv_budget_bytes=10 << 20, page_size=64)
+    slots = memory.plan_dense_slots(cfg, CPU, num_layers=4, kv_dtype=fp8)
+    per_token = 4 * (656 + INDEX_KEY_BYTES)
+    assert slots % 64 == 0 and slots * per_token <= 10 << 20 < (slots + 64) * per_token
+    assert slots > memory.plan_dense_slots(cfg, CPU, num_layers=4, kv_dtype=torch.bfloat16)
+    hs = EngineConfig(device="cpu", enable_hisparse=True, device_kv_budget_bytes=32 << 20, page_size=16,
+                      host_kv_budget_bytes=64 << 20, max_running_requests=64,
+                      hisparse=HiSparseConfig(device_buffer_size=256, num_recent_slots=4))
+    lay8 = memory.plan_hisparse(hs, CPU, num_layers=4, index_topk=128, kv_dtype=fp8, max_ctx=8192)
+    lay16 = memory.plan_hisparse(hs, CPU, num_layers=4, index_topk=128, kv_dtype=torch.bfloat16, max_ctx=8192)
+    assert lay8.row_bytes == 656 and lay8.buffer_bytes == (256 + 4) * 656 * 4
+    assert lay8.host_pages == (64 << 20) // (656 * 4 * 16) > lay16.host_pages
+    assert lay8.num_buffers > lay16.num_buffers
+    assert lay8.num_buffers * lay8.buffer_bytes + lay8.indexer_pages * 16 * lay8.indexer_bytes_per_token <= 32 << 20
