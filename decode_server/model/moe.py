@@ -10,6 +10,7 @@ The mixing weights are the *unbiased* scores of the chosen experts, renormalized
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from decode_server.model.config import ModelConfig
@@ -62,7 +63,13 @@ class MoEGate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts + shared experts. Tokens are grouped per expert with one host sync per call."""
+    """Routed experts + shared experts.
+
+    On CUDA the routed experts run as three grouped GEMMs over the tokens sorted by expert (`torch._grouped_mm`
+    with offsets computed on the device), so a forward never waits for the GPU to learn how many tokens each
+    expert got; the per-token results are summed in a fixed order (no atomics), so the output is deterministic.
+    Elsewhere (CPU) a loop over the experts that received tokens, with one host sync per call.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -72,9 +79,17 @@ class MoE(nn.Module):
             MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts)
         )
         self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+        self._stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.gate(x)
+        if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+            routed = self.routed_grouped(x, weights, expert_ids)
+        else:
+            routed = self.routed_loop(x, weights, expert_ids)
+        return routed + self.shared_experts(x)
+
+    def routed_loop(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         top_k = expert_ids.shape[1]
         flat_ids = expert_ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
@@ -90,4 +105,34 @@ class MoE(nn.Module):
             out = self.experts[expert_id](x[tokens]) * weight_of[start : start + count, None]
             routed.index_add_(0, tokens, out.to(routed.dtype))
             start += count
-        return routed + self.shared_experts(x)
+        return routed
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert weights as [E, I, H] gate/up and [E, H, I] down, stacked once on first use; each expert's
+        parameters then become views into them, so memory is not doubled."""
+        device = self.experts[0].gate_proj.weight.device
+        if self._stacked is None or self._stacked[0].device != device:
+            stacks = []
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                stacked = torch.stack([getattr(e, name).weight.detach() for e in self.experts])
+                for i, expert in enumerate(self.experts):
+                    getattr(expert, name).weight.data = stacked[i]
+                stacks.append(stacked)
+            self._stacked = (stacks[0], stacks[1], stacks[2])
+        return self._stacked
+
+    def routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        gate_w, up_w, down_w = self.stacked_weights()
+        num_tokens, top_k = expert_ids.shape
+        flat_ids = expert_ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        offsets = torch.cumsum(torch.bincount(flat_ids, minlength=self.num_experts), 0).to(torch.int32)
+        xs = x[order // top_k]
+        # grouped_mm(a [M, K], b [E, K, N]): the transposed views make each expert's weight column-major.
+        hidden = F.silu(torch._grouped_mm(xs, gate_w.transpose(1, 2), offs=offsets))
+        hidden = hidden * torch._grouped_mm(xs, up_w.transpose(1, 2), offs=offsets)
+        out_sorted = torch._grouped_mm(hidden, down_w.transpose(1, 2), offs=offsets)
+        per_choice = torch.empty_like(out_sorted)
+        per_choice[order] = out_sorted
+        per_choice = per_choice.view(num_tokens, top_k, -1).float() * weights.unsqueeze(-1)
+        return per_choice.sum(dim=1).to(x.dtype)
