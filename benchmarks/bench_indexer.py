@@ -7,7 +7,8 @@ Cases: B (one decode query per request) in {1, 64, 237}, context L in {8192, 327
 Reported per case: scores kernel, torch.topk (sorted) and topk(sorted=False)+sort, the whole new call, the old
 call (skipped where it runs out of memory); useful TFLOP/s = 2·B·L·H·128 / scores time; GB/s = the bytes the
 scores kernel must read (B·L·(128 B key + 4 B scale + 4 B row id)) / scores time; overlap of the selected sets
-with the old path's (fp32) selection. `--configs` also times other launch shapes of the kernel for B=237,
+with the old path's (fp32) selection; score error: largest |score − fp64 score| / max |fp64 score| over the
+first 8 queries. `--configs` also times other launch shapes of the kernel for B=237,
 L=32768.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_indexer.py [--configs] [--json out.json]
@@ -54,6 +55,7 @@ class Result:
     speedup: float | None
     overlap_mean: float | None
     overlap_min: float | None
+    score_err: float
 
 
 def make_pool() -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +71,18 @@ def make_pool() -> tuple[torch.Tensor, torch.Tensor]:
 def topk_unsorted_then_sort(scores: torch.Tensor) -> torch.Tensor:
     values, idx = torch.topk(scores, TOP_K, dim=1, sorted=False)
     return idx.gather(1, values.argsort(dim=1, descending=True, stable=True))
+
+
+def score_error(scores: torch.Tensor, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
+                scales: torch.Tensor, token_rows: torch.Tensor, *_: torch.Tensor, queries: int = 8) -> float:
+    """Largest |score − fp64 score| / max |fp64 score| over the first `queries` queries (full context)."""
+    worst = 0.0
+    for t in range(min(queries, scores.shape[0])):
+        rows = token_rows[t].long()
+        exact = torch.einsum("hd,nd->hn", q[t].double(), keys[rows].double()).relu()
+        exact = (w[t].double() @ exact) * scales[rows].double()
+        worst = max(worst, float((scores[t].double() - exact).abs().max() / exact.abs().max()))
+    return worst
 
 
 def overlap(a: torch.Tensor, b: torch.Tensor, length: int) -> tuple[float, float]:
@@ -96,6 +110,7 @@ def run_case(keys: torch.Tensor, scales: torch.Tensor, batch: int, length: int, 
         flush.zero_()
 
     scores = indexer_scores_triton(*args)
+    err = score_error(scores, *args)
     scores_us = time_gpu_us(lambda: indexer_scores_triton(*args), reset=reset)
     topk_us = time_gpu_us(lambda: torch.topk(scores, TOP_K, dim=1, sorted=True), reset=reset)
     alt_us = time_gpu_us(lambda: topk_unsorted_then_sort(scores), reset=reset)
@@ -116,11 +131,13 @@ def run_case(keys: torch.Tensor, scales: torch.Tensor, batch: int, length: int, 
         new_us=new_us, old_us=old_us, tflops=flops / (scores_us * 1e-6) / 1e12,
         gbps=batch * length * BYTES_PER_POSITION / (scores_us * 1e-6) / 1e9,
         speedup=old_us / new_us if old_us else None, overlap_mean=overlap_mean, overlap_min=overlap_min,
+        score_err=err,
     )
 
 
-def sweep_configs(keys: torch.Tensor, scales: torch.Tensor, flush: torch.Tensor) -> list[tuple[str, float]]:
-    """Scores-kernel time of other launch shapes at B=237, L=32768."""
+def sweep_configs(keys: torch.Tensor, scales: torch.Tensor,
+                  flush: torch.Tensor) -> list[tuple[str, float, float]]:
+    """Scores-kernel time and score error of other launch shapes at B=237, L=32768."""
     batch, length = 237, 32768
     gen = torch.Generator(device="cuda").manual_seed(1)
     token_rows = torch.randperm(POOL_ROWS, device="cuda", generator=gen)[: batch * length]
@@ -129,19 +146,23 @@ def sweep_configs(keys: torch.Tensor, scales: torch.Tensor, flush: torch.Tensor)
             token_rows.to(torch.int32).reshape(batch, length), torch.arange(batch, device="cuda"),
             torch.full((batch,), length, device="cuda", dtype=torch.int64))
     configs = [ScoresConfig()] + [
-        ScoresConfig(block_n=bn, num_warps=nw, num_stages=ns, blocks_per_program=bpp)
-        for bn, nw, ns, bpp in [(128, 4, 1, None), (128, 4, 3, None), (128, 8, 2, None), (128, 8, 3, None),
-                                (64, 4, 2, None), (64, 4, 3, None), (128, 4, 2, 4), (128, 4, 2, 32)]
+        ScoresConfig(block_n=bn, num_warps=nw, num_stages=ns, fp16=f16, heads_as_m=hm, blocks_per_program=bpp)
+        for bn, nw, ns, f16, hm, bpp in [
+            (64, 4, 3, False, False, None), (128, 4, 2, False, False, None), (64, 4, 4, True, False, None),
+            (128, 8, 3, True, False, None), (32, 4, 3, True, False, None), (64, 4, 3, True, True, None),
+            (128, 4, 3, True, True, None), (128, 8, 3, True, True, None), (64, 8, 3, True, True, None),
+            (64, 4, 3, True, False, 8), (64, 4, 3, True, False, 64),
+        ]
     ]
     out = []
     for cfg in configs:
         try:
-            indexer_scores_triton(*args, config=cfg)
+            err = score_error(indexer_scores_triton(*args, config=cfg), *args)
             us = time_gpu_us(lambda cfg=cfg: indexer_scores_triton(*args, config=cfg), reset=flush.zero_)
         except Exception as exc:  # a launch shape the compiler rejects (e.g. out of shared memory)
             logger.warning("config %s failed: %s", cfg, exc)
-            us = float("nan")
-        out.append((str(cfg), us))
+            us = err = float("nan")
+        out.append((str(cfg), us, err))
     return out
 
 
@@ -164,11 +185,11 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"device": device_name(), "results": [asdict(r) for r in results],
                                          "configs": sweep}, indent=1))
-    for cfg, us in sweep:
-        print(f"config {cfg}: scores {us:.1f} us")
+    for cfg, us, err in sweep:
+        print(f"config {cfg}: scores {us:.1f} us, score error {err:.2e}")
     print(f"\nLightning indexer, {device_name()}: H={HEADS}, top-k {TOP_K}, times in us (median, L2 flushed)")
     print(f"{'B':>4} {'L':>6} | {'scores':>8} {'TFLOP/s':>8} {'GB/s':>7} | {'topk':>8} {'tk+sort':>8} | "
-          f"{'new':>8} {'old':>9} {'speedup':>7} | {'overlap mean/min':>16}")
+          f"{'new':>8} {'old':>9} {'speedup':>7} | {'overlap mean/min':>16} | score err")
     for r in results:
         old = f"{r.old_us:9.0f}" if r.old_us else f"{'-':>9}"
         speed = f"{r.speedup:7.1f}" if r.speedup else f"{'-':>7}"

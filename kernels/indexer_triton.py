@@ -1,10 +1,12 @@
 """Lightning-indexer scores in Triton, then top-k (same semantics as kernels/indexer_ref.py).
 
-One program per (query, span of positions). The program loads its query's heads once, splits them into
-bf16 hi + lo parts (q ≈ hi + lo to ~16 mantissa bits), and for each block of BLOCK_N positions: gathers the
-key rows through token_rows, converts FP8 e4m3 → bf16 in registers (exact: every e4m3 value is a bf16 value),
-runs two tensor-core dots (keys · hi, keys · lo, fp32 accumulation), ReLU, the weighted head sum, times the
-key's scale, −inf beyond the query's seq_len. The fp32 scores [T, L] then go through torch.topk.
+One program per (query, span of positions). The program loads its query's heads once, scales each head by a
+power of two (folded back into its weight, so the score is unchanged) and splits it into fp16 hi + lo parts
+(q ≈ hi + lo to ~22 mantissa bits). For each block of BLOCK_N positions it gathers the key rows through
+token_rows, converts FP8 e4m3 → fp16 in registers (exact: every e4m3 value is an fp16 value), runs two
+tensor-core dots (keys · hi, keys · lo, fp32 accumulation), ReLU, the weighted head sum, times the key's scale,
+−inf beyond the query's seq_len. The fp32 scores [T, L] then go through torch.topk. A bf16 variant (no scaling,
+~16 bits) and a heads-as-M dot orientation are kept as launch options for the benchmark's comparison.
 
 Nothing here syncs with the host: the scored width is token_rows.shape[1] (the engine slices token_rows to the
 batch's longest request) and the launch shape depends only on host-known sizes. BLOCK_N is the same for every
@@ -29,10 +31,12 @@ MAX_SCORES = 1 << 27
 class ScoresConfig:
     """Launch shape of the scores kernel. block_n must stay fixed across batches (see module docstring)."""
 
-    block_n: int = 128
+    block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     blocks_per_program: int | None = None  # None: chosen from the batch shape and the SM count
+    fp16: bool = True  # dot operands fp16 (q hi + lo ≈ 22 bits) rather than bf16 (≈ 16 bits)
+    heads_as_m: bool = False  # dot as q [heads, 128] · keysᵀ rather than keys · qᵀ
 
 
 @functools.cache
@@ -53,7 +57,7 @@ def _indexer_scores_kernel(
     q_ptr, w_ptr, keys_ptr, scales_ptr, rows_ptr, req_ptr, lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_wt, stride_keys, stride_rows_b, stride_rows_l, stride_out,
     num_heads, max_len, blocks_per_prog,
-    HEADS_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEADS_P: tl.constexpr, BLOCK_N: tl.constexpr, FP16: tl.constexpr, HEADS_AS_M: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     span = tl.program_id(1)
@@ -64,11 +68,21 @@ def _indexer_scores_kernel(
 
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
                 other=0.0).to(tl.float32)
-    q_hi = q.to(tl.bfloat16)
-    q_lo = (q - q_hi.to(tl.float32)).to(tl.bfloat16)
+    w = tl.load(w_ptr + t * stride_wt + heads, mask=head_ok, other=0.0).to(tl.float32)
+    if FP16:
+        # fp16 has fp32's precision per part but not its range: scale each head by 2^s so that its largest
+        # |q| lies in [256, 512), and w by 2^-s. Powers of two and ReLU(2^s·x) = 2^s·ReLU(x): same score.
+        exp_field = (tl.max(tl.abs(q), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        s = tl.minimum(tl.maximum(135 - exp_field, -60), 60)
+        q = q * ((s + 127) << 23).to(tl.float32, bitcast=True)[:, None]
+        w = w * ((127 - s) << 23).to(tl.float32, bitcast=True)
+        q_hi = q.to(tl.float16)
+        q_lo = (q - q_hi.to(tl.float32)).to(tl.float16)
+    else:
+        q_hi = q.to(tl.bfloat16)
+        q_lo = (q - q_hi.to(tl.float32)).to(tl.bfloat16)
     q_hi_t = tl.trans(q_hi)  # [128, HEADS_P]
     q_lo_t = tl.trans(q_lo)
-    w = tl.load(w_ptr + t * stride_wt + heads, mask=head_ok, other=0.0).to(tl.float32)
 
     req = tl.load(req_ptr + t).to(tl.int64)
     seq_len = tl.minimum(tl.load(lens_ptr + t).to(tl.int64), max_len).to(tl.int32)
@@ -88,10 +102,19 @@ def _indexer_scores_kernel(
         rows = tl.load(row_base + pos * stride_rows_l, mask=visible, other=-1).to(tl.int64)
         valid = visible & (rows >= 0)
         raw = tl.load(keys_ptr + rows[:, None] * stride_keys + dims[None, :], mask=valid[:, None], other=0)
-        keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-        logits = tl.dot(keys, q_hi_t)
-        logits = tl.dot(keys, q_lo_t, logits)
-        score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
+        if FP16:
+            keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)  # exact: e4m3 ⊂ fp16
+        else:
+            keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)  # exact: e4m3 ⊂ bf16
+        if HEADS_AS_M:
+            keys_t = tl.trans(keys)
+            logits = tl.dot(q_hi, keys_t)  # [HEADS_P, BLOCK_N]
+            logits = tl.dot(q_lo, keys_t, logits)
+            score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
+        else:
+            logits = tl.dot(keys, q_hi_t)  # [BLOCK_N, HEADS_P]
+            logits = tl.dot(keys, q_lo_t, logits)
+            score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
         score = score * tl.load(scales_ptr + rows, mask=valid, other=0.0)
         score = tl.where(visible, score, float("-inf"))
         tl.store(out_base + pos, score, mask=pos < end)
@@ -133,7 +156,8 @@ def indexer_scores_triton(
         q.stride(0), q.stride(1), weights.stride(0), keys_fp8.stride(0), token_rows.stride(0),
         token_rows.stride(1), out.stride(0),
         heads, max_len, per_prog,
-        HEADS_P=max(16, triton.next_power_of_2(heads)), BLOCK_N=cfg.block_n,
+        HEADS_P=max(16, triton.next_power_of_2(heads)), BLOCK_N=cfg.block_n, FP16=cfg.fp16,
+        HEADS_AS_M=cfg.heads_as_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
