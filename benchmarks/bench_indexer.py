@@ -195,7 +195,7 @@ def main() -> None:
         speed = f"{r.speedup:7.1f}" if r.speedup else f"{'-':>7}"
         ov = f"{r.overlap_mean:.4f}/{r.overlap_min:.4f}" if r.overlap_mean is not None else "-"
         print(f"{r.batch:4d} {r.length:6d} | {r.scores_us:8.1f} {r.tflops:8.1f} {r.gbps:7.0f} | {r.topk_us:8.1f} "
-              f"{r.topk_unsorted_sort_us:8.1f} | {r.new_us:8.1f} {old} {speed} | {ov:>16}")
+              f"{r.topk_unsorted_sort_us:8.1f} | {r.new_us:8.1f} {old} {speed} | {ov:>16} | {r.score_err:.1e}")
 
 
 if __name__ == "__main__":
