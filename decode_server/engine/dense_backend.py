@@ -126,11 +126,15 @@ class DenseBackend(AttentionBackend):
 def attend_in_chunks(
     q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, softmax_scale: float
 ) -> torch.Tensor:
-    """Sparse MLA over physical slots, in query chunks so the gathered rows stay under a fixed size.
+    """Sparse MLA over physical slots.
 
-    Each query's result depends only on its own rows, so chunking never changes a bit of the output. On CUDA
-    the Triton kernel reads rows in place; on CPU the reference gathers them, hence the bound.
+    On CUDA the Triton kernel reads rows in place, so the whole batch goes in one call (chunking it would only
+    shrink the kernel's grid). On CPU the reference gathers the rows, so queries go in chunks that keep the
+    gathered rows under a fixed size; each query's result depends only on its own rows, so chunking never changes
+    a bit of the output.
     """
+    if q.is_cuda:
+        return _sparse_mla(q, kv, slots, softmax_scale)[0]
     num_q, top_k = slots.shape
     per_query = max(1, top_k * D_QK * 4 + q.shape[1] * top_k * 4)
     chunk = max(1, _ATTENTION_CHUNK_BYTES // per_query)
