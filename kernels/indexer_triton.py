@@ -52,7 +52,10 @@ def blocks_per_program(num_q: int, max_len: int, block_n: int, device: torch.dev
     return max(1, min(64, blocks, (num_q * blocks) // (16 * sms)))
 
 
-@triton.jit
+# The batch's length and the work split change from step to step; letting Triton specialize on them (divisible
+# by 16 or not) would compile new variants in the middle of serving. The token table's row stride is left
+# unspecialized too (a caller may pass a compacted copy); the output's row stride is padded instead (below).
+@triton.jit(do_not_specialize=["max_len", "blocks_per_prog", "stride_rows_b"])
 def _indexer_scores_kernel(
     q_ptr, w_ptr, keys_ptr, scales_ptr, rows_ptr, req_ptr, lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_wt, stride_keys, stride_rows_b, stride_rows_l, stride_out,
@@ -142,7 +145,9 @@ def indexer_scores_triton(
     if keys_fp8.dim() != 2 or keys_fp8.shape[1] != INDEX_HEAD_DIM or keys_fp8.stride(1) != 1:
         raise ValueError(f"keys_fp8 must be [N, {INDEX_HEAD_DIM}] with unit inner stride")
     max_len = token_rows.shape[1]
-    out = torch.empty((num_q, max_len), dtype=torch.float32, device=q.device)
+    # Row stride padded to a multiple of 64 elements: always the same alignment, so one compiled variant.
+    padded = triton.cdiv(max(max_len, 1), 64) * 64
+    out = torch.empty((num_q, padded), dtype=torch.float32, device=q.device)[:, :max_len]
     if num_q == 0 or max_len == 0:
         return out
     if q.stride(2) != 1:

@@ -171,6 +171,32 @@ def test_indexer_triton_query_scores_independent_of_batch(monkeypatch: pytest.Mo
     assert torch.equal(indexer_topk_triton(*args, 2048), whole)
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_indexer_kernel_compiles_once_as_lengths_grow() -> None:
+    """Decode grows every request by one token a step: the scores kernel must not compile new variants for
+    new lengths (a compile in the middle of serving costs a whole step many times over)."""
+    from kernels import indexer_triton
+    from kernels.indexer_triton import indexer_scores_triton
+
+    kernel = indexer_triton._indexer_scores_kernel
+    gen, keys, scales, table = _make_case(64, 5, [3000, 2500], 3100)
+    q = torch.randn(2, 64, 128, generator=gen)
+    w = torch.rand(2, 64, generator=gen)
+
+    def variants() -> int:
+        return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+    q, w, keys, scales, table = _to(DEV, q, w, keys, scales, table)
+    counts = []
+    for max_len in range(2990, 3010):  # crosses multiples of 16 and of 64
+        seq = torch.tensor([max_len, max_len - 400], device=DEV)
+        # As the engine does: a slice of the device table (row stride fixed), lengths growing.
+        indexer_scores_triton(q, w, keys, scales, table[:, :max_len], torch.tensor([0, 1], device=DEV), seq)
+        counts.append(variants())
+    assert counts[-1] == counts[0], f"compiled variants grew with the length: {counts}"
+
+
 def test_indexer_all_short_is_dense_everywhere() -> None:
     """Every request within top_k: positions 0..n-1 then −1, on CPU (torch fallback) and on the GPU if any."""
     gen = torch.Generator().manual_seed(5)
