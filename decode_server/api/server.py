@@ -80,7 +80,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         asyncio.get_running_loop().create_task(stop_later())
 
     client = EngineClient(engine_config, log_level=server_config.log_level, on_engine_death=on_engine_death)
-    # Importing the tokenizer pulls in torch (seconds): do it while the engine process loads the model.
+    # The tokenizer module is light (no torch), but importing it still overlaps with the engine loading the model.
     tokenizer_import = asyncio.create_task(asyncio.to_thread(_import_tokenizer_class))
     try:
         info = await client.start()

@@ -7,16 +7,39 @@ Public API (see docs/architecture.md):
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from decode_server.model.config import ModelConfig, RopeConfig
-from decode_server.model.construct import build_random_model, resolve_dtype
-from decode_server.model.loader import CheckpointError, load_checkpoint
-from decode_server.model.model import DSAForCausalLM
-from decode_server.model.tiny import CONFIG_DIR, TINY_NAME, ensure_tiny_checkpoint
-from decode_server.model.tokenizer import Tokenizer
+    from decode_server.model.config import ModelConfig, RopeConfig
+    from decode_server.model.construct import build_random_model, resolve_dtype
+    from decode_server.model.loader import CheckpointError
+    from decode_server.model.model import DSAForCausalLM
+    from decode_server.model.tokenizer import Tokenizer
+
+# Names resolved on first use (PEP 562), so that the api process, which only needs the tokenizer, never
+# imports torch through this package (seconds of start-up and hundreds of MB).
+_LAZY = {
+    "ModelConfig": "decode_server.model.config",
+    "RopeConfig": "decode_server.model.config",
+    "build_random_model": "decode_server.model.construct",
+    "resolve_dtype": "decode_server.model.construct",
+    "CheckpointError": "decode_server.model.loader",
+    "DSAForCausalLM": "decode_server.model.model",
+    "Tokenizer": "decode_server.model.tokenizer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "CheckpointError",
@@ -34,6 +57,8 @@ __all__ = [
 
 def resolve_model_path(name_or_path: str | Path) -> Path:
     """`tiny-dsa` → its generated checkpoint (created on first use); otherwise a directory with config.json."""
+    from decode_server.model.tiny import TINY_NAME, ensure_tiny_checkpoint
+
     if str(name_or_path) == TINY_NAME:
         return ensure_tiny_checkpoint()
     path = Path(name_or_path).expanduser()
@@ -46,6 +71,9 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
 
 def load_config(name_or_path: str | Path) -> ModelConfig:
     """A config by name from configs/ (e.g. "dsv32-bench"), a config JSON file, or a checkpoint's config."""
+    from decode_server.model.config import ModelConfig
+    from decode_server.model.tiny import CONFIG_DIR, TINY_NAME
+
     bundled = CONFIG_DIR / f"{name_or_path}.json"
     if str(name_or_path) != TINY_NAME and bundled.is_file():
         return ModelConfig.from_json(bundled)
@@ -59,4 +87,6 @@ def load_model(
     name_or_path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None
 ) -> tuple[DSAForCausalLM, ModelConfig]:
     """Load a checkpoint (or `tiny-dsa`) onto `device`; dtype None/"auto" = bf16 on CUDA, fp32 on CPU."""
+    from decode_server.model.loader import load_checkpoint
+
     return load_checkpoint(resolve_model_path(name_or_path), device, dtype)
