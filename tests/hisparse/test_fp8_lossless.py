@@ -41,13 +41,8 @@ def test_fp8_hisparse_matches_dense_bit_for_bit(tiny_cpu):
 
 
 @pytest.mark.gpu
-def test_fp8_hisparse_matches_dense_on_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from decode_server.model import Tokenizer, load_model, resolve_model_path
-
-    model, config = load_model("tiny-dsa", "cuda", torch.bfloat16)
-    tiny = (model, config, Tokenizer.from_dir(resolve_model_path("tiny-dsa")))
+def test_fp8_hisparse_matches_dense_on_cuda(tiny_cuda):
+    tiny = tiny_cuda
     arrivals = fp8_workload()
     dense = run_script(make_engine(tiny, hisparse=False, device="cuda", kv_cache_dtype=FP8), arrivals)
     again = run_script(make_engine(tiny, hisparse=False, device="cuda", kv_cache_dtype=FP8), arrivals)

@@ -54,13 +54,8 @@ def test_hisparse_matches_dense_with_retractions(tiny_cpu):
 
 
 @pytest.mark.gpu
-def test_hisparse_matches_dense_on_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from decode_server.model import Tokenizer, load_model, resolve_model_path
-
-    model, config = load_model("tiny-dsa", "cuda", torch.bfloat16)
-    tiny = (model, config, Tokenizer.from_dir(resolve_model_path("tiny-dsa")))
+def test_hisparse_matches_dense_on_cuda(tiny_cuda):
+    tiny = tiny_cuda
     arrivals = workload()
     dense = run_script(make_engine(tiny, hisparse=False, device="cuda"), arrivals)
     again = run_script(make_engine(tiny, hisparse=False, device="cuda"), arrivals)
