@@ -359,6 +359,9 @@ class KVReceiver:
                     if peer.state != _PeerState.READY:
                         continue
                     peer.state = _PeerState.GONE
+                    # if only its bootstrap server died, prefill itself may live: tell it to stop (best effort)
+                    for room in peer.rooms:
+                        self._channel.send(peer.endpoint, Abort(room, reason, self.transport.session_id))
                     self._fail_peer_rooms(peer, reason, FailureCause.HEARTBEAT)
                 self._channel.forget(peer.endpoint)
 

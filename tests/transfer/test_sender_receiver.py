@@ -39,14 +39,19 @@ def paged_rows(rng, n_tokens, page=8, num_pages=64):
     return [int(p) * page + i for p in pages for i in range(page)][:n_tokens]
 
 
+def assert_counters(st):
+    """Every started room ended exactly once; every failed/aborted room has one cause."""
+    finished = st["stats"]["rooms_finished"]
+    assert sum(finished.values()) == st["stats"]["rooms_started"], st
+    assert sum(st["stats"]["failures"].values()) == finished.get("FAILED", 0) + finished.get("ABORTED", 0), st
+
+
 def assert_quiet(prefill, decode):
-    """No room left in flight on either side; every started room ended exactly once."""
+    """No room left in flight on either side, counters consistent."""
     for peer in (prefill, decode):
         st = peer.call("state")
         assert st["rooms"] == {}, st
-        assert sum(st["stats"]["rooms_finished"].values()) == st["stats"]["rooms_started"], st
-        failed = st["stats"]["rooms_finished"].get("FAILED", 0) + st["stats"]["rooms_finished"].get("ABORTED", 0)
-        assert sum(st["stats"]["failures"].values()) == failed, st
+        assert_counters(st)
 
 
 def test_chunked_transfer_moves_every_byte(pair):
