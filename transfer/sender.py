@@ -26,7 +26,7 @@ from transfer.bootstrap import BootstrapClient, BootstrapUnavailable
 from transfer.channel import ControlChannel
 from transfer.errors import TransferError
 from transfer.layout import TransferLayout
-from transfer.messages import Abort, AbortAck, Register, RegisterReply, RoomRequest, Status
+from transfer.messages import ALL_REGIONS, Abort, AbortAck, Register, RegisterReply, RoomRequest, Status
 from transfer.mooncake_transport import MooncakeTransport
 from transfer.regions import MemoryRegion, coalesce_runs, run_entries
 from transfer.rooms import FailureCause, RoomBase, RoomState, TransferStats
@@ -439,9 +439,12 @@ class KVSender:
         srcs: list[int] = []
         dsts: list[int] = []
         lens: list[int] = []
+        runs_by_key: dict[str, list[tuple[int, int, int]]] = {}  # regions sharing destination rows share runs
         for name, src in self.regions.items():
-            dst_rows = dest.rows_for(name)[token_start:end]
-            s, d, n = run_entries(src, receiver.regions[name], coalesce_runs(src_rows.tolist(), dst_rows.tolist()))
+            key = name if name in dest.dst_rows else ALL_REGIONS
+            if key not in runs_by_key:
+                runs_by_key[key] = coalesce_runs(src_rows, dest.rows_for(name)[token_start:end])
+            s, d, n = run_entries(src, receiver.regions[name], runs_by_key[key])
             srcs += s
             dsts += d
             lens += n
