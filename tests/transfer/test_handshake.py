@@ -42,7 +42,7 @@ def test_decode_refuses_mismatched_prefill(prefill, overrides, expected):
         decode.call("add", room, "127.0.0.1", prefill.hello[0], list(range(8)), 0)
         ok, reason, waited = decode.call("wait", room, 10)
         assert not ok and "transfer layout mismatch" in reason and expected in reason
-        assert waited < 2.0
+        assert waited < 5.0  # refused at lookup: no timeout involved
         st = decode.call("state")
         assert st["stats"]["failures"] == {"handshake": 1}
         assert_counters(st)

@@ -8,6 +8,7 @@ import itertools
 
 import numpy as np
 import pytest
+from free_port_util import free_port
 from peer_harness import AUX_ROWS, Peer, region_arrays
 
 SPEC = {
@@ -52,6 +53,8 @@ def assert_quiet(prefill, decode):
         st = peer.call("state")
         assert st["rooms"] == {}, st
         assert_counters(st)
+        # registered once at start, whole (3 regions + the aux buffer), never per room
+        assert st["registered"] == 4, st
 
 
 def test_chunked_transfer_moves_every_byte(pair):
@@ -150,8 +153,6 @@ def test_waiting_timeout_aborts_and_frees_prefill(pair):
 def test_bootstrap_unreachable_fails_with_bootstrap_timeout(pair):
     prefill, decode = pair
     room = next(rooms)
-    from api_free_port import free_port
-
     decode.call("add", room, "127.0.0.1", free_port(), list(range(8)), 0)
     ok, reason, waited = decode.call("wait", room, 10)
     assert not ok and "bootstrap timeout" in reason and "unreachable" in reason
