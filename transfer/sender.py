@@ -174,9 +174,11 @@ class KVSender:
 
     def fail(self, room: int, reason: str) -> bool:
         """Fail the room from our side (e.g. its prefill request failed); decode gets ABORT with the reason once
-        nothing is in flight. No event is reported for it. False if the room had already ended."""
+        nothing is in flight. No event is reported for it. False if the room had already ended or is unknown."""
         with self._lock:
-            r = self._room(room)
+            r = self._rooms.get(room)
+            if r is None:
+                return False
             return self._end(r, RoomState.FAILED, reason, FailureCause.LOCAL, event=None, notify=reason)
 
     def release(self, room: int) -> None:

@@ -196,3 +196,15 @@ def test_invalid_destination_is_refused(pair):
     assert not ok and "more tokens" in reason
     prefill.call("release", room)
     assert_quiet(prefill, decode)
+
+
+def test_bad_destination_refused_at_add_room(pair):
+    prefill, decode = pair
+    port, _ = prefill.hello
+    with pytest.raises(RuntimeError, match=r"rows \[512\] outside region"):
+        decode.call("add", next(rooms), "127.0.0.1", port, [0, 512], 0)
+    with pytest.raises(RuntimeError, match="aux index 16 outside"):
+        decode.call("add", next(rooms), "127.0.0.1", port, [0, 1], AUX_ROWS)
+    with pytest.raises(RuntimeError, match="same number of rows for exactly"):
+        decode.call("add", next(rooms), "127.0.0.1", port, {"kv": [0, 1]}, 0)
+    assert_quiet(prefill, decode)
