@@ -80,6 +80,7 @@ class KVSender:
         zmq_host: str,
         bootstrap_timeout_s: float = 300.0,
         rank: int = 0,
+        dead_receiver_ttl_s: float = 10.0,
     ) -> None:
         regions = dict(src_regions) if isinstance(src_regions, Mapping) else {r.name: r for r in src_regions}
         got = {n: r.row_bytes for n, r in regions.items()}
@@ -90,6 +91,10 @@ class KVSender:
                 raise ValueError(f"region {r.name!r} has {r.num_layers} layers, the layout {layout.num_layers}")
         self.transport, self.layout, self.regions = transport, layout, regions
         self.bootstrap_timeout_s = bootstrap_timeout_s
+        # after a failed write to a decode receiver, its other rooms fail fast for this long (a dead peer would
+        # otherwise cost every room a failed connection or a transfer timeout); then it is tried again, so one
+        # transient failure does not cut the pair off for good
+        self.dead_receiver_ttl_s = dead_receiver_ttl_s
         self.rank = rank
         self.stats = TransferStats()
         self._lock = threading.RLock()
@@ -97,7 +102,7 @@ class KVSender:
         self._early: dict[int, tuple[RoomRequest | str, float]] = {}  # room -> (destination | abort reason, t)
         self._gone: dict[int, tuple[str, float]] = {}  # released before decode's destination came: (reason, t)
         self._receivers: dict[str, _Receiver] = {}
-        self._dead_receivers: dict[str, str] = {}  # receiver id -> why writes to it failed
+        self._dead_receivers: dict[str, tuple[str, float]] = {}  # receiver id -> (why writes failed, when)
         self._events: deque[RoomEvent] = deque()
         self._jobs: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -435,8 +440,9 @@ class KVSender:
             if r.first_write is None:
                 r.first_write = time.monotonic()
             dead = self._dead_receivers.get(receiver.receiver_id)
-        if dead is not None:
-            self._write_failed(room, f"decode receiver {receiver.receiver_id} failed earlier: {dead}")
+        if dead is not None and time.monotonic() - dead[1] < self.dead_receiver_ttl_s:
+            self._write_failed(room, f"decode receiver {receiver.receiver_id} failed {time.monotonic() - dead[1]:.1f}s "
+                               f"ago: {dead[0]}")
             return
         srcs: list[int] = []
         dsts: list[int] = []
@@ -454,7 +460,7 @@ class KVSender:
             nbytes = self.transport.batch_write(receiver.receiver_id, srcs, dsts, lens)
         except TransferError as exc:
             with self._lock:
-                self._dead_receivers[receiver.receiver_id] = str(exc)
+                self._dead_receivers[receiver.receiver_id] = (str(exc), time.monotonic())
             self._write_failed(room, str(exc))
             return
         self.stats.add_bytes(nbytes)
@@ -488,7 +494,7 @@ class KVSender:
                                            [receiver.aux.address(0, dest.aux_index)], [n])
             except TransferError as exc:
                 with self._lock:
-                    self._dead_receivers[receiver.receiver_id] = str(exc)
+                    self._dead_receivers[receiver.receiver_id] = (str(exc), time.monotonic())
                 self._write_failed(room, str(exc))
                 return
             self.stats.add_bytes(n)

@@ -44,17 +44,22 @@ def test_prefill_killed_mid_transfer_fails_decode_room_promptly(fresh_pair):
 
 def test_decode_killed_fails_prefill_room_and_frees_it(fresh_pair):
     prefill, decode = fresh_pair
-    room = start_room(prefill, decode)
+    room, other = start_room(prefill, decode), start_room(prefill, decode)
     prefill.call("send", room, list(range(32)), 0)
-    assert prefill.call("state")["rooms"] in ({"TRANSFERRING": 1}, {"WAITING": 1})
+    assert prefill.call("state")["rooms"] in ({"TRANSFERRING": 1, "WAITING": 1}, {"WAITING": 2})
     decode.kill()
     prefill.call("send", room, list(range(32, 128)), 32)
     kind, reason, waited = prefill.call("wait_event", room, 10)
     assert kind == "failed" and "KV transfer to decode failed" in reason
     assert waited < 5.0
-    prefill.call("release", room)
+    # the dead receiver's other room fails fast, without another connection attempt
+    prefill.call("send", other, list(range(64)), 0)
+    kind, reason, waited = prefill.call("wait_event", other, 10)
+    assert kind == "failed" and "failed" in reason and "s ago" in reason
+    for r in (room, other):
+        prefill.call("release", r)
     st = prefill.call("state")
-    assert st["rooms"] == {} and st["stats"]["failures"] == {"transfer": 1}
+    assert st["rooms"] == {} and st["stats"]["failures"] == {"transfer": 2}
     assert_counters(st)
     assert prefill.shutdown() == {}
 
