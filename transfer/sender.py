@@ -410,12 +410,30 @@ class KVSender:
     # ---- writer thread ------------------------------------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        """Run jobs in order. Write jobs of one room that are already queued behind each other (the writer fell
+        behind the caller) go out together, in as few engine calls as the batch cap allows; when the writer keeps
+        up, each chunk is written as soon as it is queued."""
+        backlog: deque = deque()
         while True:
-            job = self._jobs.get()
+            job = backlog.popleft() if backlog else self._jobs.get()
             if job is None:
                 return
             try:
-                getattr(self, f"_job_{job[0]}")(*job[1:])
+                if job[0] == "write":
+                    batch = [job]
+                    while True:
+                        if not backlog:
+                            try:
+                                backlog.append(self._jobs.get_nowait())
+                            except queue.Empty:
+                                break
+                        nxt = backlog[0]
+                        if nxt is None or nxt[0] != "write" or nxt[1] != job[1]:
+                            break
+                        batch.append(backlog.popleft())
+                    self._write_chunks(job[1], [(rows, start) for _, _, rows, start in batch])
+                else:
+                    getattr(self, f"_job_{job[0]}")(*job[1:])
             except Exception:
                 logger.exception("sender job %s failed", job[0])
 
@@ -424,18 +442,21 @@ class KVSender:
             r = self._rooms.get(room)
             return r if r is not None and not r.state.terminal else None
 
-    def _job_write(self, room: int, src_rows: np.ndarray, token_start: int) -> None:
+    def _write_chunks(self, room: int, chunks: list[tuple[np.ndarray, int]]) -> None:
+        """Write chunks (src_rows, token_start) of one room: every region and layer, coalesced runs, one
+        `batch_write` (split at the engine's batch cap)."""
         with self._lock:
             r = self._live(room)
             if r is None:
                 return
             dest, receiver = r.dest, r.receiver
-            end = token_start + len(src_rows)
-            if token_start < 0 or end > dest.num_tokens:
-                self._end(r, RoomState.FAILED, f"room {room}: tokens {token_start}..{end - 1} exceed the "
-                          f"{dest.num_tokens} rows decode allocated", FailureCause.HANDSHAKE,
-                          notify="prefill sent more tokens than decode allocated")
-                return
+            for src_rows, token_start in chunks:
+                end = token_start + len(src_rows)
+                if token_start < 0 or end > dest.num_tokens:
+                    self._end(r, RoomState.FAILED, f"room {room}: tokens {token_start}..{end - 1} exceed the "
+                              f"{dest.num_tokens} rows decode allocated", FailureCause.HANDSHAKE,
+                              notify="prefill sent more tokens than decode allocated")
+                    return
             r.advance(RoomState.TRANSFERRING)
             if r.first_write is None:
                 r.first_write = time.monotonic()
@@ -447,15 +468,17 @@ class KVSender:
         srcs: list[int] = []
         dsts: list[int] = []
         lens: list[int] = []
-        runs_by_key: dict[str, list[tuple[int, int, int]]] = {}  # regions sharing destination rows share runs
-        for name, src in self.regions.items():
-            key = name if name in dest.dst_rows else ALL_REGIONS
-            if key not in runs_by_key:
-                runs_by_key[key] = coalesce_runs(src_rows, dest.rows_for(name)[token_start:end])
-            s, d, n = run_entries(src, receiver.regions[name], runs_by_key[key])
-            srcs += s
-            dsts += d
-            lens += n
+        for src_rows, token_start in chunks:
+            end = token_start + len(src_rows)
+            runs_by_key: dict[str, list[tuple[int, int, int]]] = {}  # regions sharing destination rows share runs
+            for name, src in self.regions.items():
+                key = name if name in dest.dst_rows else ALL_REGIONS
+                if key not in runs_by_key:
+                    runs_by_key[key] = coalesce_runs(src_rows, dest.rows_for(name)[token_start:end])
+                s, d, n = run_entries(src, receiver.regions[name], runs_by_key[key])
+                srcs += s
+                dsts += d
+                lens += n
         try:
             nbytes = self.transport.batch_write(receiver.receiver_id, srcs, dsts, lens)
         except TransferError as exc:
