@@ -171,8 +171,11 @@ def main() -> None:
         return time.monotonic() - t0
 
     times: dict[str, list[float]] = {"ours": [], "raw": [], "memcpy": []}
+    order_rng = np.random.default_rng(1)
     for i in range(args.repeats + 1):  # the first round warms up (connections, page faults)
-        for name, fn in (("ours", lambda i=i: ours(1000 + i)), ("raw", raw), ("memcpy", memcpy)):
+        paths = [("ours", lambda i=i: ours(1000 + i)), ("raw", raw), ("memcpy", memcpy)]
+        for j in order_rng.permutation(len(paths)):  # shuffled: no path always runs after the cache-flushing copy
+            name, fn = paths[j]
             t = fn()
             if i > 0:
                 times[name].append(t)
@@ -199,7 +202,7 @@ def main() -> None:
         "page_size": args.page_size, "chunk_tokens": args.chunk_tokens, "bytes": nbytes,
         "entries": len(entries[0]), "protocol": args.protocol, "repeats": args.repeats,
         "seconds_median": med, "seconds_min": best, "seconds_all": times, "gb_per_s": gbps, "ours_vs_raw": gbps["ours"] / gbps["raw"],
-        # rounds run ours, raw, memcpy back to back: the per-round ratio is less exposed to load drifting
+        # each round runs the three back to back (shuffled): its ratio is less exposed to load drifting
         "ours_caller_enqueue_seconds_median": statistics.median(enqueue_s),
         "ours_vs_raw_per_round_median": statistics.median(r / o for o, r in zip(times["ours"], times["raw"],
                                                                                  strict=True)),
