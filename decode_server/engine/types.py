@@ -40,6 +40,9 @@ class RequestDelta(BaseModel):
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    error_class: str | None = Field(
+        default=None, description="a decode_server.errors class name: the request failed; the API reports it"
+    )
 
 
 class HiSparseLayerStats(BaseModel):
