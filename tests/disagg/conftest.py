@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from decode_server.model import Tokenizer, load_model, resolve_model_path
+
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
 
 @pytest.fixture(scope="session")
