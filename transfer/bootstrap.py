@@ -125,6 +125,10 @@ class BootstrapServer:
         logger.info("bootstrap server listening on http://%s:%d", host, self.port)
 
     @property
+    def bound_address(self) -> tuple[str, int]:
+        return tuple(self._server.socket.getsockname()[:2])
+
+    @property
     def routes(self) -> dict[int, dict[str, Any]]:
         with self._server.lock:
             return dict(self._server.routes)

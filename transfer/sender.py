@@ -26,7 +26,7 @@ from transfer.bootstrap import BootstrapClient, BootstrapUnavailable
 from transfer.channel import ControlChannel
 from transfer.errors import TransferError
 from transfer.layout import TransferLayout
-from transfer.messages import Abort, AbortAck, Register, RegisterReply, RoomRequest, Status
+from transfer.messages import ALL_REGIONS, Abort, AbortAck, Register, RegisterReply, RoomRequest, Status
 from transfer.mooncake_transport import MooncakeTransport
 from transfer.regions import MemoryRegion, coalesce_runs, run_entries
 from transfer.rooms import FailureCause, RoomBase, RoomState, TransferStats
@@ -80,6 +80,7 @@ class KVSender:
         zmq_host: str,
         bootstrap_timeout_s: float = 300.0,
         rank: int = 0,
+        dead_receiver_ttl_s: float = 10.0,
     ) -> None:
         regions = dict(src_regions) if isinstance(src_regions, Mapping) else {r.name: r for r in src_regions}
         got = {n: r.row_bytes for n, r in regions.items()}
@@ -90,6 +91,10 @@ class KVSender:
                 raise ValueError(f"region {r.name!r} has {r.num_layers} layers, the layout {layout.num_layers}")
         self.transport, self.layout, self.regions = transport, layout, regions
         self.bootstrap_timeout_s = bootstrap_timeout_s
+        # after a failed write to a decode receiver, its other rooms fail fast for this long (a dead peer would
+        # otherwise cost every room a failed connection or a transfer timeout); then it is tried again, so one
+        # transient failure does not cut the pair off for good
+        self.dead_receiver_ttl_s = dead_receiver_ttl_s
         self.rank = rank
         self.stats = TransferStats()
         self._lock = threading.RLock()
@@ -97,7 +102,7 @@ class KVSender:
         self._early: dict[int, tuple[RoomRequest | str, float]] = {}  # room -> (destination | abort reason, t)
         self._gone: dict[int, tuple[str, float]] = {}  # released before decode's destination came: (reason, t)
         self._receivers: dict[str, _Receiver] = {}
-        self._dead_receivers: dict[str, str] = {}  # receiver id -> why writes to it failed
+        self._dead_receivers: dict[str, tuple[str, float]] = {}  # receiver id -> (why writes failed, when)
         self._events: deque[RoomEvent] = deque()
         self._jobs: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -174,9 +179,11 @@ class KVSender:
 
     def fail(self, room: int, reason: str) -> bool:
         """Fail the room from our side (e.g. its prefill request failed); decode gets ABORT with the reason once
-        nothing is in flight. No event is reported for it. False if the room had already ended."""
+        nothing is in flight. No event is reported for it. False if the room had already ended or is unknown."""
         with self._lock:
-            r = self._room(room)
+            r = self._rooms.get(room)
+            if r is None:
+                return False
             return self._end(r, RoomState.FAILED, reason, FailureCause.LOCAL, event=None, notify=reason)
 
     def release(self, room: int) -> None:
@@ -403,12 +410,30 @@ class KVSender:
     # ---- writer thread ------------------------------------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        """Run jobs in order. Write jobs of one room that are already queued behind each other (the writer fell
+        behind the caller) go out together, in as few engine calls as the batch cap allows; when the writer keeps
+        up, each chunk is written as soon as it is queued."""
+        backlog: deque = deque()
         while True:
-            job = self._jobs.get()
+            job = backlog.popleft() if backlog else self._jobs.get()
             if job is None:
                 return
             try:
-                getattr(self, f"_job_{job[0]}")(*job[1:])
+                if job[0] == "write":
+                    batch = [job]
+                    while True:
+                        if not backlog:
+                            try:
+                                backlog.append(self._jobs.get_nowait())
+                            except queue.Empty:
+                                break
+                        nxt = backlog[0]
+                        if nxt is None or nxt[0] != "write" or nxt[1] != job[1]:
+                            break
+                        batch.append(backlog.popleft())
+                    self._write_chunks(job[1], [(rows, start) for _, _, rows, start in batch])
+                else:
+                    getattr(self, f"_job_{job[0]}")(*job[1:])
             except Exception:
                 logger.exception("sender job %s failed", job[0])
 
@@ -417,39 +442,48 @@ class KVSender:
             r = self._rooms.get(room)
             return r if r is not None and not r.state.terminal else None
 
-    def _job_write(self, room: int, src_rows: np.ndarray, token_start: int) -> None:
+    def _write_chunks(self, room: int, chunks: list[tuple[np.ndarray, int]]) -> None:
+        """Write chunks (src_rows, token_start) of one room: every region and layer, coalesced runs, one
+        `batch_write` (split at the engine's batch cap)."""
         with self._lock:
             r = self._live(room)
             if r is None:
                 return
             dest, receiver = r.dest, r.receiver
-            end = token_start + len(src_rows)
-            if token_start < 0 or end > dest.num_tokens:
-                self._end(r, RoomState.FAILED, f"room {room}: tokens {token_start}..{end - 1} exceed the "
-                          f"{dest.num_tokens} rows decode allocated", FailureCause.HANDSHAKE,
-                          notify="prefill sent more tokens than decode allocated")
-                return
+            for src_rows, token_start in chunks:
+                end = token_start + len(src_rows)
+                if token_start < 0 or end > dest.num_tokens:
+                    self._end(r, RoomState.FAILED, f"room {room}: tokens {token_start}..{end - 1} exceed the "
+                              f"{dest.num_tokens} rows decode allocated", FailureCause.HANDSHAKE,
+                              notify="prefill sent more tokens than decode allocated")
+                    return
             r.advance(RoomState.TRANSFERRING)
             if r.first_write is None:
                 r.first_write = time.monotonic()
             dead = self._dead_receivers.get(receiver.receiver_id)
-        if dead is not None:
-            self._write_failed(room, f"decode receiver {receiver.receiver_id} failed earlier: {dead}")
+        if dead is not None and time.monotonic() - dead[1] < self.dead_receiver_ttl_s:
+            self._write_failed(room, f"decode receiver {receiver.receiver_id} failed {time.monotonic() - dead[1]:.1f}s "
+                               f"ago: {dead[0]}")
             return
         srcs: list[int] = []
         dsts: list[int] = []
         lens: list[int] = []
-        for name, src in self.regions.items():
-            dst_rows = dest.rows_for(name)[token_start:end]
-            s, d, n = run_entries(src, receiver.regions[name], coalesce_runs(src_rows.tolist(), dst_rows.tolist()))
-            srcs += s
-            dsts += d
-            lens += n
+        for src_rows, token_start in chunks:
+            end = token_start + len(src_rows)
+            runs_by_key: dict[str, list[tuple[int, int, int]]] = {}  # regions sharing destination rows share runs
+            for name, src in self.regions.items():
+                key = name if name in dest.dst_rows else ALL_REGIONS
+                if key not in runs_by_key:
+                    runs_by_key[key] = coalesce_runs(src_rows, dest.rows_for(name)[token_start:end])
+                s, d, n = run_entries(src, receiver.regions[name], runs_by_key[key])
+                srcs += s
+                dsts += d
+                lens += n
         try:
             nbytes = self.transport.batch_write(receiver.receiver_id, srcs, dsts, lens)
         except TransferError as exc:
             with self._lock:
-                self._dead_receivers[receiver.receiver_id] = str(exc)
+                self._dead_receivers[receiver.receiver_id] = (str(exc), time.monotonic())
             self._write_failed(room, str(exc))
             return
         self.stats.add_bytes(nbytes)
@@ -483,7 +517,7 @@ class KVSender:
                                            [receiver.aux.address(0, dest.aux_index)], [n])
             except TransferError as exc:
                 with self._lock:
-                    self._dead_receivers[receiver.receiver_id] = str(exc)
+                    self._dead_receivers[receiver.receiver_id] = (str(exc), time.monotonic())
                 self._write_failed(room, str(exc))
                 return
             self.stats.add_bytes(n)

@@ -8,6 +8,7 @@ import itertools
 
 import numpy as np
 import pytest
+from free_port_util import free_port
 from peer_harness import AUX_ROWS, Peer, region_arrays
 
 SPEC = {
@@ -39,14 +40,21 @@ def paged_rows(rng, n_tokens, page=8, num_pages=64):
     return [int(p) * page + i for p in pages for i in range(page)][:n_tokens]
 
 
+def assert_counters(st):
+    """Every started room ended exactly once; every failed/aborted room has one cause."""
+    finished = st["stats"]["rooms_finished"]
+    assert sum(finished.values()) == st["stats"]["rooms_started"], st
+    assert sum(st["stats"]["failures"].values()) == finished.get("FAILED", 0) + finished.get("ABORTED", 0), st
+
+
 def assert_quiet(prefill, decode):
-    """No room left in flight on either side; every started room ended exactly once."""
+    """No room left in flight on either side, counters consistent."""
     for peer in (prefill, decode):
         st = peer.call("state")
         assert st["rooms"] == {}, st
-        assert sum(st["stats"]["rooms_finished"].values()) == st["stats"]["rooms_started"], st
-        failed = st["stats"]["rooms_finished"].get("FAILED", 0) + st["stats"]["rooms_finished"].get("ABORTED", 0)
-        assert sum(st["stats"]["failures"].values()) == failed, st
+        assert_counters(st)
+        # registered once at start, whole (3 regions + the aux buffer), never per room
+        assert st["registered"] == 4, st
 
 
 def test_chunked_transfer_moves_every_byte(pair):
@@ -145,8 +153,6 @@ def test_waiting_timeout_aborts_and_frees_prefill(pair):
 def test_bootstrap_unreachable_fails_with_bootstrap_timeout(pair):
     prefill, decode = pair
     room = next(rooms)
-    from api_free_port import free_port
-
     decode.call("add", room, "127.0.0.1", free_port(), list(range(8)), 0)
     ok, reason, waited = decode.call("wait", room, 10)
     assert not ok and "bootstrap timeout" in reason and "unreachable" in reason
@@ -189,4 +195,16 @@ def test_invalid_destination_is_refused(pair):
     ok, reason, _ = decode.call("wait", room, 5)
     assert not ok and "more tokens" in reason
     prefill.call("release", room)
+    assert_quiet(prefill, decode)
+
+
+def test_bad_destination_refused_at_add_room(pair):
+    prefill, decode = pair
+    port, _ = prefill.hello
+    with pytest.raises(RuntimeError, match=r"rows \[512\] outside region"):
+        decode.call("add", next(rooms), "127.0.0.1", port, [0, 512], 0)
+    with pytest.raises(RuntimeError, match="aux index 16 outside"):
+        decode.call("add", next(rooms), "127.0.0.1", port, [0, 1], AUX_ROWS)
+    with pytest.raises(RuntimeError, match="same number of rows for exactly"):
+        decode.call("add", next(rooms), "127.0.0.1", port, {"kv": [0, 1]}, 0)
     assert_quiet(prefill, decode)
