@@ -56,6 +56,12 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="only 0 is supported")
     logit_bias: dict[str, float] | None = Field(default=None, description="not supported")
     user: str | None = None
+    # PD disaggregation (SGLang's router adds these; a list gives one value per prompt of a batched request).
+    bootstrap_host: str | list[str] | None = Field(default=None, description="PD: the prefill server's host")
+    bootstrap_port: int | list[int] | None = Field(default=None, description="PD: its bootstrap port")
+    bootstrap_room: int | list[int] | None = Field(
+        default=None, description="PD: the transfer's id, the same on both servers (0 .. 2^63-1)"
+    )
 
 
 class CompletionRequest(_SamplingFields):
