@@ -12,7 +12,7 @@ SERVE_ARGS ?=
 UP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve serve-pd test test-gpu lint bench clean
+.PHONY: install serve serve-pd test test-gpu lint bench clean ibverbs
 
 install: $(STAMP)
 
@@ -21,7 +21,28 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q -e ".[$$($(PY) -c "$$PD_EXTRA_PY")]"
+	@$(MAKE) --no-print-directory ibverbs
 	touch $(STAMP)
+
+# The PD extra matching torch's CUDA runtime: pd (CPU), pd-cuda12, pd-cuda13 (see pyproject.toml).
+export PD_EXTRA_PY := import torch; v = torch.version.cuda; print("pd-cuda" + v.split(".")[0] if v else "pd")
+
+# mooncake's transfer engine loads libibverbs.so.1 even for TCP. Install it quietly where we can (root with
+# apt-get), only if missing; elsewhere say what is missing (the PD transfer tests fail without it).
+ibverbs:
+	@if ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing libibverbs1 (needed by the mooncake transfer engine, even for TCP)"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -qq libibverbs1 >/dev/null 2>&1 || \
+		{ apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libibverbs1 >/dev/null; } || \
+		echo "WARNING: apt-get could not install libibverbs1; PD transfers (tests/transfer) will fail" >&2; \
+	else \
+		echo "WARNING: libibverbs.so.1 is missing and cannot be installed here (needs root and apt-get)." >&2; \
+		echo "  Install libibverbs1 (Debian/Ubuntu) or rdma-core (RHEL/Fedora) for PD transfers;" >&2; \
+		echo "  tests/transfer and --disaggregation-mode prefill|decode fail without it." >&2; \
+	fi
 
 serve: $(STAMP)
 	$(VENV)/bin/decode-server serve --model-path $(MODEL) $(SERVE_ARGS)

@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from decode_server.config import EngineConfig, HiSparseConfig, ServerConfig
+from decode_server.config import DisaggregationConfig, EngineConfig, HiSparseConfig, ServerConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -97,8 +97,51 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)  # fmt: skip
 
 
+def _add_disaggregation_args(p: argparse.ArgumentParser) -> None:
+    d = DisaggregationConfig()
+    g = p.add_argument_group("prefill/decode disaggregation (docs/pd.md)")
+    g.add_argument(
+        "--disaggregation-mode", choices=["null", "prefill", "decode"], default=d.mode,
+        help="null: prefill and decode here (colocated); prefill: run prompts and send their KV to a decode "
+        "server; decode: receive each request's KV from the prefill server named in the request",
+    )
+    g.add_argument("--disaggregation-bootstrap-port", type=int, default=d.bootstrap_port,
+                   help="prefill: port of the bootstrap server (on --host) that decode servers look it up on")
+    g.add_argument("--disaggregation-transfer-backend", choices=["mooncake"], default=d.transfer_backend)
+    g.add_argument("--disaggregation-ib-device", default=None,
+                   help="RDMA device(s) for the transfer engine, e.g. mlx5_0; TCP when unset")
+    g.add_argument("--disaggregation-bootstrap-timeout", type=float, default=d.bootstrap_timeout_s,
+                   metavar="SECONDS", help="prefill: a request fails if decode sends no destination in time")
+    g.add_argument("--disaggregation-waiting-timeout", type=float, default=d.waiting_timeout_s,
+                   metavar="SECONDS", help="decode: a request fails if its KV has not arrived in time")
+    g.add_argument("--disaggregation-transfer-timeout", type=float, default=d.transfer_timeout_s,
+                   metavar="SECONDS", help="one transfer-engine batch write (mooncake's MC_TRANSFER_TIMEOUT, >= 5)")
+    g.add_argument("--disaggregation-heartbeat-interval", type=float, default=d.heartbeat_interval_s,
+                   metavar="SECONDS", help="decode: health checks of each prefill peer's bootstrap server")
+    g.add_argument("--disaggregation-heartbeat-max-failures", type=int, default=d.heartbeat_max_failures,
+                   help="decode: missed heartbeats after which a prefill peer's requests fail")
+
+
+def disaggregation_config_from_args(args: argparse.Namespace) -> DisaggregationConfig:
+    if not hasattr(args, "disaggregation_mode"):
+        return DisaggregationConfig()
+    return DisaggregationConfig(
+        mode=args.disaggregation_mode,
+        bootstrap_port=args.disaggregation_bootstrap_port,
+        transfer_backend=args.disaggregation_transfer_backend,
+        ib_device=args.disaggregation_ib_device,
+        host=args.host,
+        bootstrap_timeout_s=args.disaggregation_bootstrap_timeout,
+        waiting_timeout_s=args.disaggregation_waiting_timeout,
+        transfer_timeout_s=args.disaggregation_transfer_timeout,
+        heartbeat_interval_s=args.disaggregation_heartbeat_interval,
+        heartbeat_max_failures=args.disaggregation_heartbeat_max_failures,
+    )
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
+        disaggregation=disaggregation_config_from_args(args),
         model_path=args.model_path,
         device=args.device,
         dtype=args.dtype,
@@ -144,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--served-model-name", default=None, help="model id in the API (default: --model-path)")
     g.add_argument("--log-level", default=s.log_level, choices=["debug", "info", "warning", "error"])
+    _add_disaggregation_args(serve)
 
     gen = sub.add_parser("generate", help="generate offline, in this process (no server)")
     _add_engine_args(gen)

@@ -37,6 +37,37 @@ class HiSparseConfig(BaseModel):
 
 
 KVCacheDType = Literal["auto", "bfloat16", "float16", "float32", "fp8_e4m3"]
+DisaggregationMode = Literal["null", "prefill", "decode"]
+
+
+class DisaggregationConfig(BaseModel):
+    """Prefill/decode disaggregation (`--disaggregation-*`, SGLang's names). `mode="null"` is colocated serving.
+
+    A prefill server runs prompts and writes their KV into a decode server's memory; a decode server receives the
+    KV of its requests from the prefill server named in each request (`bootstrap_host`, `bootstrap_port`). See
+    docs/pd.md. Timeouts are in seconds, as SGLang's `SGLANG_DISAGGREGATION_*_TIMEOUT` variables are.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: DisaggregationMode = "null"
+    bootstrap_port: int = Field(default=8998, ge=1, le=65535, description="prefill: its bootstrap HTTP server")
+    transfer_backend: Literal["mooncake"] = "mooncake"
+    ib_device: str | None = Field(default=None, description="RDMA device(s) for mooncake; TCP when unset")
+    host: str = Field(default="127.0.0.1", description="address this server advertises to its peers (--host)")
+    bootstrap_timeout_s: float = Field(
+        default=300.0, gt=0, description="prefill: how long a request waits for its decode destination"
+    )
+    waiting_timeout_s: float = Field(
+        default=300.0, gt=0, description="decode: how long a request waits for its KV after sending its destination"
+    )
+    transfer_timeout_s: float = Field(default=30.0, ge=5, description="one mooncake batch write (its minimum is 5 s)")
+    heartbeat_interval_s: float = Field(default=5.0, gt=0, description="decode: health checks of each prefill peer")
+    heartbeat_max_failures: int = Field(default=2, ge=1, description="missed heartbeats that fail a peer's rooms")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "null"
 
 
 class EngineConfig(BaseModel):
@@ -65,6 +96,8 @@ class EngineConfig(BaseModel):
     chunked_prefill_size: int = Field(default=2048, ge=1)
     context_length: int | None = Field(default=None, ge=1)
 
+    disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
+
     @field_validator("model_path")
     @classmethod
     def _non_empty(cls, v: str) -> str:
@@ -78,6 +111,11 @@ class EngineConfig(BaseModel):
         if hs.top_k is not None and hs.device_buffer_size is not None and hs.device_buffer_size < hs.top_k:
             raise ValueError(
                 f"hisparse device_buffer_size ({hs.device_buffer_size}) must be >= top_k ({hs.top_k})"
+            )
+        if self.disaggregation.mode == "prefill" and self.enable_hisparse:
+            raise ValueError(
+                "--disaggregation-mode prefill keeps the prompt's KV dense on its device; drop --enable-hisparse "
+                "(HiSparse is a decode-side mode)"
             )
         return self
 

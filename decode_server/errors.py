@@ -54,3 +54,20 @@ class ServerShuttingDownError(DecodeServerError):
 
     status_code = 503
     error_type = "server_shutting_down"
+
+
+class KVTransferError(DecodeServerError):
+    """PD disaggregation: the request's KV could not be moved between the prefill and the decode server (peer
+    unreachable or dead, timeout, refused handshake, aborted by the peer). The message says which and why; a
+    router may retry the request on another pair."""
+
+    status_code = 503
+    error_type = "kv_transfer_failed"
+
+
+def error_from_name(name: str, message: str, param: str | None = None) -> DecodeServerError:
+    """Rebuild a typed error from its class name (errors crossing the engine-process boundary)."""
+    cls = globals().get(name)
+    if not (isinstance(cls, type) and issubclass(cls, DecodeServerError)):
+        cls = DecodeServerError
+    return cls(message, param=param)

@@ -98,7 +98,14 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/health_generate", responses={503: _ERRORS[503]})
     async def health_generate() -> Response:
-        """Readiness: generate one token end to end through the engine."""
+        """Readiness: generate one token end to end through the engine. A PD server cannot generate alone (it
+        needs its peer): there the check is that the engine loop answers."""
+        if ctx.model.disaggregation_mode != "null":
+            try:
+                await ctx.client.get_stats(STATS_TIMEOUT_S)
+            except (TimeoutError, DecodeServerError) as exc:
+                return JSONResponse(error_body(f"engine not responding: {exc}", "engine_unavailable", 503), 503)
+            return Response(status_code=200)
         ids = ctx.tokenizer.encode("Hello") or [0]
         spec = ChoiceSpec(index=0, prompt_token_ids=ids[: max(1, ctx.model.context_length - 1)],
                           params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))  # fmt: skip

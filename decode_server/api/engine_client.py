@@ -44,6 +44,7 @@ from decode_server.api.messages import (
     encode,
 )
 from decode_server.config import EngineConfig
+from decode_server.disagg.bootstrap_info import BootstrapInfo
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.engine.types import EngineStats, RequestDelta
 from decode_server.errors import (
@@ -206,7 +207,7 @@ class EngineClient:
 
     async def submit(
         self, rid: str, prompt_token_ids: list[int], params: SamplingParams, queue: asyncio.Queue[StreamEvent],
-        index: int = 0,
+        index: int = 0, bootstrap: BootstrapInfo | None = None,
     ) -> None:  # fmt: skip
         """Hand one request to the engine; returns once the engine accepted it (raises its typed error if not).
 
@@ -223,7 +224,7 @@ class EngineClient:
         self._accepts[rid] = accepted
         self._routes[rid] = _Route(queue, index)
         try:
-            await self._send(GenerateMsg(rid, list(prompt_token_ids), params))
+            await self._send(GenerateMsg(rid, list(prompt_token_ids), params, bootstrap))
             await accepted
         except BaseException:
             self._routes.pop(rid, None)

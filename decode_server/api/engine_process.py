@@ -62,7 +62,7 @@ def _load_factory(spec: str) -> Any:
     return getattr(importlib.import_module(module_name), attr)
 
 
-def describe_engine(engine: Any, config: EngineConfig) -> dict[str, Any]:
+def describe_engine(engine: Any, config: EngineConfig, role: Any = None) -> dict[str, Any]:
     """What the api logs at start-up and serves in /v1/models: mode, device, context length, memory budgets."""
     from decode_server.model import resolve_model_path
 
@@ -73,7 +73,10 @@ def describe_engine(engine: Any, config: EngineConfig) -> dict[str, Any]:
         "kv_cache_dtype": config.kv_cache_dtype,
         "max_running_requests": config.max_running_requests,
         "max_queued_requests": config.max_queued_requests,
+        "disaggregation_mode": config.disaggregation.mode,
     }
+    if role is not None:
+        info["disaggregation"] = role.describe()
     for attr in ("context_length", "device", "kv_dtype", "model_dtype"):
         value = getattr(engine, attr, None)
         if value is not None:
@@ -121,8 +124,10 @@ def _memory_budgets(engine: Any, config: EngineConfig, stats: Any) -> dict[str, 
 class EngineLoop:
     """The loop body, separate from process set-up so that it can be driven in tests."""
 
-    def __init__(self, engine: Any, pull: zmq.Socket, push: zmq.Socket, parent_pid: int | None) -> None:
+    def __init__(self, engine: Any, pull: zmq.Socket, push: zmq.Socket, parent_pid: int | None,
+                 role: Any = None) -> None:
         self.engine = engine
+        self.role = role  # PD disaggregation (decode_server/disagg/): prefill or decode role, None = colocated
         self.pull = pull
         self.push = push
         self.parent_pid = parent_pid
@@ -134,13 +139,16 @@ class EngineLoop:
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 logger.warning("api process %d is gone; engine exiting", self.parent_pid)
                 return
-            busy = self.engine.has_unfinished_requests()
-            if self.pull.poll(0 if busy else IDLE_POLL_MS):
+            if self.role is not None:
+                timeout = self.role.poll_timeout_ms(IDLE_POLL_MS)
+            else:
+                timeout = 0 if self.engine.has_unfinished_requests() else IDLE_POLL_MS
+            if self.pull.poll(timeout):
                 self._drain()
             if self.stopping:
                 break
-            if self.engine.has_unfinished_requests():
-                deltas = self.engine.step()
+            if self.role is not None or self.engine.has_unfinished_requests():
+                deltas = self.role.step() if self.role is not None else self.engine.step()
                 if deltas:
                     for delta in deltas:
                         if delta.finished:
@@ -158,7 +166,10 @@ class EngineLoop:
     def _handle(self, msg: ToEngine) -> None:
         if isinstance(msg, GenerateMsg):
             try:
-                self.engine.add_request(msg.rid, msg.prompt_token_ids, msg.params)
+                if self.role is not None:
+                    self.role.add_request(msg.rid, msg.prompt_token_ids, msg.params, msg.bootstrap)
+                else:
+                    self.engine.add_request(msg.rid, msg.prompt_token_ids, msg.params)
             except Exception as exc:  # every failure to add becomes the client's error, not ours
                 logger.info("rejected request %s: %s", msg.rid, exc)
                 self.push.send(encode(RejectedMsg.from_exception(msg.rid, exc)))
@@ -168,16 +179,23 @@ class EngineLoop:
         elif isinstance(msg, AbortMsg):
             rids = list(self.active) if msg.rid is None else [msg.rid]
             for rid in rids:
-                self.engine.abort_request(rid)
+                self._abort(rid)
                 self.active.discard(rid)
         elif isinstance(msg, StatsQueryMsg):
-            self.push.send(encode(StatsMsg(msg.query_id, self.engine.stats())))
+            stats = self.role.stats() if self.role is not None else self.engine.stats()
+            self.push.send(encode(StatsMsg(msg.query_id, stats)))
         elif isinstance(msg, ShutdownMsg):
             logger.info("engine shutting down (%s); aborting %d request(s)", msg.reason, len(self.active))
             for rid in list(self.active):
-                self.engine.abort_request(rid)
+                self._abort(rid)
             self.active.clear()
             self.stopping = True
+
+    def _abort(self, rid: str) -> None:
+        if self.role is not None:
+            self.role.abort(rid)
+        else:
+            self.engine.abort_request(rid)
 
 
 def run_engine_process(
@@ -203,16 +221,24 @@ def run_engine_process(
     pull.connect(to_engine_addr)
     push.connect(from_engine_addr)
     exit_code = 0
+    role = None
     try:
         engine = _load_factory(engine_factory)(config)
-        push.send(encode(ReadyMsg(os.getpid(), describe_engine(engine, config))))
-        EngineLoop(engine, pull, push, parent_pid).run()
+        if config.disaggregation.enabled:
+            from decode_server.disagg.role import build_role
+
+            role = build_role(engine, config.disaggregation)
+        push.send(encode(ReadyMsg(os.getpid(), describe_engine(engine, config, role))))
+        EngineLoop(engine, pull, push, parent_pid, role).run()
     except Exception as exc:
         logger.exception("engine process failed")
         with contextlib.suppress(zmq.ZMQError):
             push.send(encode(FatalMsg(f"{type(exc).__name__}: {exc}")))
         exit_code = 1
     finally:
+        if role is not None:
+            with contextlib.suppress(Exception):
+                role.close()
         push.close(linger=1000)
         pull.close(linger=0)
         ctx.term()

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 
 from decode_server.api.engine_client import EngineClient, StreamEvent
 from decode_server.api.metrics import ServerMetrics
+from decode_server.disagg.bootstrap_info import BootstrapInfo
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.engine.types import TokenLogprob
+from decode_server.errors import error_from_name
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,7 @@ class ChoiceSpec:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt_index: int = 0
+    bootstrap: BootstrapInfo | None = None  # PD disaggregation
 
 
 @dataclass
@@ -72,7 +75,8 @@ class GenerationGroup:
 
         async def submit_one(choice: ChoiceState) -> None:
             spec = choice.spec
-            await self.client.submit(choice.rid, spec.prompt_token_ids, spec.params, self.queue, spec.index)
+            await self.client.submit(choice.rid, spec.prompt_token_ids, spec.params, self.queue, spec.index,
+                                     bootstrap=spec.bootstrap)
             self._submitted.append(choice)
 
         try:
@@ -98,6 +102,11 @@ class GenerationGroup:
                 raise event.error
             delta = event.delta
             assert delta is not None
+            if delta.finished and delta.error_class is not None:  # the engine failed it (e.g. a PD transfer)
+                choice.finished = True
+                self._count_finished(choice, "abort")
+                self.abort_unfinished(delta.error or "request failed")
+                raise error_from_name(delta.error_class, delta.error or "request failed")
             self._record(choice, delta.new_token_ids)
             choice.text += delta.text
             choice.token_ids.extend(delta.new_token_ids)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import decode_server.errors as errors_module
+from decode_server.disagg.bootstrap_info import BootstrapInfo
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.errors import DecodeServerError
 
@@ -27,6 +28,7 @@ class GenerateMsg:
     rid: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    bootstrap: BootstrapInfo | None = None  # PD disaggregation (prefill/decode modes)
 
 
 @dataclass(frozen=True)

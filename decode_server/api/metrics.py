@@ -18,10 +18,10 @@ from collections import deque
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from decode_server.engine.types import EngineStats
+from decode_server.engine.types import KV_TRANSFER_LATENCY_BUCKETS, DisaggStats, EngineStats
 
 SGLANG = "sglang:"
 HISPARSE = "hisparse:"
@@ -122,6 +122,68 @@ class _EngineStatsCollector(Collector):
             "swap-in hits / (hits + misses), all layers",
             hits / (hits + misses) if hits + misses else 0.0,
         )
+        if stats.disagg is not None:
+            yield from _disagg_metrics(m.model_name, stats.disagg)
+
+
+def _disagg_metrics(model_name: str, d: DisaggStats) -> Iterator[Metric]:
+    """PD disaggregation (docs/pd.md): SGLang's queue gauges and failure counters, plus transfer bytes, a
+    transfer-latency histogram, rooms by state and failures by cause."""
+    labels = [model_name]
+
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(SGLANG + name, doc, labels=["model_name"])
+        family.add_metric(labels, value)
+        return family
+
+    def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(SGLANG + name, doc, labels=["model_name"])
+        family.add_metric(labels, value)
+        return family
+
+    if d.mode == "prefill":
+        yield gauge("num_prefill_prealloc_queue_reqs", "prefill requests waiting for decode's destination",
+                    d.num_bootstrapping_reqs)
+        yield gauge("num_prefill_inflight_queue_reqs", "prefilled requests whose KV is still being sent",
+                    d.num_inflight_reqs)
+    else:
+        yield gauge("num_decode_prealloc_queue_reqs", "PD requests waiting for memory", d.num_prealloc_reqs)
+        yield gauge("num_decode_transfer_queue_reqs", "PD requests waiting for their KV", d.num_transferring_reqs)
+        yield gauge("pd_staging_used_rows", "host staging rows holding arrived KV (dense decode)", d.staging_rows.used)
+        yield gauge("pd_aux_used_rows", "aux rows of rooms in flight", d.aux_rows_used)
+    yield counter("kv_transfer_bytes", "KV bytes moved between prefill and decode (rows and aux records)",
+                  d.transfer_bytes)
+    yield gauge("kv_transfer_registered_bytes", "memory registered with the transfer engine", d.registered_bytes)
+    yield counter("num_bootstrap_failed_reqs", "requests failed by a bootstrap timeout",
+                  d.failures_by_cause.get("bootstrap_timeout", 0))
+    yield counter("num_transfer_failed_reqs", "requests whose KV transfer failed (any cause)",
+                  d.rooms_finished.get("FAILED", 0))
+    rooms = GaugeMetricFamily(SGLANG + "kv_transfer_rooms", "rooms in flight, by state",
+                              labels=["model_name", "state"])
+    for state in ("BOOTSTRAPPING", "WAITING", "TRANSFERRING", "ABORTING"):
+        rooms.add_metric([model_name, state.lower()], d.rooms_by_state.get(state, 0))
+    yield rooms
+    ended = CounterMetricFamily(SGLANG + "kv_transfer_rooms_finished", "rooms ended, by terminal state",
+                                labels=["model_name", "state"])
+    for state in ("SUCCESS", "FAILED", "ABORTED"):
+        ended.add_metric([model_name, state.lower()], d.rooms_finished.get(state, 0))
+    yield ended
+    failures = CounterMetricFamily(SGLANG + "kv_transfer_failures", "failed or aborted rooms, by cause",
+                                   labels=["model_name", "cause"])
+    for cause, n in sorted(d.failures_by_cause.items()):
+        failures.add_metric([model_name, cause], n)
+    yield failures
+    if d.latency_bucket_counts:
+        cumulative, buckets = 0, []
+        bounds = [*(str(b) for b in KV_TRANSFER_LATENCY_BUCKETS), "+Inf"]
+        for bound, n in zip(bounds, d.latency_bucket_counts, strict=True):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        hist = HistogramMetricFamily(SGLANG + "kv_transfer_latency_seconds",
+                                     "time from a room's first write to its end (successful rooms)",
+                                     labels=["model_name"])
+        hist.add_metric(labels, buckets, d.latency_sum_s)
+        yield hist
 
 
 class ServerMetrics:

@@ -61,6 +61,12 @@ class _SamplingFields(BaseModel):
         description="request id (SGLang's name; a router sets it): the response id and the name for "
         "/abort_request; must not be in use; default: a random `cmpl-…`/`chatcmpl-…`",
     )  # fmt: skip
+    # PD disaggregation (SGLang's router adds these; a list gives one value per prompt of a batched request).
+    bootstrap_host: str | list[str] | None = Field(default=None, description="PD: the prefill server's host")
+    bootstrap_port: int | list[int] | None = Field(default=None, description="PD: its bootstrap port")
+    bootstrap_room: int | list[int] | None = Field(
+        default=None, description="PD: the transfer's id, the same on both servers (0 .. 2^63-1)"
+    )
 
 
 class CompletionRequest(_SamplingFields):

@@ -98,6 +98,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         context_length=int(info.get("context_length") or engine_config.context_length or 0),
         vocab_size=int(info.get("vocab_size") or tokenizer.vocab_size),
         accepted_names=frozenset({served, engine_config.model_path}),
+        disaggregation_mode=engine_config.disaggregation.mode,
     )
     metrics = ServerMetrics(served)
     ctx = ServerContext(client, tokenizer, model, metrics, dict(info, model_path=model_dir),

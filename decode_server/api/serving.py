@@ -43,6 +43,7 @@ from decode_server.api.protocol import (
     random_id,
 )
 from decode_server.api.sse import DONE_FRAME, SSE_HEADERS, sse_frame
+from decode_server.disagg.bootstrap_info import MAX_ROOM, BootstrapInfo
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.engine.types import TokenLogprob
 from decode_server.errors import ContextLengthExceededError, DecodeServerError, InvalidRequestError
@@ -63,6 +64,7 @@ class ModelInfo:
     context_length: int
     vocab_size: int
     accepted_names: frozenset[str]
+    disaggregation_mode: str = "null"  # "prefill" / "decode": requests must carry bootstrap fields
 
 
 class OpenAIServing:
@@ -195,6 +197,48 @@ class OpenAIServing:
                 f"invalid value for '{param}': {first.get('msg')}", param=param
             ) from exc
 
+    def _bootstrap(self, req: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> list[BootstrapInfo | None]:
+        """PD modes: one `BootstrapInfo` per prompt from `bootstrap_host/port/room` (scalars, or lists with one
+        value per prompt as SGLang's router sends for batched prompts). Colocated mode ignores the fields."""
+        mode = self.model.disaggregation_mode
+        if mode == "null":
+            return [None] * num_prompts
+        fields = {"bootstrap_host": req.bootstrap_host, "bootstrap_port": req.bootstrap_port,
+                  "bootstrap_room": req.bootstrap_room}
+        missing = [name for name, value in fields.items() if value is None]
+        if missing:
+            raise InvalidRequestError(
+                f"this server runs with --disaggregation-mode {mode}: the request needs 'bootstrap_host', "
+                f"'bootstrap_port' and 'bootstrap_room' (a PD router adds them); missing {missing}",
+                param=missing[0],
+            )
+        if req.n != 1:
+            raise InvalidRequestError(
+                "n > 1 is not supported with prefill/decode disaggregation (each choice would need its own "
+                "bootstrap_room); send n separate requests", param="n",
+            )
+        per_prompt: dict[str, list] = {}
+        for name, value in fields.items():
+            values = value if isinstance(value, list) else [value] * num_prompts
+            if len(values) != num_prompts:
+                raise InvalidRequestError(
+                    f"'{name}' has {len(values)} values for {num_prompts} prompt(s): give one per prompt",
+                    param=name,
+                )
+            per_prompt[name] = values
+        rooms = per_prompt["bootstrap_room"]
+        if any(not 0 <= r <= MAX_ROOM for r in rooms):
+            raise InvalidRequestError(f"'bootstrap_room' must be in [0, {MAX_ROOM}]", param="bootstrap_room")
+        if len(set(rooms)) != len(rooms):
+            raise InvalidRequestError("each prompt needs its own 'bootstrap_room' (give a list)",
+                                      param="bootstrap_room")
+        if any(not 0 < p < 65536 for p in per_prompt["bootstrap_port"]):
+            raise InvalidRequestError("'bootstrap_port' must be a TCP port (1..65535)", param="bootstrap_port")
+        if any(not h for h in per_prompt["bootstrap_host"]):
+            raise InvalidRequestError("'bootstrap_host' must not be empty", param="bootstrap_host")
+        return [BootstrapInfo(h, p, r) for h, p, r in zip(per_prompt["bootstrap_host"], per_prompt["bootstrap_port"],
+                                                          rooms, strict=True)]
+
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -221,6 +265,7 @@ class OpenAIServing:
         self._check_model(req.model)
         self._check_unsupported(req)
         prompts = self._completion_prompts(req)
+        bootstraps = self._bootstrap(req, len(prompts))
         specs = []
         for p_index, ids in enumerate(prompts):
             max_tokens = self._max_tokens(req.max_tokens, len(ids), DEFAULT_COMPLETION_MAX_TOKENS)
@@ -228,7 +273,8 @@ class OpenAIServing:
                 index = p_index * req.n + k
                 params = self._sampling_params(req, max_tokens, req.logprobs, k)
                 specs.append(
-                    ChoiceSpec(index=index, prompt_token_ids=ids, params=params, prompt_index=p_index)
+                    ChoiceSpec(index=index, prompt_token_ids=ids, params=params, prompt_index=p_index,
+                               bootstrap=bootstraps[p_index])
                 )
         group = self._new_group("cmpl", specs, req.rid)
         want_logprobs = req.logprobs is not None
@@ -308,9 +354,11 @@ class OpenAIServing:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._max_tokens(requested, len(ids), None)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        bootstrap = self._bootstrap(req, 1)[0]
         specs = [
             ChoiceSpec(
-                index=k, prompt_token_ids=ids, params=self._sampling_params(req, max_tokens, num_logprobs, k)
+                index=k, prompt_token_ids=ids, params=self._sampling_params(req, max_tokens, num_logprobs, k),
+                bootstrap=bootstrap,
             )
             for k in range(req.n)
         ]

@@ -29,7 +29,7 @@ from decode_server.engine.request import Request, RequestStatus
 from decode_server.engine.sampler import Sampler, is_greedy, make_generator
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.engine.scheduler import ScheduledBatch, Scheduler
-from decode_server.engine.types import EngineStats, RequestDelta
+from decode_server.engine.types import EngineStats, RequestDelta, TokenLogprob
 from decode_server.errors import (
     CapacityError,
     ContextLengthExceededError,
@@ -41,6 +41,8 @@ from decode_server.hisparse.coordinator import HiSparseCoordinator
 logger = logging.getLogger(__name__)
 
 LogitsHook = Callable[[list[str], torch.Tensor], None]
+# (request, first token position, number of tokens) of each prompt chunk a prefill pass just computed.
+PrefillChunkHook = Callable[[list[tuple[Request, int, int]]], None]
 
 
 def _eos_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:
@@ -88,6 +90,8 @@ class Engine:
         self.sampler = Sampler()
         self.eos_token_ids = _eos_ids(model_config, tokenizer)
         self.logits_hook: LogitsHook | None = None
+        # PD prefill (decode_server/disagg/): sees each prompt chunk once its KV is complete (device synced).
+        self.prefill_chunk_hook: PrefillChunkHook | None = None
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._pending_deltas: list[RequestDelta] = []
@@ -112,7 +116,31 @@ class Engine:
                               self.device, cfg.page_size)
 
     # -- requests --
-    def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, rid: str, prompt_token_ids: list[int], params: SamplingParams, *, remote_prefill: bool = False,
+        hold_kv: bool = False,
+    ) -> None:
+        """Queue a request (typed errors if it can never run).
+
+        PD disaggregation: `remote_prefill` (decode role) admits it without a prefill pass (its prompt's KV
+        arrives from elsewhere; `commit_remote_prefill` starts its decoding); `hold_kv` (prefill role) keeps
+        its KV allocated after it finishes, until `release_held`."""
+        req = self.validate_request(rid, prompt_token_ids, params)
+        if len(self.scheduler.waiting) >= self.config.max_queued_requests:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_queued_requests} requests)")
+        req.remote_prefill, req.hold_kv = remote_prefill, hold_kv
+        if not is_greedy(params):
+            seed = params.seed if params.seed is not None else hash((self.config.seed, req.arrival))
+            req.generator = make_generator(seed, self.device)
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
+            req.stop_checker = StopStringChecker(params.stop)
+        self._requests[rid] = req
+        self.scheduler.add(req)
+        self._num_prompt += req.prompt_len
+
+    def validate_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """The checks of `add_request` without queueing (raises typed errors); returns the request it would add."""
         if rid in self._requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
         if not prompt_token_ids:
@@ -131,29 +159,53 @@ class Engine:
         reason = self.kv.capacity_error(req.prompt_len, req.max_total_len)
         if reason is not None:
             raise CapacityError(f"request can never fit in the KV budgets: {reason}")
-        if len(self.scheduler.waiting) >= self.config.max_queued_requests:
-            raise QueueFullError(f"the waiting queue is full ({self.config.max_queued_requests} requests)")
-        if not is_greedy(params):
-            seed = params.seed if params.seed is not None else hash((self.config.seed, req.arrival))
-            req.generator = make_generator(seed, self.device)
-        if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
-            req.stop_checker = StopStringChecker(params.stop)
-        self._requests[rid] = req
-        self.scheduler.add(req)
-        self._num_prompt += req.prompt_len
+        return req
 
-    def abort_request(self, rid: str) -> None:
-        """Stop a request and free its memory; the next `step()` reports it finished with reason `abort`."""
+    def abort_request(self, rid: str, *, hold_kv: bool = False) -> None:
+        """Stop a request and free its memory; the next `step()` reports it finished with reason `abort`.
+        `hold_kv`: keep its KV allocated until `release_held` (a PD transfer may still use it)."""
+        self.fail_request(rid, None, None, hold_kv=hold_kv)
+
+    def fail_request(self, rid: str, error_class: str | None, message: str | None, *, hold_kv: bool = False) -> bool:
+        """End a request with an error the API reports to its client (`error_class` names a
+        `decode_server.errors` class; None = a plain abort). False if the engine does not hold it."""
         req = self._requests.pop(rid, None)
         if req is None:
-            return
-        self.scheduler.remove(req)
+            return False
+        self.scheduler.remove(req, hold=hold_kv)
         req.finish_reason = "abort"
-        self._pending_deltas.append(self._delta(req, [], "", finished=True))
+        delta = self._delta(req, [], "", finished=True)
+        delta.error, delta.error_class = message, error_class
+        self._pending_deltas.append(delta)
+        return True
+
+    def release_held(self, rid: str) -> bool:
+        """Free the KV of a finished request that was held (`hold_kv`)."""
+        return self.scheduler.release_held(rid)
+
+    def get_request(self, rid: str) -> Request | None:
+        return self._requests.get(rid)
+
+    def pop_remote_admitted(self) -> list[Request]:
+        """PD decode: requests admitted (memory allocated) since the last call, whose KV must now be fetched."""
+        return self.scheduler.pop_newly_transferring()
+
+    def commit_remote_prefill(self, rid: str, first_token: int, logprob: TokenLogprob | None) -> RequestDelta:
+        """PD decode: the prompt's KV is in this engine's pools; record the first token (sampled by the prefill
+        server) and move the request into the decode batch. Returns its first delta (also the last, if the
+        first token ends it)."""
+        req = self._requests[rid]
+        req.num_computed = req.prompt_len
+        self.scheduler.commit_transferred(req)
+        return self._append_token(req, first_token, logprob)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending_deltas)
+
+    def has_runnable_work(self) -> bool:
+        """Something a `step()` would compute now (false while only PD transfers are awaited)."""
+        sched = self.scheduler
+        return bool(self._pending_deltas or sched.waiting or sched.prefilling or sched.running or sched.retracted)
 
     # -- one step --
     @torch.inference_mode()
@@ -167,6 +219,11 @@ class Engine:
         sampled = [r for r, s in zip(batch.requests, batch.sampled, strict=True) if s]
         for req, n in zip(batch.requests, batch.extend_lens, strict=True):
             req.num_computed += n
+        if self.prefill_chunk_hook is not None and not batch.is_decode:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the chunk's KV rows are complete
+            self.prefill_chunk_hook([(r, p, e) for r, p, e in zip(batch.requests, batch.prefix_lens,
+                                                                  batch.extend_lens, strict=True)])
         if not sampled:
             return deltas
         if self.logits_hook is not None:
@@ -208,7 +265,7 @@ class Engine:
                 text += req.stop_checker.add(req.detokenizer.flush()) + req.stop_checker.finish()
         if finished:
             self._requests.pop(req.rid, None)
-            self.scheduler.remove(req)
+            self.scheduler.remove(req, hold=req.hold_kv)
         return self._delta(req, [token], text, finished, [logprob] if logprob is not None else None)
 
     def _delta(self, req: Request, tokens: list[int], text: str, finished: bool,

@@ -17,6 +17,7 @@ class RequestStatus(enum.Enum):
     PREFILLING = "prefilling"  # admitted, prompt partly in the KV cache
     RUNNING = "running"  # in the decode batch
     RETRACTED = "retracted"  # KV kept in the host pool, device memory given back; resumes without recompute
+    TRANSFERRING = "transferring"  # PD decode: admitted, its prompt's KV is arriving from a prefill server
     FINISHED = "finished"
 
 
@@ -37,6 +38,10 @@ class Request:
     stop_reason: str | int | None = None
     detokenizer: IncrementalDetokenizer | None = None
     stop_checker: StopStringChecker | None = None
+    # PD disaggregation (decode_server/disagg/): the prompt's KV comes from a prefill server instead of a
+    # forward pass; or, on a prefill server, the KV outlives the request until its transfer has ended.
+    remote_prefill: bool = False
+    hold_kv: bool = False
 
     @property
     def prompt_len(self) -> int:

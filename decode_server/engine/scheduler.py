@@ -9,6 +9,11 @@ Each call to `schedule()` picks one forward pass:
    by at most one chunk per token;
 4. otherwise one decode step for every running request. Before it, each request gets room for its next token;
    when memory runs out, the newest running requests are retracted until the rest fit.
+
+PD disaggregation (decode_server/disagg/) adds two holding sets: `transferring` (decode: admitted like any
+request, but its prompt's KV arrives from a prefill server instead of being computed; it joins the decode set
+with `commit_transferred`) and `held` (prefill: finished requests whose KV rows stay allocated until their
+transfer has ended; `release_held` frees them).
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ class Scheduler:
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
         self.retracted: list[Request] = []
+        self.transferring: list[Request] = []
+        self.held: dict[str, Request] = {}
+        self.newly_transferring: list[Request] = []  # admitted since the PD role last looked
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
         self.num_retractions = 0
         self._last_was_prefill = False
@@ -55,28 +63,47 @@ class Scheduler:
     # -- bookkeeping --
     @property
     def num_holding_rows(self) -> int:
-        return len(self.prefilling) + len(self.running) + len(self.retracted)
+        return len(self.prefilling) + len(self.running) + len(self.retracted) + len(self.transferring) + len(
+            self.held)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self.retracted)
+        return bool(self.waiting or self.prefilling or self.running or self.retracted or self.transferring
+                    or self.held)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def remove(self, req: Request) -> None:
-        """Take a request out of whichever set holds it and give back its memory (finish or abort)."""
+    def remove(self, req: Request, hold: bool = False) -> None:
+        """Take a request out of whichever set holds it and give back its memory (finish or abort).
+
+        `hold`: keep its request row and KV allocated (in `held`) until `release_held`, e.g. while a PD transfer
+        may still read or write them."""
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         else:
-            for group in (self.prefilling, self.running, self.retracted):
+            for group in (self.prefilling, self.running, self.retracted, self.transferring):
                 if req in group:
                     group.remove(req)
                     break
-            if req.row >= 0:
-                self.kv.free(req.row)
-                self._free_rows.append(req.row)
-                req.row = -1
+            if req in self.newly_transferring:
+                self.newly_transferring.remove(req)
+            if req.row >= 0 and hold:
+                self.held[req.rid] = req
+            elif req.row >= 0:
+                self._free_row(req)
         req.status = RequestStatus.FINISHED
+
+    def release_held(self, rid: str) -> bool:
+        req = self.held.pop(rid, None)
+        if req is None:
+            return False
+        self._free_row(req)
+        return True
+
+    def _free_row(self, req: Request) -> None:
+        self.kv.free(req.row)
+        self._free_rows.append(req.row)
+        req.row = -1
 
     # -- one step --
     def schedule(self) -> ScheduledBatch | None:
@@ -89,7 +116,7 @@ class Scheduler:
         self._last_was_prefill = False
         if self.running:
             return self._decode_batch()
-        if self.waiting or self.retracted:
+        if (self.waiting or self.retracted) and not (self.transferring or self.held):
             # Nothing runs and nothing can start: only possible if the budgets are inconsistent.
             raise RuntimeError("scheduler stalled: queued requests cannot be admitted into an idle engine")
         return None
@@ -118,9 +145,25 @@ class Scheduler:
         self._free_rows.pop()
         self.waiting.remove(req)
         req.row = row
+        if req.remote_prefill:
+            req.status = RequestStatus.TRANSFERRING
+            self.transferring.append(req)
+            self.newly_transferring.append(req)
+            return True
         req.status = RequestStatus.PREFILLING
         self.prefilling.append(req)
         return True
+
+    def pop_newly_transferring(self) -> list[Request]:
+        out, self.newly_transferring = self.newly_transferring, []
+        return out
+
+    def commit_transferred(self, req: Request) -> None:
+        """PD decode: the prompt's KV arrived (and its first token): join the decode set as after a prefill."""
+        self.transferring.remove(req)
+        self.kv.finish_prefill(req.row, req.num_computed)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def _prefill_batch(self) -> ScheduledBatch:
         budget = self.chunked_prefill_size

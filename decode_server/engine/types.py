@@ -40,6 +40,9 @@ class RequestDelta(BaseModel):
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    error_class: str | None = Field(
+        default=None, description="a decode_server.errors class name: the request failed; the API reports it"
+    )
 
 
 class HiSparseLayerStats(BaseModel):
@@ -63,6 +66,31 @@ class PoolUsage(BaseModel):
         return self.used / self.total if self.total else 0.0
 
 
+# Upper bounds (seconds) of the PD transfer-latency histogram buckets.
+KV_TRANSFER_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class DisaggStats(BaseModel):
+    """PD disaggregation counters of one server (decode_server/disagg/; prefill or decode role)."""
+
+    mode: str = "null"
+    num_bootstrapping_reqs: int = Field(default=0, description="prefill: waiting for decode's destination")
+    num_inflight_reqs: int = Field(default=0, description="prefill: computed, KV held until its transfer ends")
+    num_transferring_reqs: int = Field(default=0, description="decode: admitted, waiting for its KV")
+    num_prealloc_reqs: int = Field(default=0, description="decode: waiting for memory before its destination")
+    rooms_by_state: dict[str, int] = Field(default_factory=dict, description="rooms in flight by state")
+    rooms_finished: dict[str, int] = Field(default_factory=dict, description="ended rooms by terminal state")
+    failures_by_cause: dict[str, int] = Field(default_factory=dict)
+    transfer_bytes: int = 0
+    latency_bucket_counts: list[int] = Field(default_factory=list, description="per KV_TRANSFER_LATENCY_BUCKETS, "
+                                             "then +Inf; not cumulative")
+    latency_sum_s: float = 0.0
+    latency_count: int = 0
+    staging_rows: PoolUsage = Field(default_factory=PoolUsage)
+    aux_rows_used: int = 0
+    registered_bytes: int = Field(default=0, description="memory registered with the transfer engine")
+
+
 class EngineStats(BaseModel):
     """A snapshot for the metrics layer (names follow SGLang where one exists)."""
 
@@ -80,6 +108,7 @@ class EngineStats(BaseModel):
     device_slots: PoolUsage = Field(default_factory=PoolUsage)
     indexer_slots: PoolUsage = Field(default_factory=PoolUsage)
     dense_kv_slots: PoolUsage = Field(default_factory=PoolUsage)
+    disagg: DisaggStats | None = None
 
     @property
     def hisparse_hits(self) -> int:

@@ -1,0 +1,136 @@
+"""What the engine process's loop asks of a PD role, the pieces both roles share, and `build_role`."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import socket
+from typing import Any
+
+from decode_server.config import DisaggregationConfig
+from decode_server.disagg.bootstrap_info import BootstrapInfo
+from decode_server.engine.sampling_params import SamplingParams
+from decode_server.engine.types import KV_TRANSFER_LATENCY_BUCKETS, DisaggStats, EngineStats, RequestDelta
+from decode_server.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+# How long the engine loop may block on its socket while only PD transfers are awaited (their results are
+# polled between waits, so this bounds the latency a transfer's end adds).
+PD_WAIT_MS = 2
+
+
+def advertised_host(cfg: DisaggregationConfig) -> str:
+    """The address peers reach us at: --host, unless it is a wildcard (then this machine's name's address)."""
+    if cfg.host in ("", "0.0.0.0", "::"):
+        return socket.gethostbyname(socket.gethostname())
+    return cfg.host
+
+
+def make_transport(cfg: DisaggregationConfig) -> Any:
+    from transfer.mooncake_transport import MooncakeTransport
+
+    protocol = "rdma" if cfg.ib_device else "tcp"
+    return MooncakeTransport(advertised_host(cfg), protocol, cfg.ib_device, cfg.transfer_timeout_s)
+
+
+def require_bootstrap(bootstrap: BootstrapInfo | None, mode: str) -> BootstrapInfo:
+    if bootstrap is None:
+        raise InvalidRequestError(
+            f"this server runs with --disaggregation-mode {mode}: a request needs 'bootstrap_host', "
+            "'bootstrap_port' and 'bootstrap_room' (a PD router adds them)", param="bootstrap_room",
+        )
+    return bootstrap
+
+
+def error_delta(rid: str, error_class: str, message: str, prompt_tokens: int = 0) -> RequestDelta:
+    return RequestDelta(rid=rid, finished=True, finish_reason="abort", prompt_tokens=prompt_tokens,
+                        error=message, error_class=error_class)
+
+
+class LatencyHistogram:
+    """Cumulative transfer-latency histogram fed with the transfer package's samples."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(KV_TRANSFER_LATENCY_BUCKETS) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def add(self, samples: list[float]) -> None:
+        for s in samples:
+            self.counts[bisect.bisect_left(KV_TRANSFER_LATENCY_BUCKETS, s)] += 1
+            self.sum += s
+            self.count += 1
+
+
+class PDRole:
+    """Base of both roles: owns the transport's lifetime and the PD part of the stats."""
+
+    mode = "null"
+
+    def __init__(self, engine: Any, cfg: DisaggregationConfig) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.latency = LatencyHistogram()
+        self.transport: Any = None
+        self.layout: Any = None
+
+    # -- called by the engine loop --
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                    bootstrap: BootstrapInfo | None) -> None:
+        raise NotImplementedError
+
+    def abort(self, rid: str) -> None:
+        raise NotImplementedError
+
+    def step(self) -> list[RequestDelta]:
+        raise NotImplementedError
+
+    def has_pending(self) -> bool:
+        """Rooms in flight: the loop must keep polling (briefly) even when the engine has nothing to compute."""
+        raise NotImplementedError
+
+    def poll_timeout_ms(self, idle_ms: int) -> int:
+        if self.engine.has_runnable_work():
+            return 0
+        return PD_WAIT_MS if self.has_pending() else idle_ms
+
+    def stats(self) -> EngineStats:
+        stats = self.engine.stats()
+        stats.disagg = self._disagg_stats()
+        return stats
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        """For the start-up log and /server_info."""
+        return {"mode": self.mode, "session_id": self.transport.session_id, "layout": self.layout.to_dict()}
+
+    # -- shared --
+    def _transfer_stats(self, side: Any) -> DisaggStats:
+        snap = side.stats.snapshot()
+        self.latency.add(side.stats.take_latency_samples())
+        registered = sum(self.transport.registered.values()) if self.transport is not None else 0
+        return DisaggStats(
+            mode=self.mode, rooms_by_state=side.num_rooms_by_state(), rooms_finished=snap["rooms_finished"],
+            failures_by_cause=snap["failures"], transfer_bytes=snap["bytes_transferred"],
+            latency_bucket_counts=list(self.latency.counts), latency_sum_s=self.latency.sum,
+            latency_count=self.latency.count, registered_bytes=registered,
+        )
+
+    def _disagg_stats(self) -> DisaggStats:
+        raise NotImplementedError
+
+
+def build_role(engine: Any, cfg: DisaggregationConfig) -> PDRole | None:
+    """The role of `--disaggregation-mode` (None when colocated)."""
+    if cfg.mode == "prefill":
+        from decode_server.disagg.prefill_role import PrefillRole
+
+        return PrefillRole(engine, cfg)
+    if cfg.mode == "decode":
+        from decode_server.disagg.decode_role import DecodeRole
+
+        return DecodeRole(engine, cfg)
+    return None

@@ -1,0 +1,296 @@
+"""PD disaggregation end to end: a prefill server and decode servers (HiSparse on and off) as real
+`decode-server serve` processes, real mooncake over TCP on 127.0.0.1 between them, driven with the openai client
+the way a PD router does it (the same body, with bootstrap fields, to both servers at once).
+
+Correctness: greedy tokens and logprobs equal colocated serving bit for bit. Requests go one at a time, so that
+each forward pass has the same batch in both set-ups (batch composition changes float rounding; see
+docs/architecture.md); 16 concurrent requests then check the same tokens under load. Faults: missing bootstrap
+fields, bootstrap unreachable, waiting timeout, prefill's bootstrap timeout, an abort on decode reaching prefill,
+an abort on prefill, a refused handshake. After each, both sides' pools, staging rows and rooms are empty."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from pd_harness import (
+    HISPARSE_CONFIG,
+    MODEL,
+    PrefillServer,
+    decode_server,
+    disagg_stats,
+    start_all,
+    wait_for,
+    wait_pd_idle,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+from decode_server.engine.llm import LLM
+from decode_server.engine.sampling_params import SamplingParams
+
+CONTEXT_LENGTH = 256
+MAX_TOKENS = 5
+# Token-id prompts of different lengths: shorter and longer than the decode buffer (64), one of several chunks.
+PROMPTS = [[(7 * i + 3 * n) % 900 + 5 for i in range(n)] for n in (6, 70, 150)]
+_rooms = itertools.count(1_000)
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict]:
+    prefill = PrefillServer()
+    # The dense decode has a short waiting timeout (its test); its other requests go one at a time.
+    decodes = {"hisparse": decode_server(hisparse=True), "dense": decode_server(hisparse=False, waiting_timeout_s=10)}
+    mismatched = decode_server("--kv-cache-dtype", "bfloat16", hisparse=True)
+    everyone = [prefill, *decodes.values(), mismatched]
+    start_all(*everyone)
+    try:
+        yield {"prefill": prefill, **decodes, "mismatched": mismatched}
+    finally:
+        for s in everyone:
+            s.kill()
+
+
+def _client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _body(prompt, room_fields: dict, **extra) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2,
+            "extra_body": {"ignore_eos": True, **room_fields}, **extra}
+
+
+async def _pd_request(prefill, decode, prompt, **extra):
+    """What a router does: the same body to both, concurrently; the decode server's answer is the result."""
+    body = _body(prompt, prefill.route(next(_rooms)), **extra)
+    async with _client(prefill) as pc, _client(decode) as dc:
+        p, d = await asyncio.gather(pc.completions.create(**body), dc.completions.create(**body))
+    return p, d
+
+
+def _colocated(hisparse: bool) -> LLM:
+    kwargs = {"enable_hisparse": True, "hisparse": {"device_buffer_size": 64, "num_recent_slots": 4}} if hisparse \
+        else {}
+    return LLM(MODEL, device="cpu", context_length=CONTEXT_LENGTH, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["hisparse", "dense"])
+def test_pd_greedy_equals_colocated(servers, mode):
+    assert '"device_buffer_size": 64' in HISPARSE_CONFIG
+    prefill, decode = servers["prefill"], servers[mode]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
+    llm = _colocated(hisparse=mode == "hisparse")
+    for prompt in PROMPTS:
+        (expected,) = llm.generate([prompt], params)
+        p, d = asyncio.run(_pd_request(prefill, decode, prompt))
+        lp = d.choices[0].logprobs
+        assert d.choices[0].text == expected.text and d.choices[0].finish_reason == "length"
+        assert lp.token_logprobs == [x.logprob for x in expected.logprobs]  # bit for bit
+        assert [list(t.values()) for t in lp.top_logprobs] == [[v for _, v in x.top_logprobs] for x in expected.logprobs]
+        assert d.usage.completion_tokens == MAX_TOKENS and d.usage.prompt_tokens == len(prompt)
+        # prefill answers with the first token only (its KV went to decode)
+        assert p.choices[0].text == lp.tokens[0] and p.usage.completion_tokens == 1
+        assert p.choices[0].logprobs.token_logprobs == lp.token_logprobs[:1]
+    for server in (prefill, decode):
+        d = wait_pd_idle(server)
+        assert d["rooms_finished"].get("SUCCESS", 0) >= len(PROMPTS) and not d["failures_by_cause"]
+    assert disagg_stats(decode)["transfer_bytes"] > 0
+
+
+def test_pd_streaming_chat_and_16_concurrent(servers):
+    prefill, decode = servers["prefill"], servers["hisparse"]
+    llm = _colocated(hisparse=True)
+    prompts = [PROMPTS[2][i : i + 8 + 2 * i] for i in range(16)]
+    expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0,
+                                                                          ignore_eos=True))]
+
+    async def one(i: int):
+        body = _body(prompts[i], prefill.route(next(_rooms)), stream=i % 2 == 0)
+        body["logprobs"], body["max_tokens"] = 0, 3
+        async with _client(prefill) as pc, _client(decode) as dc:
+            p, d = await asyncio.gather(pc.completions.create(**body), dc.completions.create(**body))
+            if body["stream"]:
+                chunks = [c async for c in d]
+                async for _ in p:
+                    pass
+                return [t for c in chunks for t in (c.choices[0].logprobs.tokens if c.choices else [])]
+            return d.choices[0].logprobs.tokens
+
+    async def run() -> list:
+        return await asyncio.gather(*(one(i) for i in range(16)))
+
+    got = asyncio.run(run())
+    tok = llm.tokenizer
+    assert got == [[tok.decode([t], skip_special_tokens=False) for t in ids] for ids in expected]
+    for server in (prefill, decode):
+        wait_pd_idle(server)
+
+    # chat, streamed: the first token arrives as a delta from decode, as in colocated serving
+    async def chat():
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3,
+                "temperature": 0, "stream": True, "extra_body": prefill.route(next(_rooms))}
+        async with _client(prefill) as pc, _client(decode) as dc:
+            _, d = await asyncio.gather(pc.chat.completions.create(**body), dc.chat.completions.create(**body))
+            return [c async for c in d]
+
+    chunks = asyncio.run(chat())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    wait_pd_idle(decode)
+
+
+def test_pd_metrics_on_both_roles(servers):
+    for name in ("prefill", "hisparse"):
+        text = httpx.get(servers[name].url + "/metrics", timeout=10).text
+        samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples["sglang:kv_transfer_bytes_total"].value > 0
+        assert samples["sglang:kv_transfer_latency_seconds_count"].value > 0
+        assert "sglang:kv_transfer_rooms" in samples and "sglang:kv_transfer_registered_bytes" in samples
+    names = {s.name for f in text_string_to_metric_families(httpx.get(servers["prefill"].url + "/metrics").text)
+             for s in f.samples}
+    assert "sglang:num_prefill_inflight_queue_reqs" in names
+
+
+def test_pd_requests_need_bootstrap_fields(servers):
+    for name in ("prefill", "hisparse"):
+        url = servers[name].url + "/v1/completions"
+        r = httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 400 and "bootstrap_room" in r.json()["error"]["message"]
+        route = servers["prefill"].route(next(_rooms))
+        r = httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 2, **route}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        r = httpx.post(url, json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2, **route}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bootstrap_room"
+
+
+def test_pd_batched_prompts_with_room_lists(servers):
+    """SGLang's router sends one room per prompt of a batched completion."""
+    prefill, decode = servers["prefill"], servers["dense"]
+    rooms = [next(_rooms), next(_rooms)]
+    body = {"model": MODEL, "prompt": [PROMPTS[0], PROMPTS[1][:30]], "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True, "bootstrap_host": ["127.0.0.1"] * 2,
+            "bootstrap_port": [prefill.bootstrap_port] * 2, "bootstrap_room": rooms}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(c.post(prefill.url + "/v1/completions", json=body),
+                                        c.post(decode.url + "/v1/completions", json=body))
+
+    p, d = asyncio.run(run())
+    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+    assert [c["index"] for c in d.json()["choices"]] == [0, 1]
+    assert d.json()["usage"]["completion_tokens"] == 6
+    wait_pd_idle(decode)
+    wait_pd_idle(prefill)
+
+
+def _error_of(exc: openai.APIError) -> str:
+    return str(exc.message if hasattr(exc, "message") else exc)
+
+
+def test_bootstrap_unreachable(servers):
+    decode = servers["hisparse"]
+    dead_port = _closed_port()
+    body = _body(PROMPTS[0], {"bootstrap_host": "127.0.0.1", "bootstrap_port": dead_port,
+                              "bootstrap_room": next(_rooms)})
+
+    async def run():
+        async with _client(decode) as dc:
+            return await dc.completions.create(**body)
+
+    with pytest.raises(openai.APIStatusError) as err:
+        asyncio.run(run())
+    assert err.value.status_code == 503 and "bootstrap timeout" in _error_of(err.value)
+    assert "unreachable" in _error_of(err.value)
+    d = wait_pd_idle(decode)
+    assert d["failures_by_cause"].get("bootstrap_timeout", 0) >= 1
+
+
+def _closed_port() -> int:
+    from api_server_harness import free_port
+
+    return free_port()
+
+
+def test_waiting_timeout_streamed_error_event(servers):
+    """Only decode gets the request (prefill never runs it): decode's waiting timeout fails it with an error
+    event in the stream, after prefill acknowledged the abort (so no write can land in freed pages)."""
+    prefill, decode = servers["prefill"], servers["dense"]
+    body = _body(PROMPTS[1], prefill.route(next(_rooms)), stream=True)
+
+    async def run():
+        async with _client(decode) as dc:
+            stream = await dc.completions.create(**body)
+            return [c async for c in stream]
+
+    with pytest.raises(openai.APIError) as err:
+        asyncio.run(run())
+    assert "waiting timeout" in _error_of(err.value)
+    d = wait_pd_idle(decode)
+    assert d["failures_by_cause"].get("waiting_timeout", 0) >= 1
+    wait_pd_idle(prefill)
+
+
+def test_prefill_bootstrap_timeout(servers):
+    """Only prefill gets the request: no decode ever sends the destination."""
+    prefill = servers["prefill"]
+    body = _body(PROMPTS[0], prefill.route(next(_rooms)))
+
+    async def run():
+        async with _client(prefill) as pc:
+            return await pc.completions.create(**body)
+
+    with pytest.raises(openai.APIStatusError) as err:
+        asyncio.run(run())
+    assert err.value.status_code == 503 and "bootstrap timeout" in _error_of(err.value)
+    d = wait_pd_idle(prefill)
+    assert d["failures_by_cause"].get("bootstrap_timeout", 0) >= 1
+
+
+def test_abort_on_decode_reaches_prefill(servers):
+    """A client leaves decode while its room waits for prefill: decode sends ABORT, prefill acknowledges and
+    remembers it, so the prefill request of that room fails at once instead of computing for nobody."""
+    prefill, decode = servers["prefill"], servers["hisparse"]
+    route = prefill.route(next(_rooms))
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "stream": True, **route}
+    before = disagg_stats(prefill)["failures_by_cause"].get("peer", 0)
+    with httpx.Client(timeout=60) as c, c.stream("POST", decode.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        wait_for(lambda: disagg_stats(decode)["rooms_by_state"].get("WAITING") == 1, what="decode's room sent")
+    # the client is gone: decode aborts the room and frees its pages once prefill acknowledged
+    wait_pd_idle(decode)
+    r = httpx.post(prefill.url + "/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, **route})
+    assert r.status_code == 503 and "aborted by decode" in r.json()["error"]["message"]
+    d = wait_pd_idle(prefill)
+    assert d["failures_by_cause"].get("peer", 0) == before + 1
+
+
+def test_abort_on_prefill_frees_the_room(servers):
+    prefill = servers["prefill"]
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 4, "stream": True, **prefill.route(next(_rooms))}
+    with httpx.Client(timeout=60) as c, c.stream("POST", prefill.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        wait_for(lambda: disagg_stats(prefill)["num_bootstrapping_reqs"] == 1, what="prefill's room")
+    d = wait_pd_idle(prefill)
+    assert d["failures_by_cause"].get("local", 0) >= 1
+
+
+def test_handshake_mismatch_refused(servers):
+    """A bf16-KV decode against an fp32-KV prefill: refused at handshake with the differing field named."""
+    prefill, decode = servers["prefill"], servers["mismatched"]
+    body = _body(PROMPTS[0], prefill.route(next(_rooms)))
+
+    async def run():
+        async with _client(decode) as dc:
+            return await dc.completions.create(**body)
+
+    with pytest.raises(openai.APIStatusError) as err:
+        asyncio.run(run())
+    message = _error_of(err.value)
+    assert err.value.status_code == 503 and "transfer layout mismatch" in message, message
+    assert "2304" in message and "1152" in message  # fp32 vs bf16 MLA rows
+    wait_pd_idle(decode)
