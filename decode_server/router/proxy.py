@@ -226,7 +226,7 @@ class Dispatcher:
     ) -> Response:
         rid = f"{route.id_prefix}-{uuid.uuid4().hex}"
         payload = dict(body, rid=rid, bootstrap_host=prefill.bootstrap_host, bootstrap_port=prefill.bootstrap_port,
-                       bootstrap_room=random.getrandbits(63))  # fmt: skip
+                       bootstrap_room=_rooms(body))  # fmt: skip
         content = json.dumps(payload, separators=(",", ":")).encode()
         pair = _Pair(self, rid, headers, prefill, decode)
         pair.prefill_task = asyncio.create_task(self._send(prefill, route.path, content, headers))
@@ -403,6 +403,15 @@ class _Pair:
             return
         self.prefill_owned = False
         self.d.spawn(self.d._drain_prefill(self.prefill, self.prefill_task))
+
+
+def _rooms(body: dict[str, Any]) -> int | list[int]:
+    """A random room in [0, 2^63); a batched completion (a list of prompts) gets one room per prompt, as SGLang's
+    router sends it (each prompt is its own transfer)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        return [random.getrandbits(63) for _ in prompt]
+    return random.getrandbits(63)
 
 
 async def _read_closing(resp: httpx.Response) -> bytes:
