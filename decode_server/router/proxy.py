@@ -319,8 +319,7 @@ class Dispatcher:
         self.metrics.ttfb.labels(route.path).observe(time.perf_counter() - arrival)
         pair.decode_owned = False  # from here on the relay (or the code below) settles decode
         if resp.headers.get("content-type", "").startswith("text/event-stream"):
-            return StreamingResponse(self._relay(route, pair, resp, arrival), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)  # fmt: skip
+            return self._relay(route, pair, resp, arrival)
         try:
             body = await resp.aread()
         except httpx.HTTPError as e:
@@ -334,29 +333,16 @@ class Dispatcher:
         self._count(decode, "success")
         return Response(body, status_code=200, media_type=resp.headers.get("content-type"))
 
-    async def _relay(self, route: Route, pair: _Pair, resp: httpx.Response, arrival: float) -> AsyncIterator[bytes]:
+    def _relay(self, route: Route, pair: _Pair, resp: httpx.Response, arrival: float) -> StreamingResponse:
         """decode's SSE bytes, chunk by chunk, unchanged; an error event if decode fails mid-stream."""
         decode, rid = pair.decode, pair.rid
-        finished = False
-        last = b"\n\n"
-        try:
-            async for chunk in resp.aiter_raw():
-                if chunk:
-                    last = chunk
-                    yield chunk
-            finished = True
-            self._count(decode, "success")
-        except httpx.HTTPError as exc:
-            finished = True
-            logger.warning("decode worker %s failed mid-stream of %s: %s", decode.url, rid, exc)
-            self._count(decode, "stream_error")
-            pair.abort_prefill()
-            prefix = b"" if last.endswith(b"\n\n") else b"\n\n"  # end a frame cut in the middle first
-            kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
-            yield prefix + _sse_error(f"decode worker {decode.url} {kind} mid-stream ({type(exc).__name__})",
-                                      "worker_failed", 502)  # fmt: skip
-        finally:
-            # No await here: when the client left, this runs inside a cancelled scope.
+        state = {"settled": False}
+
+        def settle(finished: bool) -> None:
+            # Runs once, with no await: when the client left, this runs inside a cancelled scope.
+            if state["settled"]:
+                return
+            state["settled"] = True
             self.spawn(resp.aclose())
             self._end(decode)
             self.metrics.latency.labels(route.path).observe(time.perf_counter() - arrival)
@@ -365,6 +351,45 @@ class Dispatcher:
                 self._count(decode, "aborted")
                 pair.abort_decode()
                 pair.abort_prefill()
+
+        async def chunks() -> AsyncIterator[bytes]:
+            finished = False
+            last = b"\n\n"
+            try:
+                async for chunk in resp.aiter_raw():
+                    if chunk:
+                        last = chunk
+                        yield chunk
+                finished = True
+                self._count(decode, "success")
+            except httpx.HTTPError as exc:
+                finished = True
+                logger.warning("decode worker %s failed mid-stream of %s: %s", decode.url, rid, exc)
+                self._count(decode, "stream_error")
+                pair.abort_prefill()
+                prefix = b"" if last.endswith(b"\n\n") else b"\n\n"  # end a frame cut in the middle first
+                kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
+                yield prefix + _sse_error(f"decode worker {decode.url} {kind} mid-stream ({type(exc).__name__})",
+                                          "worker_failed", 502)  # fmt: skip
+            finally:
+                settle(finished)
+
+        return _RelayResponse(chunks(), settle)
+
+
+class _RelayResponse(StreamingResponse):
+    """A StreamingResponse that settles its relay even when the body iterator never started (the client left
+    before the first chunk: Starlette then cancels the response without running the generator's `finally`)."""
+
+    def __init__(self, content: AsyncIterator[bytes], settle: Any) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._settle = settle
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._settle(False)  # a no-op when the generator settled already
 
 
 class _Pair:

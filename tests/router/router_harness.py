@@ -21,6 +21,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "disagg"))
 from api_server_harness import (  # noqa: E402
     CONTEXT_LENGTH,
     REPO,
@@ -29,8 +30,12 @@ from api_server_harness import (  # noqa: E402
     pid_alive,
     wait_until_idle,
 )
+from pd_harness import wait_pd_idle  # noqa: E402
 
-WORKER_MODE = "colocated"  # switch to "pd" once the PD roles (--disaggregation-mode) are in `serve`
+WORKER_MODE = "pd"  # or "colocated": both workers plain `serve` processes
+# Fault tests end quickly: decode gives up on a dead prefill peer after 2 missed heartbeats 0.5 s apart.
+PD_TIMEOUTS = ["--disaggregation-heartbeat-interval", "0.5", "--disaggregation-heartbeat-max-failures", "2",
+               "--disaggregation-bootstrap-timeout", "30", "--disaggregation-waiting-timeout", "120"]
 MODEL = "tiny-dsa"
 ROUTER_START_TIMEOUT_S = 60.0
 
@@ -55,10 +60,12 @@ def launch_workers(n_prefill: int, n_decode: int) -> tuple[list[Worker], list[Wo
     for _ in range(n_prefill):
         bootstrap_port = free_port()
         args = [] if WORKER_MODE == "colocated" else [
-            "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port)]  # fmt: skip
+            "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port), *PD_TIMEOUTS]  # fmt: skip
         prefill.append(Worker("prefill", ServerProcess(*args), bootstrap_port))
     for _ in range(n_decode):
-        args = ["--enable-hisparse"] + ([] if WORKER_MODE == "colocated" else ["--disaggregation-mode", "decode"])
+        args = ["--enable-hisparse"]
+        if WORKER_MODE == "pd":
+            args += ["--disaggregation-mode", "decode", *PD_TIMEOUTS]
         decode.append(Worker("decode", ServerProcess(*args)))
     try:
         for w in prefill + decode:
@@ -146,5 +153,9 @@ class RouterProcess:
 
 
 def wait_all_idle(workers: list[Worker], timeout: float = 30.0) -> None:
+    """Every pool empty on every worker (PD: no room, staging or aux row left either)."""
     for w in workers:
-        wait_until_idle(w.server, timeout)
+        if WORKER_MODE == "pd":
+            wait_pd_idle(w.server, timeout)
+        else:
+            wait_until_idle(w.server, timeout)

@@ -38,6 +38,14 @@ def test_completion_equals_colocated_engine(client: openai.OpenAI, offline_llm: 
     assert out.id.startswith("cmpl-")
 
 
+def test_batched_prompts_equal_colocated_engine(client: openai.OpenAI, offline_llm: LLM) -> None:
+    """A list of prompts: in PD each prompt is its own transfer (the router sends one room per prompt)."""
+    prompts = ["First prompt", "Second one", "And a third"]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0)
+    expected = offline_llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0))
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [e.text for e in expected]
+
+
 def test_chat_equals_colocated_engine(client: openai.OpenAI, offline_llm: LLM) -> None:
     out = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=6, temperature=0
