@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -15,7 +15,7 @@ from decode_server.api.errors import error_body, install_error_handlers
 from decode_server.router.config import RouterConfig
 from decode_server.router.metrics import RouterMetrics
 from decode_server.router.proxy import CHAT, COMPLETIONS, Dispatcher
-from decode_server.router.workers import Worker, WorkerPool
+from decode_server.router.workers import WORKER_ERRORS, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +55,15 @@ def create_app(config: RouterConfig, pool: WorkerPool, dispatcher: Dispatcher, m
     async def models(request: Request) -> Response:
         """The model list of a healthy decode worker (every worker serves the same model)."""
         headers = {k: v for k in ("authorization", "x-api-key") if (v := request.headers.get(k))}
+        timeout = aiohttp.ClientTimeout(total=config.health_check_timeout_secs)
         for worker in pool.healthy("decode"):
             try:
-                resp = await dispatcher.client.get(worker.url + "/v1/models", headers=headers,
-                                                   timeout=config.health_check_timeout_secs)  # fmt: skip
-            except httpx.HTTPError as exc:
-                logger.warning("GET /v1/models from %s failed: %s", worker.url, exc)
+                async with dispatcher.client.get(worker.url + "/v1/models", headers=headers, timeout=timeout) as resp:
+                    body = await resp.read()
+            except WORKER_ERRORS as exc:
+                logger.warning("GET /v1/models from %s failed: %r", worker.url, exc)
                 continue
-            return Response(resp.content, status_code=resp.status_code,
-                            media_type=resp.headers.get("content-type"))  # fmt: skip
+            return Response(body, status_code=resp.status, media_type=resp.headers.get("content-type"))
         return JSONResponse(error_body("no healthy decode worker", "workers_unavailable", 503), status_code=503,
                             headers={"Retry-After": "1"})  # fmt: skip
 

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -36,7 +36,7 @@ from decode_server.api.protocol import ChatCompletionRequest, CompletionRequest
 from decode_server.router.config import RouterConfig
 from decode_server.router.metrics import RouterMetrics
 from decode_server.router.policy import make_policy
-from decode_server.router.workers import Worker, WorkerPool
+from decode_server.router.workers import WORKER_ERRORS, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _sse_error(message: str, error_type: str, status: int) -> bytes:
 
 class Dispatcher:
     def __init__(
-        self, config: RouterConfig, pool: WorkerPool, client: httpx.AsyncClient, metrics: RouterMetrics
+        self, config: RouterConfig, pool: WorkerPool, client: aiohttp.ClientSession, metrics: RouterMetrics
     ) -> None:
         self.config = config
         self.pool = pool
@@ -113,34 +113,35 @@ class Dispatcher:
     async def _abort(self, worker: Worker, rid: str, headers: dict[str, str]) -> None:
         self.metrics.aborts.labels(worker.role, worker.url).inc()
         try:
-            await self.client.post(
-                worker.url + "/abort_request", json={"rid": rid}, headers=headers, timeout=ABORT_TIMEOUT_S
-            )
-        except httpx.HTTPError as exc:
-            logger.info("abort of %s at %s failed: %s", rid, worker.url, exc)
+            async with self.client.post(worker.url + "/abort_request", json={"rid": rid}, headers=headers,
+                                        timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)) as resp:  # fmt: skip
+                await resp.read()
+        except WORKER_ERRORS as exc:
+            logger.info("abort of %s at %s failed: %r", rid, worker.url, exc)
 
     def _abort_later(self, worker: Worker, rid: str, headers: dict[str, str]) -> None:
         self.spawn(self._abort(worker, rid, headers))
 
-    async def _drain_prefill(self, worker: Worker, task: asyncio.Task[httpx.Response]) -> None:
+    async def _drain_prefill(self, worker: Worker, task: asyncio.Task[aiohttp.ClientResponse]) -> None:
         """Wait for prefill's answer and read it to the end (its connection returns to the pool); its content is
         not used, and a failure after decode answered only counts in the metrics."""
         try:
             try:
                 resp = await task
-            except httpx.HTTPError as exc:
-                self._count(worker, "unreachable" if isinstance(exc, httpx.ConnectError) else "server_error")
+            except WORKER_ERRORS as exc:
+                self._count(worker, "unreachable" if _refused(exc) else "server_error")
                 return
             try:
-                async for _ in resp.aiter_raw():
+                async for _ in resp.content.iter_any():
                     pass
-                self._count(worker, "success" if resp.status_code == 200 else
-                            "server_error" if resp.status_code >= 500 else "client_error")  # fmt: skip
-            except httpx.HTTPError as exc:
-                logger.info("prefill %s: response ended with %s", worker.url, exc)
+                self._count(worker, "success" if resp.status == 200 else
+                            "server_error" if resp.status >= 500 else "client_error")  # fmt: skip
+                resp.release()
+            except WORKER_ERRORS as exc:
+                logger.info("prefill %s: response ended with %r", worker.url, exc)
                 self._count(worker, "stream_error")
             finally:
-                await resp.aclose()
+                resp.close()
         finally:
             self._end(worker)
 
@@ -263,9 +264,11 @@ class Dispatcher:
             disconnect.cancel()
             pair.settle_prefill()
 
-    async def _send(self, worker: Worker, path: str, content: bytes, headers: dict[str, str]) -> httpx.Response:
-        request = self.client.build_request("POST", worker.url + path, content=content, headers=headers)
-        return await self.client.send(request, stream=True)
+    async def _send(
+        self, worker: Worker, path: str, content: bytes, headers: dict[str, str]
+    ) -> aiohttp.ClientResponse:
+        """POST; returns once the response headers came (the body is read by the caller)."""
+        return await self.client.post(worker.url + path, data=content, headers=headers)
 
     async def _prefill_answered(self, pair: _Pair) -> Response | None:
         """Prefill's headers came before decode's: None if it accepted (then it is drained in the background);
@@ -277,7 +280,7 @@ class Dispatcher:
             pair.give_up()
             raise retry
         resp = task.result()
-        if resp.status_code == 200:
+        if resp.status == 200:
             pair.settle_prefill()
             return None
         # Refused: it holds nothing, so no abort there; decode would wait for KV that never comes.
@@ -285,17 +288,17 @@ class Dispatcher:
         self._end(prefill)
         pair.give_up()
         body = await _read_closing(resp)
-        self._count(prefill, "server_error" if resp.status_code >= 500 else "client_error")
-        if resp.status_code == 503:
+        self._count(prefill, "server_error" if resp.status >= 500 else "client_error")
+        if resp.status == 503:
             raise _Retry(prefill, f"prefill worker {prefill.url} refused with 503: {body[:200]!r}")
-        return Response(body, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+        return Response(body, status_code=resp.status, media_type=resp.headers.get("content-type"))
 
     def _unreachable(self, worker: Worker, exc: BaseException) -> _Retry:
-        if not isinstance(exc, httpx.HTTPError):
+        if not isinstance(exc, WORKER_ERRORS):
             raise exc
         self._count(worker, "unreachable")
         # A refused connection means the worker is gone: out of rotation until a health check passes.
-        self.pool.record_failure(worker, f"{type(exc).__name__}: {exc}", at_once=isinstance(exc, httpx.ConnectError))
+        self.pool.record_failure(worker, f"{type(exc).__name__}: {exc}", at_once=_refused(exc))
         return _Retry(worker, f"{worker.role} worker {worker.url} unreachable ({type(exc).__name__}: {exc})")
 
     async def _decode_answered(self, route: Route, pair: _Pair, arrival: float) -> Response:
@@ -306,34 +309,34 @@ class Dispatcher:
             pair.give_up()
             raise retry
         resp = task.result()
-        if resp.status_code != 200:
+        if resp.status != 200:
             # Decode refused: nothing runs there; prefill is aborted (it would wait for a decode that never comes).
             pair.decode_owned = False
             self._end(decode)
             pair.give_up()
             body = await _read_closing(resp)
-            self._count(decode, "server_error" if resp.status_code >= 500 else "client_error")
-            if resp.status_code == 503:
+            self._count(decode, "server_error" if resp.status >= 500 else "client_error")
+            if resp.status == 503:
                 raise _Retry(decode, f"decode worker {decode.url} refused with 503: {body[:200]!r}")
-            return Response(body, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+            return Response(body, status_code=resp.status, media_type=resp.headers.get("content-type"))
         self.metrics.ttfb.labels(route.path).observe(time.perf_counter() - arrival)
         pair.decode_owned = False  # from here on the relay (or the code below) settles decode
         if resp.headers.get("content-type", "").startswith("text/event-stream"):
             return self._relay(route, pair, resp, arrival)
         try:
-            body = await resp.aread()
-        except httpx.HTTPError as e:
+            body = await resp.read()
+        except WORKER_ERRORS as e:
             self._count(decode, "stream_error")
             pair.abort_prefill()
             return _error(f"decode worker {decode.url} failed while answering ({type(e).__name__})",
                           "worker_failed", 502)  # fmt: skip
         finally:
             self._end(decode)
-            await resp.aclose()
+            resp.release()
         self._count(decode, "success")
         return Response(body, status_code=200, media_type=resp.headers.get("content-type"))
 
-    def _relay(self, route: Route, pair: _Pair, resp: httpx.Response, arrival: float) -> StreamingResponse:
+    def _relay(self, route: Route, pair: _Pair, resp: aiohttp.ClientResponse, arrival: float) -> StreamingResponse:
         """decode's SSE bytes, chunk by chunk, unchanged; an error event if decode fails mid-stream."""
         decode, rid = pair.decode, pair.rid
         state = {"settled": False}
@@ -343,7 +346,10 @@ class Dispatcher:
             if state["settled"]:
                 return
             state["settled"] = True
-            self.spawn(resp.aclose())
+            if finished:
+                resp.release()  # the connection goes back to the pool
+            else:
+                resp.close()  # decode sees the connection drop (and gets the abort)
             self._end(decode)
             self.metrics.latency.labels(route.path).observe(time.perf_counter() - arrival)
             if not finished:
@@ -356,19 +362,19 @@ class Dispatcher:
             finished = False
             last = b"\n\n"
             try:
-                async for chunk in resp.aiter_raw():
+                async for chunk in resp.content.iter_any():
                     if chunk:
                         last = chunk
                         yield chunk
                 finished = True
                 self._count(decode, "success")
-            except httpx.HTTPError as exc:
+            except WORKER_ERRORS as exc:
                 finished = True
                 logger.warning("decode worker %s failed mid-stream of %s: %s", decode.url, rid, exc)
                 self._count(decode, "stream_error")
                 pair.abort_prefill()
                 prefix = b"" if last.endswith(b"\n\n") else b"\n\n"  # end a frame cut in the middle first
-                kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
+                kind = "timed out" if isinstance(exc, asyncio.TimeoutError) else "failed"
                 yield prefix + _sse_error(f"decode worker {decode.url} {kind} mid-stream ({type(exc).__name__})",
                                           "worker_failed", 502)  # fmt: skip
             finally:
@@ -397,8 +403,8 @@ class _Pair:
 
     def __init__(self, d: Dispatcher, rid: str, headers: dict[str, str], prefill: Worker, decode: Worker) -> None:
         self.d, self.rid, self.headers, self.prefill, self.decode = d, rid, headers, prefill, decode
-        self.prefill_task: asyncio.Task[httpx.Response]
-        self.decode_task: asyncio.Task[httpx.Response]
+        self.prefill_task: asyncio.Task[aiohttp.ClientResponse]
+        self.decode_task: asyncio.Task[aiohttp.ClientResponse]
         self.prefill_owned = self.decode_owned = True
         d._begin(prefill)
         d._begin(decode)
@@ -416,7 +422,7 @@ class _Pair:
             if getattr(self, owned):
                 setattr(self, owned, False)
                 refused = task.done() and not task.cancelled() and task.exception() is None \
-                    and task.result().status_code != 200  # fmt: skip
+                    and task.result().status != 200  # fmt: skip
                 self.d.spawn(_close_task(task))
                 if not refused:  # a worker that refused the request holds nothing for it
                     self.d._abort_later(worker, self.rid, self.headers)
@@ -439,22 +445,27 @@ def _rooms(body: dict[str, Any]) -> int | list[int]:
     return random.getrandbits(63)
 
 
-async def _read_closing(resp: httpx.Response) -> bytes:
+async def _read_closing(resp: aiohttp.ClientResponse) -> bytes:
     try:
-        return await resp.aread()
-    except httpx.HTTPError:
+        return await resp.read()
+    except WORKER_ERRORS:
         return b""
     finally:
-        await resp.aclose()
+        resp.release()
 
 
-async def _close_task(task: asyncio.Task[httpx.Response]) -> None:
+async def _close_task(task: asyncio.Task[aiohttp.ClientResponse]) -> None:
     """Cancel a worker request; if its response already came, close it (the connection is dropped)."""
     if not task.done():
         task.cancel()
     with contextlib.suppress(BaseException):
         resp = await task
-        await resp.aclose()
+        resp.close()
+
+
+def _refused(exc: BaseException) -> bool:
+    """The worker is not there at all (connection refused, no route): not a slow or broken answer."""
+    return isinstance(exc, aiohttp.ClientConnectorError)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

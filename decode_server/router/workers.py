@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-import httpx
+import aiohttp
 
 from decode_server.router.config import RouterConfig
 from decode_server.router.metrics import RouterMetrics
@@ -22,6 +22,9 @@ from decode_server.router.metrics import RouterMetrics
 logger = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode"]
+
+# What a worker call can fail with: connection refused/reset, a broken answer, a timeout.
+WORKER_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
 @dataclass(eq=False)
@@ -47,7 +50,7 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, config: RouterConfig, client: httpx.AsyncClient, metrics: RouterMetrics) -> None:
+    def __init__(self, config: RouterConfig, client: aiohttp.ClientSession, metrics: RouterMetrics) -> None:
         self.config = config
         self.client = client
         self.metrics = metrics
@@ -57,6 +60,7 @@ class WorkerPool:
         ]
         self.decode = [Worker(w.url, "decode") for w in config.decode]
         self._tasks: list[asyncio.Task[None]] = []
+        self._probe_timeout = aiohttp.ClientTimeout(total=config.health_check_timeout_secs)
         self._first_check = asyncio.Event()
         for w in self.all:
             metrics.set_health(w.role, w.url, w.healthy)
@@ -103,9 +107,10 @@ class WorkerPool:
 
     async def _check(self, worker: Worker) -> None:
         try:
-            resp = await self.client.get(worker.url + "/health", timeout=self.config.health_check_timeout_secs)
-            ok, reason = resp.status_code == 200, f"/health answered {resp.status_code}"
-        except httpx.HTTPError as exc:
+            async with self.client.get(worker.url + "/health", timeout=self._probe_timeout) as resp:
+                await resp.read()
+                ok, reason = resp.status == 200, f"/health answered {resp.status}"
+        except WORKER_ERRORS as exc:
             ok, reason = False, f"{type(exc).__name__}: {exc}"
         if ok:
             self.record_success(worker)
@@ -140,13 +145,13 @@ class WorkerPool:
 
     async def _poll_load(self, worker: Worker) -> None:
         try:
-            resp = await self.client.get(worker.url + "/load", timeout=self.config.health_check_timeout_secs)
-            resp.raise_for_status()
-            load = resp.json()
+            async with self.client.get(worker.url + "/load", timeout=self._probe_timeout) as resp:
+                resp.raise_for_status()
+                load = await resp.json()
             worker.reported_load = int(load.get("num_running_reqs", 0)) + int(load.get("num_waiting_reqs", 0))
             worker.host_pages_free = int(load.get("host_pages_free", 0))
             worker.load = load
             worker.load_time = time.monotonic()
             self.metrics.set_load(worker.role, worker.url, worker.reported_load)
-        except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:
+        except (*WORKER_ERRORS, ValueError, TypeError, AttributeError) as exc:
             logger.debug("load of %s unavailable: %s", worker.url, exc)
