@@ -9,9 +9,10 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_SPEC := $(if $(HAS_GPU),torch,torch==2.13.0)
 MODEL ?= tiny-dsa
 SERVE_ARGS ?=
+UP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-gpu lint bench clean ibverbs
+.PHONY: install serve serve-pd test test-gpu lint bench clean ibverbs
 
 install: $(STAMP)
 
@@ -45,6 +46,10 @@ ibverbs:
 
 serve: $(STAMP)
 	$(VENV)/bin/decode-server serve --model-path $(MODEL) $(SERVE_ARGS)
+
+# A local prefill/decode deployment: prefill + decode (HiSparse) servers and the PD router on :30000.
+serve-pd: $(STAMP)
+	$(VENV)/bin/decode-server up --model-path $(MODEL) $(UP_ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,8 @@
-"""`decode-server`: `serve` (the OpenAI-compatible HTTP service) and `generate` (offline, in this process).
+"""`decode-server`: `serve` (the OpenAI-compatible HTTP service), `generate` (offline, in this process),
+`router` (the PD router in front of prefill and decode servers) and `up` (a whole local PD deployment).
+
+Imports of the engine, the HTTP server and the router happen inside the subcommands, so that `router` and `up`
+start without torch.
 
 Flag names follow SGLang's `launch_server` where SGLang has the flag (`--model-path`, `--enable-hisparse`,
 `--hisparse-config`, `--kv-cache-dtype`, `--mem-fraction-static`, `--max-running-requests`,
@@ -199,7 +203,78 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+    router = sub.add_parser("router", help="run the PD router in front of prefill and decode servers")
+    _add_router_args(router)
+
+    from decode_server.up import add_up_args
+
+    up = sub.add_parser("up", help="start a local PD deployment: prefill + decode servers and a router")
+    add_up_args(up)
     return parser
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    from decode_server.router.config import DEFAULT_BOOTSTRAP_PORT, RouterConfig
+
+    d = RouterConfig.model_construct()
+    g = p.add_argument_group("workers")
+    g.add_argument("--prefill", nargs="+", action="append", required=True, metavar=("URL", "BOOTSTRAP_PORT"),
+                   help=f"a prefill server and its bootstrap port (default {DEFAULT_BOOTSTRAP_PORT}); repeatable")  # fmt: skip
+    g.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode server; repeatable")
+    g = p.add_argument_group("routing")
+    g.add_argument("--policy", choices=["round_robin", "random", "least_load"], default=d.policy)
+    g.add_argument("--host", default=d.host)
+    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' (not on /health, /metrics)")
+    g.add_argument("--request-timeout-secs", type=float, default=d.request_timeout_secs,
+                   help="longest wait for decode's answer, and for each chunk of a stream")  # fmt: skip
+    g.add_argument("--connect-timeout-secs", type=float, default=d.connect_timeout_secs)
+    g.add_argument("--health-check-interval-secs", type=float, default=d.health_check_interval_secs)
+    g.add_argument("--health-check-timeout-secs", type=float, default=d.health_check_timeout_secs)
+    g.add_argument("--health-failure-threshold", type=int, default=d.health_failure_threshold,
+                   help="failed checks in a row before a worker leaves the rotation")  # fmt: skip
+    g.add_argument("--health-success-threshold", type=int, default=d.health_success_threshold,
+                   help="passed checks in a row before it comes back")  # fmt: skip
+    g.add_argument("--load-check-interval-secs", type=float, default=d.load_check_interval_secs,
+                   help="least_load: how often each worker's GET /load is read")  # fmt: skip
+    g.add_argument("--retry-max-retries", type=int, default=d.retry_max_retries,
+                   help="other pairs tried when a worker is unreachable before the first byte")  # fmt: skip
+    g.add_argument("--retry-backoff-ms", type=float, default=d.retry_backoff_ms)
+    g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+
+
+def router_config_from_args(args: argparse.Namespace) -> Any:
+    from decode_server.router.config import RouterConfig
+
+    prefill = []
+    for values in args.prefill:
+        if len(values) > 2:
+            raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(values)}")
+        spec: dict[str, Any] = {"url": values[0]}
+        if len(values) == 2:
+            if not values[1].isdigit():
+                raise ValueError(f"--prefill {values[0]}: bootstrap port {values[1]!r} is not a number")
+            spec["bootstrap_port"] = int(values[1])
+        prefill.append(spec)
+    return RouterConfig(
+        prefill=prefill,
+        decode=[{"url": u} for u in args.decode],
+        policy=args.policy,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        request_timeout_secs=args.request_timeout_secs,
+        connect_timeout_secs=args.connect_timeout_secs,
+        health_check_interval_secs=args.health_check_interval_secs,
+        health_check_timeout_secs=args.health_check_timeout_secs,
+        health_failure_threshold=args.health_failure_threshold,
+        health_success_threshold=args.health_success_threshold,
+        load_check_interval_secs=args.load_check_interval_secs,
+        retry_max_retries=args.retry_max_retries,
+        retry_backoff_ms=args.retry_backoff_ms,
+        log_level=args.log_level,
+    )
 
 
 def _setup_logging(level: str) -> None:
@@ -244,6 +319,19 @@ def _cmd_generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "router":
+        try:
+            config = router_config_from_args(args)
+        except (ValidationError, ValueError) as exc:
+            parser.error(str(exc))
+        _setup_logging(args.log_level)
+        from decode_server.router.server import run as run_router
+
+        return run_router(config)
+    if args.command == "up":
+        from decode_server.up import run_up
+
+        return run_up(args, parser)
     try:
         engine_config = engine_config_from_args(args)
         if args.command == "serve":

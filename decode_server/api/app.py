@@ -150,6 +150,21 @@ def create_app(ctx: ServerContext) -> FastAPI:
             "stats": stats.model_dump(),
         }
 
+    @app.get("/load", responses={503: _ERRORS[503]})
+    async def load() -> dict[str, Any]:
+        """What a router's least_load policy needs, as JSON: requests running and waiting, free host pages."""
+        stats = await ctx.client.get_stats(STATS_TIMEOUT_S)
+        return {
+            "num_running_reqs": stats.num_running_reqs,
+            "num_waiting_reqs": stats.num_queue_reqs,
+            "num_inflight_requests": ctx.client.num_inflight,
+            "host_pages_free": stats.host_pages.total - stats.host_pages.used,
+            "host_pages_total": stats.host_pages.total,
+            "dense_kv_slots_free": stats.dense_kv_slots.total - stats.dense_kv_slots.used,
+            "dense_kv_slots_total": stats.dense_kv_slots.total,
+            "token_usage": stats.token_usage,
+        }
+
     @app.post("/abort_request", responses={400: _ERRORS[400]})
     async def abort_request(body: AbortRequestBody) -> dict[str, Any]:
         """Abort one request (`rid`: the id of a completion, e.g. `cmpl-…`) or all (`abort_all: true`)."""

@@ -14,7 +14,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from decode_server.api.errors import error_body
 
 # Liveness/readiness probes and Prometheus scrapers usually carry no credentials.
-OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+# /load is what a router's least_load policy polls: the same numbers /metrics shows.
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics", "/load"})
 
 
 class ApiKeyMiddleware:

@@ -56,6 +56,11 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="only 0 is supported")
     logit_bias: dict[str, float] | None = Field(default=None, description="not supported")
     user: str | None = None
+    rid: str | None = Field(
+        default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",
+        description="request id (SGLang's name; a router sets it): the response id and the name for "
+        "/abort_request; must not be in use; default: a random `cmpl-…`/`chatcmpl-…`",
+    )  # fmt: skip
     # PD disaggregation (SGLang's router adds these; a list gives one value per prompt of a batched request).
     bootstrap_host: str | list[str] | None = Field(default=None, description="PD: the prefill server's host")
     bootstrap_port: int | list[int] | None = Field(default=None, description="PD: its bootstrap port")

@@ -84,8 +84,10 @@ class OpenAIServing:
             return group.abort_unfinished(reason)
         return int(self.client.abort_nowait(request_id, reason))
 
-    def _new_group(self, prefix: str, specs: list[ChoiceSpec]) -> GenerationGroup:
-        group = GenerationGroup(self.client, self.metrics, random_id(prefix), specs)
+    def _new_group(self, prefix: str, specs: list[ChoiceSpec], rid: str | None = None) -> GenerationGroup:
+        if rid is not None and rid in self.groups:
+            raise InvalidRequestError(f"request id '{rid}' is already in use", param="rid")
+        group = GenerationGroup(self.client, self.metrics, rid or random_id(prefix), specs)
         self.groups[group.request_id] = group
         group.on_done = lambda: self.groups.pop(group.request_id, None)
         return group
@@ -274,7 +276,7 @@ class OpenAIServing:
                     ChoiceSpec(index=index, prompt_token_ids=ids, params=params, prompt_index=p_index,
                                bootstrap=bootstraps[p_index])
                 )
-        group = self._new_group("cmpl", specs)
+        group = self._new_group("cmpl", specs, req.rid)
         want_logprobs = req.logprobs is not None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -360,7 +362,7 @@ class OpenAIServing:
             )
             for k in range(req.n)
         ]
-        group = self._new_group("chatcmpl", specs)
+        group = self._new_group("chatcmpl", specs, req.rid)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         model_name = self.model.served_model_name
 

@@ -1,0 +1,218 @@
+"""Router-added latency (issue 11): the same streaming requests sent straight to a decode worker and through
+`decode-server router`, with C concurrent streams on loopback.
+
+By default the workers are lightweight SSE targets started by this script (`--serve-target`): each answers
+like our servers (OpenAI completion chunks, usage chunk, `[DONE]`, `/health`, `/load`, `/abort_request`) with
+`--tokens` chunks `--interval-ms` apart, so that the numbers measure the router and not the model. Two are
+started: one plays the prefill worker and one the decode worker. `--prefill-url/--decode-url` point it at real
+servers instead (then `--interval-ms` is ignored).
+
+Per request: time to the first token chunk (TTFT) and to the end of the stream (E2E), direct vs routed, and the
+difference of the medians: the latency the router adds. Rounds alternate between the two paths.
+
+    python benchmarks/bench_router.py --concurrency 64 --rounds 10 --tokens 16 --interval-ms 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------------------- the target
+
+
+def serve_target(port: int, tokens_default: int, interval_ms: float) -> None:
+    """A minimal OpenAI-shaped SSE worker (Starlette on uvicorn, as the real servers)."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    async def completions(request: Request) -> Response:
+        body = json.loads(await request.body())
+        n = int(body.get("max_tokens") or tokens_default)
+        rid = body.get("rid") or "cmpl-bench"
+
+        async def frames():  # noqa: ANN202
+            for i in range(n):
+                if interval_ms:
+                    await asyncio.sleep(interval_ms / 1000)
+                chunk = {"id": rid, "object": "text_completion", "created": 0, "model": "bench",
+                         "choices": [{"index": 0, "text": f" t{i}", "logprobs": None,
+                                      "finish_reason": "length" if i == n - 1 else None}], "usage": None}  # fmt: skip
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+            usage = {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": n + 4}
+            yield "data: " + json.dumps({"id": rid, "object": "text_completion", "created": 0, "model": "bench",
+                                         "choices": [], "usage": usage}, separators=(",", ":")) + "\n\n"  # fmt: skip
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(frames(), media_type="text/event-stream")
+
+    async def health(_: Request) -> Response:
+        return Response(status_code=200)
+
+    async def load(_: Request) -> Response:
+        return JSONResponse({"num_running_reqs": 0, "num_waiting_reqs": 0, "host_pages_free": 0})
+
+    async def abort(_: Request) -> Response:
+        return JSONResponse({"aborted": 0})
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                            Route("/health", health), Route("/load", load),
+                            Route("/abort_request", abort, methods=["POST"])])  # fmt: skip
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=4096)
+
+
+# ----------------------------------------------------------------------------------------------- the client
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not healthy after {timeout} s")
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float, float]:
+    start = time.perf_counter()
+    ttft = None
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if ttft is None and line.startswith("data: {") and '"text"' in line:
+                ttft = time.perf_counter() - start
+            if line == "data: [DONE]":
+                break
+    end = time.perf_counter() - start
+    return (ttft if ttft is not None else end), end
+
+
+async def run_round(url: str, concurrency: int, body: dict) -> list[tuple[float, float]]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=concurrency * 2)
+    async with httpx.AsyncClient(timeout=300, limits=limits, trust_env=False) as client:
+        await asyncio.gather(*(one_stream(client, url, body) for _ in range(min(concurrency, 8))))  # warm
+        return await asyncio.gather(*(one_stream(client, url, body) for _ in range(concurrency)))
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=10, help="rounds per path (alternating)")
+    ap.add_argument("--tokens", type=int, default=16, help="chunks per stream (max_tokens)")
+    ap.add_argument("--interval-ms", type=float, default=5.0, help="target: gap between chunks")
+    ap.add_argument("--prefill-url", default=None, help="a real prefill (or colocated) server instead of a target")
+    ap.add_argument("--decode-url", default=None, help="a real decode (or colocated) server instead of a target")
+    ap.add_argument("--model", default="tiny-dsa", help="model name sent (real servers)")
+    ap.add_argument("--json", type=Path, default=None, help="write the raw numbers here")
+    ap.add_argument("--serve-target", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_target is not None:
+        serve_target(args.serve_target, args.tokens, args.interval_ms)
+        return
+
+    procs: list[subprocess.Popen[bytes]] = []
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    try:
+        urls = {}
+        for role, given in (("prefill", args.prefill_url), ("decode", args.decode_url)):
+            if given:
+                urls[role] = given.rstrip("/")
+                continue
+            port = free_port()
+            procs.append(subprocess.Popen([sys.executable, __file__, "--serve-target", str(port), "--tokens",
+                                           str(args.tokens), "--interval-ms", str(args.interval_ms)], env=env))  # fmt: skip
+            urls[role] = f"http://127.0.0.1:{port}"
+        router_port = free_port()
+        router_url = f"http://127.0.0.1:{router_port}"
+        procs.append(subprocess.Popen([sys.executable, "-m", "decode_server.cli", "router", "--prefill",
+                                       urls["prefill"], "--decode", urls["decode"], "--port", str(router_port),
+                                       "--log-level", "warning", "--health-check-interval-secs", "0.5"],
+                                      env=env, cwd=REPO))  # fmt: skip
+        for url in (*urls.values(), router_url):
+            wait_healthy(url)
+        body = {"model": args.model, "prompt": "Benchmark", "max_tokens": args.tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        results: dict[str, list[tuple[float, float]]] = {"direct": [], "router": []}
+        for _ in range(args.rounds):
+            for path, url in (("direct", urls["decode"]), ("router", router_url)):
+                results[path] += asyncio.run(run_round(url, args.concurrency, body))
+        dispatch = _router_dispatch_mean(router_url)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    rows = {}
+    for path, samples in results.items():
+        ttft = [s[0] * 1000 for s in samples]
+        e2e = [s[1] * 1000 for s in samples]
+        rows[path] = {"n": len(samples), "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90),
+                      "ttft_p99": pct(ttft, 99), "e2e_p50": pct(e2e, 50), "e2e_p90": pct(e2e, 90),
+                      "e2e_p99": pct(e2e, 99), "e2e_mean": statistics.fmean(e2e)}  # fmt: skip
+    added = {k: rows["router"][k] - rows["direct"][k] for k in ("ttft_p50", "e2e_p50")}
+    print(f"\n{args.concurrency} concurrent streams x {args.rounds} rounds per path, {args.tokens} chunks per "
+          f"stream, target interval {args.interval_ms:g} ms; machine: {platform.node()} ({os.cpu_count()} CPUs), "
+          f"load average {os.getloadavg()[0]:.1f}\n")  # fmt: skip
+    print("| path | requests | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p90 ms | E2E p99 ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for path, r in rows.items():
+        print(f"| {path} | {r['n']} | {r['ttft_p50']:.2f} | {r['ttft_p90']:.2f} | {r['ttft_p99']:.2f} | "
+              f"{r['e2e_p50']:.2f} | {r['e2e_p90']:.2f} | {r['e2e_p99']:.2f} |")  # fmt: skip
+    print(f"\nrouter-added latency (p50 difference): TTFT {added['ttft_p50']:+.2f} ms, E2E {added['e2e_p50']:+.2f} ms;"
+          f" router dispatch overhead (its own metric, mean): {dispatch * 1000:.3f} ms")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"date": datetime.now(UTC).isoformat(), "args": vars(args) | {"json": str(args.json)},
+                                         "rows": rows, "added_ms": added, "dispatch_mean_s": dispatch,
+                                         "load_average": os.getloadavg()}, indent=2))  # fmt: skip
+
+
+def _router_dispatch_mean(router_url: str) -> float:
+    text = httpx.get(router_url + "/metrics", timeout=10).text
+    vals = {}
+    for line in text.splitlines():
+        if line.startswith("hisparse_router:dispatch_overhead_seconds_sum"):
+            vals["sum"] = float(line.split()[-1])
+        elif line.startswith("hisparse_router:dispatch_overhead_seconds_count"):
+            vals["count"] = float(line.split()[-1])
+    return vals.get("sum", 0.0) / max(vals.get("count", 0.0), 1.0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Router configuration: the worker lists and every knob of routing, health checks, retries and timeouts."""
+
+from __future__ import annotations
+
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's default `--disaggregation-bootstrap-port`
+
+Policy = Literal["round_robin", "random", "least_load"]
+
+
+def normalize_url(url: str) -> str:
+    """'127.0.0.1:30000' -> 'http://127.0.0.1:30000'; no trailing slash; only http(s) with a host and port."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not a worker URL: {url!r} (expected e.g. http://127.0.0.1:30000)")
+    try:
+        parts.port  # noqa: B018  (raises on a malformed port)
+    except ValueError as exc:
+        raise ValueError(f"not a worker URL: {url!r} ({exc})") from exc
+    if parts.path not in ("", "/"):
+        raise ValueError(f"worker URL {url!r} must not have a path (the router adds /v1/...)")
+    return url
+
+
+class PrefillWorkerSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    bootstrap_port: int = Field(default=DEFAULT_BOOTSTRAP_PORT, ge=1, le=65535)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return normalize_url(v)
+
+    @property
+    def bootstrap_host(self) -> str:
+        """The host decode contacts for the KV handshake: the host of the prefill URL (as SGLang's router)."""
+        return urlsplit(self.url).hostname or ""
+
+
+class DecodeWorkerSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return normalize_url(v)
+
+
+class RouterConfig(BaseModel):
+    """`decode-server router` flags (SGLang router names where it has the flag)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill: list[PrefillWorkerSpec] = Field(min_length=1)
+    decode: list[DecodeWorkerSpec] = Field(min_length=1)
+    policy: Policy = "round_robin"
+    host: str = "127.0.0.1"
+    port: int = Field(default=30000, ge=0, le=65535)
+    api_key: str | None = None
+    request_timeout_secs: float = Field(default=1800.0, gt=0, description="whole request, both workers")
+    connect_timeout_secs: float = Field(default=5.0, gt=0, description="TCP connect to a worker")
+    health_check_interval_secs: float = Field(default=5.0, gt=0)
+    health_check_timeout_secs: float = Field(default=5.0, gt=0)
+    health_failure_threshold: int = Field(default=2, ge=1, description="failed checks before leaving rotation")
+    health_success_threshold: int = Field(default=1, ge=1, description="passed checks before coming back")
+    load_check_interval_secs: float = Field(default=1.0, gt=0, description="least_load: GET /load period")
+    retry_max_retries: int = Field(default=2, ge=0, description="other pairs tried when one is unreachable")
+    retry_backoff_ms: float = Field(default=50.0, ge=0, description="pause before each retry")
+    log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _distinct(self) -> RouterConfig:
+        for role, urls in (("prefill", [w.url for w in self.prefill]), ("decode", [w.url for w in self.decode])):
+            if len(set(urls)) != len(urls):
+                raise ValueError(f"a {role} worker URL is given twice: {urls}")
+        return self

@@ -1,0 +1,68 @@
+"""Prometheus metrics of the router (`GET /metrics`), in a registry of its own.
+
+Names are prefixed `hisparse_router:`; worker URLs are label values, so that a dashboard shows each worker.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+
+# Outcomes of one request at one worker.
+OUTCOMES = ("success", "client_error", "server_error", "unreachable", "stream_error", "aborted", "timeout")
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "hisparse_router:requests", "requests sent to a worker, by role, worker and outcome",
+            ["role", "worker", "outcome"], registry=r,
+        )  # fmt: skip
+        self.client_requests = Counter(
+            "hisparse_router:client_requests", "client requests by route and HTTP status the client got",
+            ["route", "status"], registry=r,
+        )  # fmt: skip
+        self.retries = Counter(
+            "hisparse_router:retries", "pairs tried again because a worker was unreachable", registry=r
+        )
+        self.aborts = Counter(
+            "hisparse_router:aborts_sent", "POST /abort_request sent to workers after a client disconnect",
+            ["role", "worker"], registry=r,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "hisparse_router:request_latency_seconds", "client request arrival to the last byte sent",
+            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ttfb = Histogram(
+            "hisparse_router:time_to_first_byte_seconds", "client request arrival to decode's first byte",
+            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.dispatch = Histogram(
+            "hisparse_router:dispatch_overhead_seconds",
+            "router work before the worker requests go out (parse, validate, pick)",
+            buckets=_OVERHEAD_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.healthy = Gauge(
+            "hisparse_router:worker_healthy", "1 while the worker is in rotation", ["role", "worker"], registry=r
+        )
+        self.inflight = Gauge(
+            "hisparse_router:worker_inflight_requests", "requests in flight at the worker through this router",
+            ["role", "worker"], registry=r,
+        )  # fmt: skip
+        self.load = Gauge(
+            "hisparse_router:worker_load", "running + waiting requests the worker reported (least_load)",
+            ["role", "worker"], registry=r,
+        )  # fmt: skip
+
+    def set_health(self, role: str, url: str, healthy: bool) -> None:
+        self.healthy.labels(role, url).set(1 if healthy else 0)
+
+    def set_load(self, role: str, url: str, load: int) -> None:
+        self.load.labels(role, url).set(load)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
