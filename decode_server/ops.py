@@ -27,6 +27,8 @@ logger = logging.getLogger("decode_server.ops")
 
 # Gauges of the server's /metrics (docs/server.md) that count requests still owed an answer.
 BUSY_GAUGES = ("sglang:num_running_reqs", "sglang:num_queue_reqs")
+# /metrics reads the engine's stats; a busy engine on a loaded host can take seconds to answer.
+SCRAPE_TIMEOUT_S = 10.0
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(?P<value>\S+)")
 
 
@@ -61,23 +63,28 @@ def probe(url: str, timeout: float) -> int:
 
 def wait_idle(base_url: str, timeout: float, interval: float, settle: int) -> int:
     """Block until `settle` consecutive polls of /metrics see no running or queued request (exit 0), the server
-    is gone (nothing left to finish: exit 0), or `timeout` passes (exit 1)."""
+    refuses connections (it is gone, nothing left to finish: exit 0), or `timeout` passes (exit 1). A scrape
+    that fails otherwise (slow answer, HTTP error) counts as busy: a loaded server is not an idle one."""
     url = base_url.rstrip("/") + "/metrics"
     deadline = time.monotonic() + timeout
     quiet = 0
+    busy: int | str | None = None
     while True:
         try:
-            status, text = _get(url, timeout=max(1.0, interval))
+            status, text = _get(url, timeout=SCRAPE_TIMEOUT_S)
+            busy = busy_requests(text) if status == 200 else f"HTTP {status}"
         except (OSError, urllib.error.URLError) as exc:
-            logger.info("wait-idle: %s unreachable (%s): nothing left to finish", url, exc)
-            return 0
-        busy = busy_requests(text) if status == 200 else None
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            if isinstance(reason, ConnectionRefusedError):
+                logger.info("wait-idle: %s refuses connections: nothing left to finish", base_url)
+                return 0
+            busy = f"no answer ({reason})"
         quiet = quiet + 1 if busy == 0 else 0
         if quiet >= settle:
             logger.info("wait-idle: %s idle", base_url)
             return 0
         if time.monotonic() >= deadline:
-            logger.warning("wait-idle: %s still has %s request(s) after %.0f s", base_url, busy, timeout)
+            logger.warning("wait-idle: %s still busy (%s) after %.0f s", base_url, busy, timeout)
             return 1
         time.sleep(interval)
 
