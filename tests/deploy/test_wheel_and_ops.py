@@ -54,7 +54,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in ("configs", "kernels", "decode_server"):
         shutil.copytree(REPO / name, src / name, symlinks=True, ignore=ignore)
     out = tmp_path_factory.mktemp("wheels")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
                     "--wheel-dir", str(out), str(src)], check=True, timeout=300, env=_clean_env())  # fmt: skip
     (path,) = out.glob("hisparse_decode_server-*.whl")
     return path
