@@ -18,10 +18,8 @@ FROM ${CPU_BASE_IMAGE} AS wheel
 ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY configs ./configs
-COPY kernels ./kernels
-COPY decode_server ./decode_server
+# .dockerignore admits only what the wheel is built from (pyproject.toml, README.md, configs/ and the packages).
+COPY . .
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
     && ln -s "$(ls /wheels/hisparse_decode_server-*.whl)" /wheels/current.whl.path \
     && ls -l /wheels
@@ -32,7 +30,7 @@ ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
-# Extras installed with the wheel (`pd`: the mooncake transfer engine for prefill/decode disaggregation).
+# Extras installed with the wheel (`pd`: the non-CUDA build of the mooncake transfer engine, for PD roles).
 ARG EXTRAS=pd
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH \
@@ -87,7 +85,8 @@ RUN pip install --no-cache-dir --no-deps "$(readlink /wheels/current.whl.path)" 
 FROM ${BASE_IMAGE} AS cuda
 ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
-ARG EXTRAS=pd
+# `pd-cuda13`: the transfer engine's wheel built for CUDA 13, the CUDA line of this image's torch.
+ARG EXTRAS=pd-cuda13
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH \
     HISPARSE_CACHE_DIR=/var/cache/hisparse \

@@ -44,6 +44,12 @@ def run_tool(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run([tool(args[0]), *args[1:]], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
+def docker_context_paths() -> list[str]:
+    """What .dockerignore admits into the image's build context (its `!path` lines, in order)."""
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    return [line[1:].rstrip("/") for line in lines if line.startswith("!")]
+
+
 # ---------------------------------------------------------------- rendering
 
 

@@ -126,6 +126,7 @@ def test_flag_check_catches_unknown_flags_and_values(rendered: dict[str, list[Ob
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_ports_line_up(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    assert check_flags(rendered[overlay]) == []  # the ports are read from the parsed flags
     assert check_ports(rendered[overlay]) == []
 
 
@@ -206,6 +207,7 @@ def test_security_check_catches_mistakes(rendered: dict[str, list[Obj]]) -> None
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_network_policies(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    assert check_flags(rendered[overlay]) == []  # the roles' ports are read from the parsed flags
     assert check_network_policies(rendered[overlay]) == []
 
 

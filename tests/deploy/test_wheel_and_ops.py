@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from deploy_checks import REPO
+from deploy_checks import REPO, docker_context_paths
 
 START_TIMEOUT_S = 180
 
@@ -46,13 +46,14 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`pip wheel . --no-deps` on a copy of the sources (what the image's first stage does)."""
+    """`pip wheel . --no-deps` on what .dockerignore lets into the build context (the image's first stage)."""
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, src / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("configs", "kernels", "decode_server"):
-        shutil.copytree(REPO / name, src / name, symlinks=True, ignore=ignore)
+    for name in docker_context_paths():
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, symlinks=True, ignore=ignore)
+        elif (REPO / name).is_file():
+            shutil.copy(REPO / name, src / name)
     out = tmp_path_factory.mktemp("wheels")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
                     "--wheel-dir", str(out), str(src)], check=True, timeout=300, env=_clean_env())  # fmt: skip
