@@ -21,8 +21,7 @@ WORKDIR /src
 # .dockerignore admits only what the wheel is built from (pyproject.toml, README.md, configs/ and the packages).
 COPY . .
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
-    && ln -s "$(ls /wheels/hisparse_decode_server-*.whl)" /wheels/current.whl.path \
-    && ls -l /wheels
+    && basename /wheels/hisparse_decode_server-*.whl > /wheels/wheel-name.txt
 
 # ---- CPU runtime ----
 FROM ${CPU_BASE_IMAGE} AS cpu
@@ -44,7 +43,7 @@ RUN apt-get update \
 RUN python -m venv /opt/venv \
     && pip install --no-cache-dir --index-url "${TORCH_CPU_INDEX_URL}" "torch==${TORCH_VERSION}"
 COPY --from=wheel /wheels /wheels
-RUN pip install --no-cache-dir "$(readlink /wheels/current.whl.path)[${EXTRAS}]" \
+RUN pip install --no-cache-dir "/wheels/$(cat /wheels/wheel-name.txt)[${EXTRAS}]" \
     && rm -rf /wheels
 RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin hisparse \
     && mkdir -p /models /var/cache/hisparse \
@@ -75,7 +74,7 @@ RUN python3 -m venv /opt/venv \
     && pip install --no-cache-dir "torch==${TORCH_VERSION}" ninja==1.13.2
 COPY --from=wheel /wheels /wheels
 # The package is installed here only to run the build; the runtime stage installs the wheel with its extras.
-RUN pip install --no-cache-dir --no-deps "$(readlink /wheels/current.whl.path)" \
+RUN pip install --no-cache-dir --no-deps "/wheels/$(cat /wheels/wheel-name.txt)" \
     && set -- && for arch in ${CUDA_ARCHS}; do set -- "$@" --arch "$arch"; done \
     && python -m decode_server.ops build-kernels "$@" --cache-dir /opt/hisparse/kernels \
     && pip uninstall -y hisparse-decode-server \
@@ -104,7 +103,7 @@ RUN apt-get update \
 COPY --from=cuda-build /opt/venv /opt/venv
 COPY --from=cuda-build /opt/hisparse/kernels /opt/hisparse/kernels
 COPY --from=wheel /wheels /wheels
-RUN pip install --no-cache-dir "$(readlink /wheels/current.whl.path)[${EXTRAS}]" \
+RUN pip install --no-cache-dir "/wheels/$(cat /wheels/wheel-name.txt)[${EXTRAS}]" \
     && rm -rf /wheels
 RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin hisparse \
     && mkdir -p /models /var/cache/hisparse \

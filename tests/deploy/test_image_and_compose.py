@@ -74,7 +74,7 @@ def image_problems(text: str) -> list[str]:
             problems.append(f"{target}: no HEALTHCHECK on /health")
         if 'ENTRYPOINT ["decode-server"]' not in lines:
             problems.append(f"{target}: entrypoint is not decode-server")
-        if not re.search(r"pip install .*current\.whl\.path\)\[\$\{EXTRAS\}\]", joined):
+        if not re.search(r"pip install .*wheel-name\.txt\)\[\$\{EXTRAS\}\]", joined):
             problems.append(f"{target}: does not install the project's wheel with its extras")
         if re.search(r"(API_KEY|TOKEN|PASSWORD|SECRET)\S*=", joined):
             problems.append(f"{target}: a secret-looking value is baked in")
