@@ -247,6 +247,14 @@ def check_ports(objs: list[Obj]) -> list[str]:
         targets += [(u, None, "decode") for u in ns.decode]
         for url, bootstrap, want_role in targets:
             problems += _check_worker_url(name, url, bootstrap, want_role, servers, objs)
+        listed = {url for url, _, _ in targets}
+        for worker, winfo in servers.items():
+            if winfo["role"] not in SERVER_ROLES:
+                continue
+            for i in range(winfo["replicas"]):
+                url = f"http://{worker}-{i}.{winfo['service']}:{winfo['port']}"
+                if url not in listed:
+                    problems.append(f"{name}: {url} is not in the router's list (a pod that gets no requests)")
     return problems
 
 

@@ -223,3 +223,21 @@ def test_network_policy_check_catches_open_ports(rendered: dict[str, list[Obj]])
             or o["kind"] != "NetworkPolicy"]  # fmt: skip
     assert "decode -> prefill bootstrap: allowed, expected blocked" not in check_network_policies(objs)
     assert "decode -> prefill bootstrap: blocked, expected allowed" in check_network_policies(objs)
+
+
+def test_docs_scaling_example(tmp_path: Path) -> None:
+    """docs/deploy.md's overlay that adds a decode pod renders, and its router lists both decode pods."""
+    text = (K8S.parents[1] / "docs" / "deploy.md").read_text()
+    block = next(b for b in text.split("```yaml\n")[1:] if "hisparse-decode-1.hisparse-decode" in b)
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    (copy / "overlays" / "scaled").mkdir()
+    (copy / "overlays" / "scaled" / "kustomization.yaml").write_text(block.split("```")[0])
+    objs = render(copy / "overlays" / "scaled")
+    assert find(objs, "StatefulSet", "hisparse-decode")["spec"]["replicas"] == 2
+    assert check_flags(objs) == [] and check_ports(objs) == []
+    router = find(objs, "Deployment", "hisparse-router")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert router.count("--decode") == 2
+    find(objs, "StatefulSet", "hisparse-prefill")["spec"]["replicas"] = 2  # scaled without telling the router
+    assert check_ports(objs) == ["hisparse-router: http://hisparse-prefill-1.hisparse-prefill:30000 is not in "
+                                 "the router's list (a pod that gets no requests)"]  # fmt: skip
