@@ -36,7 +36,9 @@ logger = logging.getLogger(__name__)
 TINY_NAME = "tiny-dsa"
 TINY_SEED = 20251122
 GENERATOR_VERSION = 2
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+# configs/ of the repository, reached through the decode_server/model/configs symlink in a source checkout and
+# shipped as package data in the wheel (so an installed server, e.g. in the image, has tiny-dsa too).
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -101,7 +103,7 @@ def cache_dir() -> Path:
 def tiny_config_dict() -> dict:
     path = CONFIG_DIR / f"{TINY_NAME}.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: tiny-dsa is defined by configs/ of a source checkout")
+        raise FileNotFoundError(f"{path} not found: tiny-dsa is defined by configs/ (shipped in the wheel)")
     with path.open() as fh:
         return json.load(fh)
 

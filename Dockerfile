@@ -1,0 +1,118 @@
+# syntax=docker/dockerfile:1
+# HiSparse Decode Server image (docs/deploy.md).
+#   CUDA (default target `cuda`): docker build -t hisparse-decode-server:cuda .
+#   CPU (runs anywhere, e.g. the embedded tiny-dsa model): docker build --target cpu -t hisparse-decode-server:cpu .
+# Every base image is a build argument, so a registry mirror or an air-gapped base can stand in; pip honours
+# --build-arg PIP_INDEX_URL=... / PIP_EXTRA_INDEX_URL=... the same way. No secret is baked in: the API key is
+# given at run time (--api-key, from a Kubernetes Secret or an environment variable).
+
+# CUDA runtime base of the default target: CUDA 13.0, the CUDA line of the torch wheel pinned below.
+ARG BASE_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
+# Same CUDA release with nvcc, for the ahead-of-time build of the swap-in extension.
+ARG BUILD_BASE_IMAGE=nvidia/cuda:13.0.1-devel-ubuntu24.04
+# Slim Python base of the CPU target and of the wheel build.
+ARG CPU_BASE_IMAGE=python:3.11-slim-bookworm
+
+# ---- stage 1: the project's wheel (pure Python; the CUDA sources ride along as package data) ----
+FROM ${CPU_BASE_IMAGE} AS wheel
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+WORKDIR /src
+# .dockerignore admits only what the wheel is built from (pyproject.toml, README.md, configs/ and the packages).
+COPY . .
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
+    && basename /wheels/hisparse_decode_server-*.whl > /wheels/wheel-name.txt
+
+# ---- CPU runtime ----
+FROM ${CPU_BASE_IMAGE} AS cpu
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Extras installed with the wheel (`pd`: the non-CUDA build of the mooncake transfer engine, for PD roles).
+ARG EXTRAS=pd
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH \
+    HISPARSE_CACHE_DIR=/var/cache/hisparse \
+    DECODE_SERVER_HEALTH_URL=http://127.0.0.1:30000/health
+# libibverbs1 and libnuma1: the transfer engine's wheel links them even for TCP transfers.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libibverbs1 libnuma1 \
+    && rm -rf /var/lib/apt/lists/*
+RUN python -m venv /opt/venv \
+    && pip install --no-cache-dir --index-url "${TORCH_CPU_INDEX_URL}" "torch==${TORCH_VERSION}"
+COPY --from=wheel /wheels /wheels
+RUN pip install --no-cache-dir "/wheels/$(cat /wheels/wheel-name.txt)[${EXTRAS}]" \
+    && rm -rf /wheels
+RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin hisparse \
+    && mkdir -p /models /var/cache/hisparse \
+    && chown hisparse:hisparse /var/cache/hisparse
+USER 10001
+WORKDIR /home/hisparse
+# Model checkpoints: mount a directory here and pass --model-path /models/<name> (tiny-dsa needs none).
+VOLUME ["/models"]
+EXPOSE 30000 8998 8000
+HEALTHCHECK --interval=30s --timeout=10s --start-period=120s --retries=3 \
+    CMD ["python", "-m", "decode_server.ops", "probe"]
+ENTRYPOINT ["decode-server"]
+CMD ["serve", "--model-path", "tiny-dsa", "--device", "cpu", "--host", "0.0.0.0", "--port", "30000"]
+
+# ---- CUDA extension, compiled ahead of time (no GPU needed; one build per architecture) ----
+FROM ${BUILD_BASE_IMAGE} AS cuda-build
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG TORCH_VERSION=2.13.0
+# 80 = A100, 90a = H100/H200, 100 = B200 (names as kernels/cuda_ext.py derives them from the device).
+ARG CUDA_ARCHS="80 90a 100"
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv \
+    && pip install --no-cache-dir "torch==${TORCH_VERSION}" ninja==1.13.2
+COPY --from=wheel /wheels /wheels
+# The package is installed here only to run the build; the runtime stage installs the wheel with its extras.
+RUN pip install --no-cache-dir --no-deps "/wheels/$(cat /wheels/wheel-name.txt)" \
+    && set -- && for arch in ${CUDA_ARCHS}; do set -- "$@" --arch "$arch"; done \
+    && python -m decode_server.ops build-kernels "$@" --cache-dir /opt/hisparse/kernels \
+    && pip uninstall -y hisparse-decode-server \
+    && find /opt/hisparse/kernels -name '*.o' -delete
+
+# ---- CUDA runtime (default target) ----
+FROM ${BASE_IMAGE} AS cuda
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+# `pd-cuda13`: the transfer engine's wheel built for CUDA 13, the CUDA line of this image's torch.
+ARG EXTRAS=pd-cuda13
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH \
+    HISPARSE_CACHE_DIR=/var/cache/hisparse \
+    HISPARSE_KERNEL_CACHE=/opt/hisparse/kernels \
+    TRITON_CACHE_DIR=/var/cache/hisparse/triton \
+    DECODE_SERVER_HEALTH_URL=http://127.0.0.1:30000/health
+# python3-dev and gcc: Triton compiles its launcher at first use. libibverbs1, ibverbs-providers (mlx5 and
+# other RDMA NIC drivers), librdmacm1, libnuma1: the transfer engine's RDMA and TCP paths.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev \
+       libibverbs1 ibverbs-providers librdmacm1 libnuma1 \
+    && rm -rf /var/lib/apt/lists/*
+# torch (CUDA build) comes with the build stage's virtualenv; the prebuilt kernels are stamped for it.
+COPY --from=cuda-build /opt/venv /opt/venv
+COPY --from=cuda-build /opt/hisparse/kernels /opt/hisparse/kernels
+COPY --from=wheel /wheels /wheels
+RUN pip install --no-cache-dir "/wheels/$(cat /wheels/wheel-name.txt)[${EXTRAS}]" \
+    && rm -rf /wheels
+RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin hisparse \
+    && mkdir -p /models /var/cache/hisparse \
+    && chown hisparse:hisparse /var/cache/hisparse
+USER 10001
+WORKDIR /home/hisparse
+VOLUME ["/models"]
+EXPOSE 30000 8998 8000
+HEALTHCHECK --interval=30s --timeout=10s --start-period=1800s --retries=3 \
+    CMD ["python", "-m", "decode_server.ops", "probe"]
+ENTRYPOINT ["decode-server"]
+CMD ["serve", "--model-path", "tiny-dsa", "--host", "0.0.0.0", "--port", "30000"]
