@@ -32,9 +32,14 @@ from kernels.indexer_ref import quantize_index_keys
 
 
 def hadamard_matrix(dim: int) -> torch.Tensor:
-    """Normalized Walsh–Hadamard matrix [dim, dim] (Sylvester construction; dim a power of two), float32."""
+    """Normalized Walsh–Hadamard matrix [dim, dim] (Sylvester construction), float32.
+
+    Sylvester's construction exists for powers of two only (128 in every DSA checkpoint). For another
+    `index_head_dim` the rotation is the identity: it never changes exact scores, only FP8 rounding."""
+    if dim < 1:
+        raise ValueError(f"index_head_dim must be positive, got {dim}")
     if dim & (dim - 1):
-        raise ValueError(f"Hadamard rotation needs a power-of-two dimension, got {dim}")
+        return torch.eye(dim, dtype=torch.float32)
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < dim:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
