@@ -32,13 +32,13 @@ from tqdm import tqdm
 
 from decode_server.config import EngineConfig, HiSparseConfig
 from decode_server.engine.engine import Engine
-from decode_server.engine.memory import resolve_kv_dtype, resolve_model_dtype, row_bytes_of
+from decode_server.engine.kv_rows import CacheGeometry
+from decode_server.engine.memory import resolve_kv_dtype, resolve_model_dtype
 from decode_server.engine.request import Request
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.errors import DecodeServerError
 from decode_server.hisparse import ops as hisparse_ops
 from decode_server.hisparse.coordinator import HiSparseCoordinator, HiSparseLayout
-from decode_server.hisparse.indexer_pool import INDEX_KEY_BYTES
 from decode_server.model import build_random_model, load_config
 from kernels.indexer_ref import quantize_index_keys
 
@@ -122,13 +122,15 @@ class SyntheticTopK:
 def hisparse_layout(args, model_config, kv_dtype, context: int, max_len: int, batch_cap: int) -> HiSparseLayout:
     """Size the pools for requests of `max_len` tokens: as many (buffer + indexer keys) as the device budget
     holds, capped by what the host budget holds."""
-    num_layers = int(model_config.num_hidden_layers)
+    geometry = CacheGeometry.from_model_config(model_config)  # GLM-5 shared layers own no indexer keys
+    num_layers = geometry.num_layers
     top_k = int(model_config.index_topk)
     D = args.buffer_size or 2 * top_k
-    rb = row_bytes_of(kv_dtype)
+    rb = geometry.row_bytes(kv_dtype)
     ps = args.page_size
     pages = math.ceil(max_len / ps)
-    per_req_device = (D + args.num_recent) * rb * num_layers + pages * ps * INDEX_KEY_BYTES * num_layers
+    index_bytes = geometry.index_key_bytes * geometry.num_index_layers
+    per_req_device = (D + args.num_recent) * rb * num_layers + pages * ps * index_bytes
     per_req_host = pages * ps * rb * num_layers
     n = min(batch_cap, int(args.device_kv_budget_gib * GIB) // per_req_device,
             int(args.host_kv_budget_gib * GIB) // per_req_host)
@@ -136,7 +138,7 @@ def hisparse_layout(args, model_config, kv_dtype, context: int, max_len: int, ba
         raise ValueError(f"context {context}: the budgets do not hold one HiSparse request")
     return HiSparseLayout(num_layers=num_layers, top_k=top_k, buffer_size=D, num_recent=args.num_recent,
                           num_buffers=n, host_pages=n * pages, indexer_pages=n * pages, page_size=ps, row_bytes=rb,
-                          max_reqs=n, max_ctx=max_len)
+                          max_reqs=n, max_ctx=max_len, geometry=geometry)
 
 
 def build_engine(args, model, model_config, mode: str, context: int, max_len: int, batch_cap: int) -> Engine:
@@ -178,6 +180,7 @@ class SyntheticKV:
             idx_rows = kv.indexer.rows.slots(row, context).long()
             for layer in range(kv.layout.num_layers):
                 kv.host.kv[layer].index_copy_(0, host_rows, data)
+            for layer in range(kv.indexer.keys.shape[0]):  # layers that own indexer keys
                 kv.indexer.keys[layer, idx_rows] = self.keys_dev
                 kv.indexer.scales[layer, idx_rows] = self.scales_dev
         else:
@@ -185,6 +188,7 @@ class SyntheticKV:
             slots = cache.tokens.slots(row, context).long()
             for layer in range(cache.num_layers):
                 cache.kv[layer, slots] = self.rows_dev
+            for layer in range(cache.index_keys.shape[0]):  # layers that own indexer keys
                 cache.index_keys[layer, slots] = self.keys_dev
                 cache.index_scales[layer, slots] = self.scales_dev
 

@@ -79,6 +79,8 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     kv_cache_dtype: KVCacheDType = "auto"
+    # "torch_native": the PyTorch reference attention / indexer kernels even on CUDA (any MLA / indexer size).
+    attention_backend: Literal["auto", "torch_native"] = "auto"
     seed: int = 0
 
     enable_hisparse: bool = False

@@ -9,7 +9,7 @@ import torch
 
 from kernels.fp8_rows import FP8_ROW_BYTES, unpack_fp8_rows
 from kernels.indexer_ref import indexer_topk_ref
-from kernels.sparse_mla_ref import sparse_mla_decode_ref
+from kernels.sparse_mla_ref import D_V, sparse_mla_decode_ref
 from kernels.swap_in_ref import swap_in_ref
 
 
@@ -38,31 +38,33 @@ def swap_in(
 
 
 def sparse_mla_decode_rows_ref(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int = D_V
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference over either row format. FP8 rows are gathered first and only the selected ones unpacked,
-    so the cost does not grow with the pool."""
+    """Reference over either row format (float rows of any width; values = the first `d_v` entries). FP8 rows
+    are gathered first and only the selected ones unpacked, so the cost does not grow with the pool."""
     if kv.dtype != torch.uint8:
-        return sparse_mla_decode_ref(q, kv, indices, scale)
+        return sparse_mla_decode_ref(q, kv, indices, scale, d_v)
     if kv.dim() != 2 or kv.shape[1] != FP8_ROW_BYTES:
         raise ValueError(f"uint8 KV rows must be [N, {FP8_ROW_BYTES}], got {tuple(kv.shape)}")
     batch, top_k = indices.shape
     valid = indices >= 0
     rows = unpack_fp8_rows(kv[torch.where(valid, indices, 0).reshape(-1).long()])
     local = torch.arange(batch * top_k, device=indices.device, dtype=torch.int32).reshape(batch, top_k)
-    return sparse_mla_decode_ref(q, rows, torch.where(valid, local, -1), scale)
+    return sparse_mla_decode_ref(q, rows, torch.where(valid, local, -1), scale, d_v)
 
 
 def sparse_mla_decode(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int = D_V
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode: q [B, H, 576], kv [N, 576] float rows or [N, 656] uint8 FP8 rows, indices [B, K]
-    int32 (−1 skip) → (out [B, H, 512] in q's dtype, lse [B, H] fp32, natural log). Triton on CUDA."""
+    int32 (−1 skip) → (out [B, H, 512] in q's dtype, lse [B, H] fp32, natural log). Triton on CUDA (576 / 512
+    only: the engine refuses other sizes at load, decode_server/engine/kernel_support.py); the reference
+    elsewhere, for any row width and value width `d_v`."""
     if q.is_cuda:
         from kernels.sparse_mla_triton import sparse_mla_decode_triton
 
         return sparse_mla_decode_triton(q, kv, indices, scale)
-    return sparse_mla_decode_rows_ref(q, kv, indices, scale)
+    return sparse_mla_decode_rows_ref(q, kv, indices, scale, d_v)
 
 
 def indexer_topk(

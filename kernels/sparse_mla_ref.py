@@ -3,6 +3,8 @@
 Semantics shared by every implementation:
   q [B, H, 576], kv rows [N, 576] (any float dtype; FP8 656 B rows are unpacked first), indices [B, K] int32
   with −1 = skip → out [B, H, 512] (q's dtype), lse [B, H] float32 (natural log).
+  576 = kv_lora_rank 512 + rope 64 (DeepSeek-V3.2, GLM-5); this reference takes any row width D and value
+  width `d_v` (= kv_lora_rank: values are the first d_v entries of a row), the GPU kernels only 576 / 512.
   A row whose indices are all −1 gives out = 0 and lse = +inf.
 The result depends only on the selected rows and their order, never on which slots they sit in: this is
 what makes HiSparse (rows in a small device buffer) bit-identical to dense (rows in the full cache).

@@ -102,23 +102,23 @@ def _gib(num_bytes: int) -> str:
 
 
 def _memory_budgets(engine: Any, config: EngineConfig, stats: Any) -> dict[str, str]:
-    """Bytes behind each pool, from its size in tokens (rows of every layer; indexer keys are 132 B)."""
-    from decode_server.engine.memory import row_bytes_of
-    from decode_server.hisparse.indexer_pool import INDEX_KEY_BYTES
-
-    layers = int(getattr(engine.model_config, "num_hidden_layers", 0) or 0)
-    row_bytes = row_bytes_of(engine.kv_dtype)
+    """Bytes behind each pool, from its size in tokens (rows of every layer; indexer keys of the layers that run
+    the indexer, 132 B each)."""
+    geometry = engine.cache_geometry
+    layers = geometry.num_layers
+    row_bytes = geometry.row_bytes(engine.kv_dtype)
+    index_bytes = geometry.num_index_layers * geometry.index_key_bytes
     if config.enable_hisparse:
         host_tokens = stats.host_pages.total * config.page_size
         return {
             "host_kv": f"{_gib(host_tokens * layers * row_bytes)} ({host_tokens} tokens)",
             "device_buffers": f"{_gib(stats.device_slots.total * layers * row_bytes)} "
             f"({stats.device_slots.total} slots)",
-            "indexer_keys": f"{_gib(stats.indexer_slots.total * layers * INDEX_KEY_BYTES)} "
+            "indexer_keys": f"{_gib(stats.indexer_slots.total * index_bytes)} "
             f"({stats.indexer_slots.total} tokens)",
         }
     tokens = stats.dense_kv_slots.total
-    return {"device_kv": f"{_gib(tokens * layers * (row_bytes + INDEX_KEY_BYTES))} ({tokens} tokens)"}
+    return {"device_kv": f"{_gib(tokens * geometry.bytes_per_token(engine.kv_dtype))} ({tokens} tokens)"}
 
 
 class EngineLoop:

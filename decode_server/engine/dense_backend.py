@@ -11,11 +11,12 @@ import torch
 from decode_server.engine.attention_backend import AttentionBackend
 from decode_server.engine.forward_context import ForwardBatch
 from decode_server.engine.kv_alloc import PagedAllocator, RequestTokenTable
-from decode_server.engine.kv_rows import encode_rows, row_bytes, storage_layout
+from decode_server.engine.kv_rows import CacheGeometry, encode_rows, storage_layout
 from kernels import indexer_topk as _indexer_topk
 from kernels import sparse_mla_decode as _sparse_mla
-from kernels.indexer_ref import INDEX_HEAD_DIM
-from kernels.sparse_mla_ref import D_QK
+from kernels.dispatch import sparse_mla_decode_rows_ref
+from kernels.indexer_ref import indexer_topk_ref
+from kernels.sparse_mla_ref import D_V
 
 # Upper bound on the gathered rows one attention call materializes (reference path), in bytes.
 _ATTENTION_CHUNK_BYTES = 256 << 20
@@ -25,7 +26,8 @@ class DenseKVCache:
     """Per-layer MLA rows and indexer keys for `num_slots` tokens, plus the request→slot table.
 
     `kv` is `[L, N, 576]` of a float KV dtype, or `[L, N, 656]` uint8 FlashMLA FP8 rows when `kv_dtype` is
-    `torch.float8_e4m3fn` (decode_server/engine/kv_rows.py).
+    `torch.float8_e4m3fn` (decode_server/engine/kv_rows.py); other MLA sizes come from `geometry` (default:
+    DeepSeek-V3.2). Indexer keys exist only for the layers that run the indexer (`geometry.index_layers`).
     """
 
     def __init__(
@@ -37,29 +39,40 @@ class DenseKVCache:
         kv_dtype: torch.dtype,
         device: torch.device | str,
         page_size: int = 64,
+        geometry: CacheGeometry | None = None,
     ) -> None:
+        self.geometry = geometry if geometry is not None else CacheGeometry(num_layers)
+        if self.geometry.num_layers != num_layers:
+            raise ValueError(f"geometry has {self.geometry.num_layers} layers, the cache {num_layers}")
         self.num_layers = num_layers
+        self.index_slot = self.geometry.index_slots()
         self.kv_dtype = kv_dtype
         self.device = torch.device(device)
         self.allocator = PagedAllocator(num_slots, page_size, name="dense KV")
         self.tokens = RequestTokenTable(self.allocator, max_requests, max_context, self.device)
         n = self.allocator.num_slots
-        row_elems, elem_dtype = storage_layout(kv_dtype)
+        row_elems, elem_dtype = storage_layout(kv_dtype, self.geometry.row_dim)
         self.kv = torch.zeros((num_layers, n, row_elems), dtype=elem_dtype, device=self.device)
-        self.index_keys = torch.zeros((num_layers, n, INDEX_HEAD_DIM), dtype=torch.float8_e4m3fn, device=self.device)
-        self.index_scales = torch.zeros((num_layers, n), dtype=torch.float32, device=self.device)
+        num_index, index_dim = self.geometry.num_index_layers, self.geometry.index_head_dim
+        self.index_keys = torch.zeros((num_index, n, index_dim), dtype=torch.float8_e4m3fn, device=self.device)
+        self.index_scales = torch.zeros((num_index, n), dtype=torch.float32, device=self.device)
 
     @staticmethod
-    def bytes_per_token(num_layers: int, kv_dtype: torch.dtype) -> int:
-        """Device bytes one cached token costs: MLA row + indexer key (128 FP8 + fp32 scale), all layers."""
-        return num_layers * (row_bytes(kv_dtype) + INDEX_HEAD_DIM + 4)
+    def bytes_per_token(num_layers: int, kv_dtype: torch.dtype, geometry: CacheGeometry | None = None) -> int:
+        """Device bytes one cached token costs: MLA rows of all layers + indexer keys (128 FP8 + fp32 scale) of
+        the layers that run the indexer."""
+        return (geometry if geometry is not None else CacheGeometry(num_layers)).bytes_per_token(kv_dtype)
 
 
 class DenseBackend(AttentionBackend):
-    """Writes new rows into the request's slots and attends over the top-k rows gathered from the cache."""
+    """Writes new rows into the request's slots and attends over the top-k rows gathered from the cache.
 
-    def __init__(self, cache: DenseKVCache) -> None:
+    `reference_kernels`: run the PyTorch reference kernels even on CUDA (`--attention-backend torch_native`,
+    for MLA / indexer sizes the GPU kernels do not support)."""
+
+    def __init__(self, cache: DenseKVCache, reference_kernels: bool = False) -> None:
         self.cache = cache
+        self.reference_kernels = reference_kernels
         self._batch: ForwardBatch | None = None
         self._new_slots: torch.Tensor | None = None
         self._query_rows: torch.Tensor | None = None
@@ -97,16 +110,18 @@ class DenseBackend(AttentionBackend):
 
     def write_index_keys(self, layer_id: int, keys_fp8: torch.Tensor, scales: torch.Tensor) -> None:
         _, slots, _ = self._current()
-        self.cache.index_keys[layer_id, slots] = keys_fp8
-        self.cache.index_scales[layer_id, slots] = scales.float()
+        index = self.cache.index_slot[layer_id]
+        self.cache.index_keys[index, slots] = keys_fp8
+        self.cache.index_scales[index, slots] = scales.float()
 
     def index_topk(self, layer_id: int, q: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
         batch, _, _ = self._current()
         max_len = max(batch.seq_lens_cpu)
         token_rows = self.cache.tokens.table[batch.req_rows, :max_len]
-        return _indexer_topk(
-            q, weights, self.cache.index_keys[layer_id], self.cache.index_scales[layer_id],
-            token_rows, batch.token_req, batch.positions + 1, top_k,
+        index = self.cache.index_slot[layer_id]
+        return indexer_topk(
+            q, weights, self.cache.index_keys[index], self.cache.index_scales[index],
+            token_rows, batch.token_req, batch.positions + 1, top_k, self.reference_kernels,
         )
 
     def physical_rows(self, topk_positions: torch.Tensor) -> torch.Tensor:
@@ -120,25 +135,35 @@ class DenseBackend(AttentionBackend):
         self, layer_id: int, q: torch.Tensor, topk_positions: torch.Tensor, softmax_scale: float
     ) -> torch.Tensor:
         slots = self.physical_rows(topk_positions)
-        return attend_in_chunks(q, self.cache.kv[layer_id], slots, softmax_scale)
+        return attend_in_chunks(q, self.cache.kv[layer_id], slots, softmax_scale, self.cache.geometry.kv_lora_rank,
+                                self.reference_kernels)
+
+
+def indexer_topk(
+    q: torch.Tensor, weights: torch.Tensor, keys_fp8: torch.Tensor, scales: torch.Tensor, token_rows: torch.Tensor,
+    token_req: torch.Tensor, seq_lens: torch.Tensor, top_k: int, reference: bool = False,
+) -> torch.Tensor:
+    """The indexer top-k dispatcher, or its PyTorch reference on any device when `reference` is set."""
+    fn = indexer_topk_ref if reference else _indexer_topk
+    return fn(q, weights, keys_fp8, scales, token_rows, token_req, seq_lens, top_k)
 
 
 def attend_in_chunks(
-    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, softmax_scale: float
+    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, softmax_scale: float, d_v: int = D_V,
+    reference: bool = False,
 ) -> torch.Tensor:
-    """Sparse MLA over physical slots.
+    """Sparse MLA over physical slots → [T, H, d_v] (d_v = kv_lora_rank).
 
     On CUDA the Triton kernel reads rows in place, so the whole batch goes in one call (chunking it would only
-    shrink the kernel's grid). On CPU the reference gathers the rows, so queries go in chunks that keep the
-    gathered rows under a fixed size; each query's result depends only on its own rows, so chunking never changes
-    a bit of the output.
+    shrink the kernel's grid). The reference (CPU, or `reference` on any device) gathers the rows, so queries go
+    in chunks that keep the gathered rows under a fixed size; each query's result depends only on its own rows,
+    so chunking never changes a bit of the output.
     """
-    if q.is_cuda:
+    if q.is_cuda and not reference:
         return _sparse_mla(q, kv, slots, softmax_scale)[0]
     num_q, top_k = slots.shape
-    per_query = max(1, top_k * D_QK * 4 + q.shape[1] * top_k * 4)
+    per_query = max(1, top_k * q.shape[-1] * 4 + q.shape[1] * top_k * 4)
     chunk = max(1, _ATTENTION_CHUNK_BYTES // per_query)
-    if num_q <= chunk:
-        return _sparse_mla(q, kv, slots, softmax_scale)[0]
-    outs = [_sparse_mla(q[i : i + chunk], kv, slots[i : i + chunk], softmax_scale)[0] for i in range(0, num_q, chunk)]
-    return torch.cat(outs, dim=0)
+    outs = [sparse_mla_decode_rows_ref(q[i : i + chunk], kv, slots[i : i + chunk], softmax_scale, d_v)[0]
+            for i in range(0, num_q, chunk)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

@@ -11,6 +11,7 @@ import torch
 from decode_server.engine.dense_backend import DenseBackend, DenseKVCache
 from decode_server.engine.kv_alloc import PagedAllocator
 from decode_server.engine.kv_manager import KVManager
+from decode_server.engine.kv_rows import CacheGeometry
 from decode_server.engine.types import PoolUsage
 
 
@@ -19,10 +20,10 @@ class DenseKVManager(KVManager):
 
     def __init__(
         self, num_layers: int, num_slots: int, max_reqs: int, max_ctx: int, kv_dtype: torch.dtype,
-        device: torch.device, page_size: int,
+        device: torch.device, page_size: int, geometry: CacheGeometry | None = None, reference_kernels: bool = False,
     ) -> None:
-        self.cache = DenseKVCache(num_layers, num_slots, max_reqs, max_ctx, kv_dtype, device, page_size)
-        self.backend = DenseBackend(self.cache)
+        self.cache = DenseKVCache(num_layers, num_slots, max_reqs, max_ctx, kv_dtype, device, page_size, geometry)
+        self.backend = DenseBackend(self.cache, reference_kernels)
         self.max_ctx = max_ctx
 
     @property

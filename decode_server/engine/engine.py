@@ -17,7 +17,9 @@ from decode_server.config import EngineConfig
 from decode_server.engine.dense_kv import DenseKVManager
 from decode_server.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
 from decode_server.engine.forward_context import ForwardBatch, forward_context
+from decode_server.engine.kernel_support import REFERENCE_BACKEND, check_kernel_support
 from decode_server.engine.kv_manager import KVManager
+from decode_server.engine.kv_rows import CacheGeometry, check_fp8_row_format
 from decode_server.engine.memory import (
     plan_dense_slots,
     plan_hisparse,
@@ -75,12 +77,17 @@ class Engine:
         self.config = config
         self.device = resolve_device(config)
         self.model_dtype = resolve_model_dtype(config, self.device)
+        self.kv_dtype = resolve_kv_dtype(config, self.model_dtype)
         if model is None:
+            from decode_server.model import load_config
+
+            self._check_model_sizes(load_config(config.model_path))  # refuse before reading any weight
             model, model_config, tokenizer = _load(config.model_path, self.device, self.model_dtype, tokenizer)
+        self._check_model_sizes(model_config)
         self.model = model
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.kv_dtype = resolve_kv_dtype(config, self.model_dtype)
+        self.cache_geometry = CacheGeometry.from_model_config(model_config)
         model_ctx = int(getattr(model_config, "max_position_embeddings", 0) or 0)
         self.context_length = min(config.context_length or model_ctx, model_ctx or config.context_length or 0)
         if self.context_length <= 0:
@@ -99,9 +106,16 @@ class Engine:
         self._num_generated = 0
         self._num_prompt = 0
 
+    def _check_model_sizes(self, model_config: Any) -> None:
+        """MLA / indexer sizes the chosen kernels and KV format cannot run are refused here, at load."""
+        check_fp8_row_format(self.kv_dtype, CacheGeometry.from_model_config(model_config))
+        check_kernel_support(model_config, self.device, self.model_dtype, self.config.attention_backend)
+
     def _build_kv_manager(self) -> KVManager:
         cfg = self.config
         num_layers = int(self.model_config.num_hidden_layers)
+        geometry = self.cache_geometry
+        reference = cfg.attention_backend == REFERENCE_BACKEND
         if cfg.enable_hisparse:
             index_topk = int(self.model_config.index_topk)
             if cfg.hisparse.top_k is not None and cfg.hisparse.top_k != index_topk:
@@ -109,11 +123,12 @@ class Engine:
                     f"hisparse top_k ({cfg.hisparse.top_k}) must equal the model's index_topk ({index_topk}): the "
                     "indexer of the model decides how many tokens are attended"
                 )
-            layout = plan_hisparse(cfg, self.device, num_layers, index_topk, self.kv_dtype, self.context_length)
-            return HiSparseCoordinator(layout, self.kv_dtype, self.device)
-        slots = plan_dense_slots(cfg, self.device, num_layers, self.kv_dtype)
+            layout = plan_hisparse(cfg, self.device, num_layers, index_topk, self.kv_dtype, self.context_length,
+                                   geometry)
+            return HiSparseCoordinator(layout, self.kv_dtype, self.device, reference)
+        slots = plan_dense_slots(cfg, self.device, num_layers, self.kv_dtype, geometry)
         return DenseKVManager(num_layers, slots, cfg.max_running_requests, self.context_length, self.kv_dtype,
-                              self.device, cfg.page_size)
+                              self.device, cfg.page_size, geometry, reference)
 
     # -- requests --
     def add_request(

@@ -1,6 +1,7 @@
 """Memory sizing: from `EngineConfig` (explicit byte budgets, or `mem_fraction_static` on CUDA) to pool sizes.
 
-Dense: the device budget buys tokens of (MLA row + indexer key) for all layers.
+Dense: the device budget buys tokens of (MLA row for every layer + indexer key for every layer that runs the
+indexer: all of DeepSeek-V3.2's, GLM-5's "full" layers only).
 HiSparse: the host budget (explicit, or `host_to_device_ratio` × the device budget) buys host KV pages; the
 device budget first holds the indexer keys of as many tokens as the host pool holds (the indexer must see every
 token of every running request), and the rest buys request buffers of D + R slots, at most one per request row.
@@ -14,9 +15,8 @@ import logging
 import torch
 
 from decode_server.config import EngineConfig
-from decode_server.engine.kv_rows import FP8_KV_DTYPE, row_bytes
+from decode_server.engine.kv_rows import FP8_KV_DTYPE, CacheGeometry, row_bytes
 from decode_server.hisparse.coordinator import HiSparseLayout
-from decode_server.hisparse.indexer_pool import INDEX_KEY_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +51,9 @@ def resolve_kv_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dt
     return _DTYPES[config.kv_cache_dtype]
 
 
-def row_bytes_of(kv_dtype: torch.dtype) -> int:
-    """Bytes of one token's MLA row in one layer (656 for FP8: 43 % fewer than bf16's 1152)."""
-    return row_bytes(kv_dtype)
+def row_bytes_of(kv_dtype: torch.dtype, geometry: CacheGeometry | None = None) -> int:
+    """Bytes of one token's MLA row in one layer (656 for FP8: 43 % fewer than bf16's 1152 for 576 values)."""
+    return row_bytes(kv_dtype) if geometry is None else geometry.row_bytes(kv_dtype)
 
 
 def device_kv_budget(config: EngineConfig, device: torch.device) -> int:
@@ -96,8 +96,14 @@ def host_kv_budget(config: EngineConfig, device_budget: int) -> int:
     return budget
 
 
-def plan_dense_slots(config: EngineConfig, device: torch.device, num_layers: int, kv_dtype: torch.dtype) -> int:
-    per_token = num_layers * (row_bytes_of(kv_dtype) + INDEX_KEY_BYTES)
+def plan_dense_slots(
+    config: EngineConfig, device: torch.device, num_layers: int, kv_dtype: torch.dtype,
+    geometry: CacheGeometry | None = None,
+) -> int:
+    """Token slots of the dense cache: MLA rows of every layer + indexer keys of the layers that run the
+    indexer (`geometry`; default DeepSeek-V3.2 sizes, every layer indexed)."""
+    geometry = geometry if geometry is not None else CacheGeometry(num_layers)
+    per_token = geometry.bytes_per_token(kv_dtype)
     slots = device_kv_budget(config, device) // per_token
     slots -= slots % config.page_size
     if slots < config.page_size:
@@ -108,14 +114,16 @@ def plan_dense_slots(config: EngineConfig, device: torch.device, num_layers: int
 
 def plan_hisparse(
     config: EngineConfig, device: torch.device, num_layers: int, index_topk: int, kv_dtype: torch.dtype,
-    max_ctx: int,
+    max_ctx: int, geometry: CacheGeometry | None = None,
 ) -> HiSparseLayout:
+    """HiSparse pool sizes; indexer keys are counted only for the layers that run the indexer (`geometry`)."""
+    geometry = geometry if geometry is not None else CacheGeometry(num_layers)
     hs = config.hisparse
     top_k = hs.top_k or index_topk
     buffer_size = hs.device_buffer_size or 2 * top_k
     if buffer_size < top_k:
         raise ValueError(f"hisparse device_buffer_size ({buffer_size}) must be >= top_k ({top_k})")
-    rb = row_bytes_of(kv_dtype)
+    rb = row_bytes_of(kv_dtype, geometry)
     ps = config.page_size
     device_budget = device_kv_budget(config, device)
     host_budget = host_kv_budget(config, device_budget)
@@ -123,7 +131,7 @@ def plan_hisparse(
     if host_pages < 1:
         raise ValueError(f"the host KV budget ({host_budget} B) holds less than one page of {ps} tokens")
     buffer_bytes = (buffer_size + hs.num_recent_slots) * rb * num_layers
-    idx_page_bytes = INDEX_KEY_BYTES * num_layers * ps
+    idx_page_bytes = geometry.index_key_bytes * geometry.num_index_layers * ps
     indexer_pages = min(host_pages, device_budget // idx_page_bytes)
     num_buffers = min(config.max_running_requests, (device_budget - indexer_pages * idx_page_bytes) // buffer_bytes)
     if num_buffers < 1:
@@ -137,7 +145,7 @@ def plan_hisparse(
     layout = HiSparseLayout(
         num_layers=num_layers, top_k=top_k, buffer_size=buffer_size, num_recent=hs.num_recent_slots,
         num_buffers=num_buffers, host_pages=host_pages, indexer_pages=indexer_pages, page_size=ps, row_bytes=rb,
-        max_reqs=config.max_running_requests, max_ctx=max_ctx,
+        max_reqs=config.max_running_requests, max_ctx=max_ctx, geometry=geometry,
     )
     logger.info("hisparse layout: %s", layout)
     return layout

@@ -98,15 +98,17 @@ class HiSparseBackend(AttentionBackend):
 
     def write_index_keys(self, layer_id: int, keys_fp8: torch.Tensor, scales: torch.Tensor) -> None:
         self._current()
-        self.co.indexer.keys[layer_id, self._index_rows] = keys_fp8
-        self.co.indexer.scales[layer_id, self._index_rows] = scales.float()
+        index = self.co.index_slot[layer_id]
+        self.co.indexer.keys[index, self._index_rows] = keys_fp8
+        self.co.indexer.scales[index, self._index_rows] = scales.float()
 
     def index_topk(self, layer_id: int, q: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
         batch = self._current()
         token_rows = self.co.indexer.rows.table[batch.req_rows, : max(batch.seq_lens_cpu)]
+        index = self.co.index_slot[layer_id]
         return ops.indexer_topk(
-            q, weights, self.co.indexer.keys[layer_id], self.co.indexer.scales[layer_id],
-            token_rows, batch.token_req, batch.positions + 1, top_k,
+            q, weights, self.co.indexer.keys[index], self.co.indexer.scales[index],
+            token_rows, batch.token_req, batch.positions + 1, top_k, self.co.reference_kernels,
         )
 
     def sparse_attention(
@@ -128,7 +130,8 @@ class HiSparseBackend(AttentionBackend):
             bufs.buffer_tokens[layer_id], bufs.lru_order[layer_id], co.host.rows.table, co.host.kv[layer_id],
             bufs.kv[layer_id], bufs.num_recent, co.counters.swap[layer_id],
         )
-        return ops.sparse_attention(q, attention_rows(bufs.kv[layer_id], co.kv_dtype), slots, softmax_scale)
+        return ops.sparse_attention(q, attention_rows(bufs.kv[layer_id], co.kv_dtype), slots, softmax_scale,
+                                    co.kv_lora_rank, co.reference_kernels)
 
     def _extend_attention(
         self, layer_id: int, q: torch.Tensor, topk_positions: torch.Tensor, softmax_scale: float
@@ -147,4 +150,5 @@ class HiSparseBackend(AttentionBackend):
         co.counters.add_h2d(layer_id, int(real_rows.numel()))
         local = inverse - 1 if has_pad else inverse
         local = torch.where(valid, local, torch.full_like(local, -1)).to(torch.int32)
-        return ops.sparse_attention(q, attention_rows(scratch, co.kv_dtype), local, softmax_scale)
+        return ops.sparse_attention(q, attention_rows(scratch, co.kv_dtype), local, softmax_scale, co.kv_lora_rank,
+                                    co.reference_kernels)

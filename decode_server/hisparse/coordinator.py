@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from decode_server.engine.kv_manager import KVManager
+from decode_server.engine.kv_rows import CacheGeometry
 from decode_server.engine.types import HiSparseLayerStats, PoolUsage
 from decode_server.hisparse.backend import HiSparseBackend
 from decode_server.hisparse.counters import HiSparseCounters
 from decode_server.hisparse.device_buffer import DeviceBufferPool
 from decode_server.hisparse.host_pool import HostKVPool
-from decode_server.hisparse.indexer_pool import INDEX_KEY_BYTES, IndexerKeyPool
+from decode_server.hisparse.indexer_pool import IndexerKeyPool
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +47,20 @@ class HiSparseLayout:
     row_bytes: int
     max_reqs: int
     max_ctx: int
+    geometry: CacheGeometry | None = None  # MLA / indexer sizes; None: DeepSeek-V3.2's, every layer indexed
 
     def __post_init__(self) -> None:
         if self.buffer_size < self.top_k:
             raise ValueError(f"device_buffer_size ({self.buffer_size}) must be >= top_k ({self.top_k})")
+        if self.geometry is None:
+            object.__setattr__(self, "geometry", CacheGeometry(self.num_layers))
+        elif self.geometry.num_layers != self.num_layers:
+            raise ValueError(f"geometry has {self.geometry.num_layers} layers, the layout {self.num_layers}")
+
+    @property
+    def cache_geometry(self) -> CacheGeometry:
+        assert self.geometry is not None  # set in __post_init__
+        return self.geometry
 
     @property
     def buffer_bytes(self) -> int:
@@ -57,7 +68,8 @@ class HiSparseLayout:
 
     @property
     def indexer_bytes_per_token(self) -> int:
-        return INDEX_KEY_BYTES * self.num_layers
+        """Indexer keys of one token over the layers that run the indexer (GLM-5's shared layers have none)."""
+        return self.cache_geometry.index_key_bytes * self.cache_geometry.num_index_layers
 
 
 class HiSparseCoordinator(KVManager):
@@ -65,16 +77,23 @@ class HiSparseCoordinator(KVManager):
 
     supports_retraction = True
 
-    def __init__(self, layout: HiSparseLayout, kv_dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, layout: HiSparseLayout, kv_dtype: torch.dtype, device: torch.device, reference_kernels: bool = False
+    ) -> None:
         self.layout = layout
         self.kv_dtype = kv_dtype
         self.device = device
+        self.reference_kernels = reference_kernels  # PyTorch reference attention / indexer even on CUDA
+        geometry = layout.cache_geometry
+        self.index_slot = geometry.index_slots()
+        self.kv_lora_rank = geometry.kv_lora_rank
         L, ps = layout.num_layers, layout.page_size
         self.host = HostKVPool(L, layout.host_pages, ps, layout.row_bytes, layout.max_reqs, layout.max_ctx, device)
         self.buffers = DeviceBufferPool(
             L, layout.num_buffers, layout.buffer_size, layout.num_recent, layout.row_bytes, layout.max_reqs, device
         )
-        self.indexer = IndexerKeyPool(L, layout.indexer_pages, ps, layout.max_reqs, layout.max_ctx, device)
+        self.indexer = IndexerKeyPool(geometry.num_index_layers, layout.indexer_pages, ps, layout.max_reqs,
+                                      layout.max_ctx, device, geometry.index_head_dim)
         self.counters = HiSparseCounters(L, layout.row_bytes, device)
         self.backup_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending_backup: torch.cuda.Event | None = None

@@ -1,7 +1,9 @@
 """GPU indexer-key cache for HiSparse: 128 FP8 values + one fp32 scale per token per layer (132 B).
 
 The indexer scores every token of a request at every step, so these keys stay on the device for the whole
-context (only MLA rows are tiered). Rows are paged per request like the host pool.
+context (only MLA rows are tiered). Rows are paged per request like the host pool. Only the layers that run the
+indexer have keys (`num_layers` here counts those; GLM-5's "shared" layers have none), and the head size is
+the model's `index_head_dim` (128 for DeepSeek-V3.2 and GLM-5).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ INDEX_KEY_BYTES = INDEX_HEAD_DIM + 4
 
 class IndexerKeyPool:
     def __init__(
-        self, num_layers: int, num_pages: int, page_size: int, max_reqs: int, max_ctx: int, device: torch.device
+        self, num_layers: int, num_pages: int, page_size: int, max_reqs: int, max_ctx: int, device: torch.device,
+        head_dim: int = INDEX_HEAD_DIM,
     ) -> None:
         num_rows = num_pages * page_size
-        self.keys = torch.zeros((num_layers, num_rows, INDEX_HEAD_DIM), dtype=torch.float8_e4m3fn, device=device)
+        self.keys = torch.zeros((num_layers, num_rows, head_dim), dtype=torch.float8_e4m3fn, device=device)
         self.scales = torch.zeros((num_layers, num_rows), dtype=torch.float32, device=device)
         self.rows = RequestTokenTable(
             PagedAllocator(num_rows, page_size, name="indexer keys"), max_reqs, max_ctx, device

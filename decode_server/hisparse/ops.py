@@ -29,8 +29,10 @@ def backup_rows(
 
 
 def indexer_topk(*args, **kwargs) -> torch.Tensor:
-    return dense_backend._indexer_topk(*args, **kwargs)
+    return dense_backend.indexer_topk(*args, **kwargs)
 
 
-def sparse_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
-    return dense_backend.attend_in_chunks(q, kv, slots, scale)
+def sparse_attention(
+    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, scale: float, d_v: int, reference: bool = False
+) -> torch.Tensor:
+    return dense_backend.attend_in_chunks(q, kv, slots, scale, d_v, reference)

@@ -1,4 +1,5 @@
-"""The DeepSeek-V3.2 (DSA) model: config, loader, tokenizer, and the embedded default model `tiny-dsa`.
+"""The DSA models (DeepSeek-V3.2, GLM-5): config, loader, tokenizer, and the embedded models `tiny-dsa`
+(the default) and `tiny-glm5`.
 
 Public API (see docs/architecture.md):
   `resolve_model_path(name_or_path) -> Path`, `load_model(name_or_path, device, dtype) -> (model, config)`,
@@ -56,15 +57,17 @@ __all__ = [
 
 
 def resolve_model_path(name_or_path: str | Path) -> Path:
-    """`tiny-dsa` → its generated checkpoint (created on first use); otherwise a directory with config.json."""
-    from decode_server.model.tiny import TINY_NAME, ensure_tiny_checkpoint
+    """`tiny-dsa` / `tiny-glm5` → the generated checkpoint (created on first use); otherwise a directory with
+    config.json."""
+    from decode_server.model.tiny import TINY_SPECS, ensure_tiny_checkpoint
 
-    if str(name_or_path) == TINY_NAME:
-        return ensure_tiny_checkpoint()
+    if str(name_or_path) in TINY_SPECS:
+        return ensure_tiny_checkpoint(str(name_or_path))
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"model {str(name_or_path)!r} is neither {TINY_NAME!r} nor a checkpoint directory with config.json"
+            f"model {str(name_or_path)!r} is neither an embedded model ({', '.join(TINY_SPECS)}) nor a checkpoint "
+            "directory with config.json"
         )
     return path
 
@@ -72,10 +75,10 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
 def load_config(name_or_path: str | Path) -> ModelConfig:
     """A config by name from configs/ (e.g. "dsv32-bench"), a config JSON file, or a checkpoint's config."""
     from decode_server.model.config import ModelConfig
-    from decode_server.model.tiny import CONFIG_DIR, TINY_NAME
+    from decode_server.model.tiny import CONFIG_DIR, TINY_SPECS
 
     bundled = CONFIG_DIR / f"{name_or_path}.json"
-    if str(name_or_path) != TINY_NAME and bundled.is_file():
+    if str(name_or_path) not in TINY_SPECS and bundled.is_file():
         return ModelConfig.from_json(bundled)
     path = Path(name_or_path).expanduser()
     if path.is_file():
@@ -86,7 +89,7 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
 def load_model(
     name_or_path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None
 ) -> tuple[DSAForCausalLM, ModelConfig]:
-    """Load a checkpoint (or `tiny-dsa`) onto `device`; dtype None/"auto" = bf16 on CUDA, fp32 on CPU."""
+    """Load a checkpoint (or `tiny-dsa` / `tiny-glm5`) onto `device`; dtype None/"auto" = bf16 on CUDA, fp32 on CPU."""
     from decode_server.model.loader import load_checkpoint
 
     return load_checkpoint(resolve_model_path(name_or_path), device, dtype)

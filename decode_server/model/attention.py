@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA) of DeepSeek-V3.2 in absorbed form, with DSA top-k selection.
+"""Multi-head latent attention (MLA) of DeepSeek-V3.2 / GLM-5 in absorbed form, with DSA top-k selection.
 
 Per new token (T of them, prefill chunk or decode alike):
   c_q  = RMSNorm(q_a_proj(x));  q = q_b_proj(c_q) → [H, nope + rope] = [q_nope ; q_pe], q_pe roped (interleaved)
@@ -7,6 +7,12 @@ Per new token (T of them, prefill chunk or decode alike):
   output per head  W_UV · o_latent, concatenated, then o_proj.
 KV memory is reached only through the forward context's attention backend, in the contract's order:
 write_kv → write_index_keys → index_topk → sparse_attention. Nothing here is sized by the prefix length.
+GLM-5's "shared" layers have no indexer: they skip write_index_keys / index_topk and attend over the top-k
+positions of the previous full layer of the same forward pass (cross-layer top-k sharing).
+
+The latent norms (q_a_layernorm, kv_a_layernorm) use eps 1e-6 whatever `rms_norm_eps` says, as transformers'
+DeepseekV32 and GlmMoeDsa (and DeepSeek's inference code) do; `rms_norm_eps` is for the decoder norms (GLM-5:
+1e-5). vLLM and SGLang pass `rms_norm_eps` to the latent norms too; that differs only for GLM-5.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from decode_server.model.rope import apply_rope_interleaved
 
 # Tokens per step of the query absorption (bounds its temporary to this many tokens × H × 512).
 _ABSORB_CHUNK_TOKENS = 1024
+LATENT_NORM_EPS = 1e-6
 
 
 class MLAAttention(nn.Module):
@@ -37,13 +44,13 @@ class MLAAttention(nn.Module):
         self.index_topk = config.index_topk
         bias = config.attention_bias
         self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
-        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
         self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * config.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, config.kv_row_dim, bias=bias)
-        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, config.hidden_size, bias=bias)
-        self.indexer = Indexer(config)
+        self.indexer = Indexer(config) if config.is_index_layer(layer_id) else None
         # Absorbed up-projections, [H, nope, 512] and [H, v, 512]: filled from kv_b_proj by `absorb_weights`.
         self.register_buffer("w_uk", torch.empty(0), persistent=False)
         self.register_buffer("w_uv", torch.empty(0), persistent=False)
@@ -79,7 +86,15 @@ class MLAAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cos32: torch.Tensor, sin32: torch.Tensor
     ) -> torch.Tensor:
-        """x [T, hidden] → [T, hidden]. cos/sin in x's dtype (MLA), cos32/sin32 float32 (indexer)."""
+        """x [T, hidden] → [T, hidden] (a layer that runs its own indexer)."""
+        return self.forward_with_topk(x, cos, sin, cos32, sin32)[0]
+
+    def forward_with_topk(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cos32: torch.Tensor, sin32: torch.Tensor,
+        shared_topk: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] → ([T, hidden], top-k positions [T, K] it attended). cos/sin in x's dtype (MLA),
+        cos32/sin32 float32 (indexer). A shared layer (no indexer) attends over `shared_topk`."""
         if self.w_uk.numel() == 0:
             raise RuntimeError("MLAAttention.absorb_weights() was not called after loading the weights")
         backend = get_forward_context().backend
@@ -88,13 +103,19 @@ class MLAAttention(nn.Module):
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
         query = self.absorbed_query(q_latent, cos, sin)
         backend.write_kv(self.layer_id, self.latent_rows(x, cos, sin))
-        index = self.indexer(x, q_latent, cos32, sin32)
-        backend.write_index_keys(self.layer_id, index.keys_fp8, index.key_scales)
-        positions = backend.index_topk(self.layer_id, index.q, index.weights, self.index_topk)
-        del index, q_latent
+        if self.indexer is not None:
+            index = self.indexer(x, q_latent, cos32, sin32)
+            backend.write_index_keys(self.layer_id, index.keys_fp8, index.key_scales)
+            positions = backend.index_topk(self.layer_id, index.q, index.weights, self.index_topk)
+            del index
+        elif shared_topk is None:
+            raise RuntimeError(f"layer {self.layer_id} shares the top-k of a previous full layer, but none ran")
+        else:
+            positions = shared_topk
+        del q_latent
         latent_out = backend.sparse_attention(self.layer_id, query, positions, self.softmax_scale)  # [T, H, 512]
         del query
         # [H, T, 512] @ [H, 512, v] → [H, T, v] → [T, H·v]
         out = torch.matmul(latent_out.to(self.w_uv.dtype).transpose(0, 1), self.w_uv.transpose(1, 2))
         del latent_out
-        return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.v_dim))
+        return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.v_dim)), positions

@@ -1,7 +1,12 @@
-"""Model configuration read from a Hugging Face style `config.json` (`model_type` `deepseek_v32`).
+"""Model configuration read from a Hugging Face style `config.json` (`model_type` `deepseek_v32` or
+`glm_moe_dsa`).
 
-Field names follow the checkpoints' `config.json` (and transformers' `DeepseekV32Config`) so a real checkpoint's
-file loads unchanged. RoPE parameters come either from `rope_parameters` (transformers ≥ 5) or from the legacy
+Field names follow the checkpoints' `config.json` (and transformers' `DeepseekV32Config` / `GlmMoeDsaConfig`) so
+a real checkpoint's file loads unchanged. GLM-5 (`glm_moe_dsa`) is the same architecture with its own default
+sizes, interleaved RoPE in the indexer, and cross-layer top-k sharing: `indexer_types[i]` is "full" (layer i runs
+its indexer) or "shared" (it reuses the previous full layer's top-k and has no indexer), given directly, as
+`index_topk_pattern` ("FSS..." or a list) or as the `index_topk_freq` / `index_skip_topk_offset` schedule, read
+the way transformers 5 reads them. RoPE parameters come either from `rope_parameters` (transformers ≥ 5) or from the legacy
 pair `rope_theta` + `rope_scaling` (older configs, including DeepSeek's own); both normalize to `RopeConfig`.
 Derived quantities (absorbed row size, softmax scale with the YaRN mscale correction) live here so every user
 computes them the same way.
@@ -15,7 +20,36 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v32",)
+SUPPORTED_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+ARCHITECTURES = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+
+# transformers' GlmMoeDsaConfig defaults where they differ from DeepSeek-V3.2's (used for keys a config omits).
+GLM_MOE_DSA_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288, "num_hidden_layers": 78,
+    "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 2048, "v_head_dim": 256,
+    "qk_nope_head_dim": 192, "n_group": 1, "topk_group": 1, "max_position_embeddings": 202752,
+    "rms_norm_eps": 1e-5, "index_n_heads": 32,
+}
+INDEXER_TYPES = ("full", "shared")
+
+
+def parse_indexer_types(raw: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """Per-layer "full" / "shared", as transformers' GlmMoeDsaConfig derives it: `indexer_types`, else
+    `index_topk_pattern` ("F"/"S" string or list), else layer i is full iff max(i - offset + 1, 0) % freq == 0
+    (`index_topk_freq` default 1: every layer full; `index_skip_topk_offset` default 2)."""
+    if raw.get("indexer_types") is not None:
+        return tuple(raw["indexer_types"])
+    pattern = raw.get("index_topk_pattern")
+    if pattern is not None:
+        if isinstance(pattern, str):
+            letters = {"F": "full", "S": "shared"}
+            if any(c not in letters for c in pattern):
+                raise ValueError(f"index_topk_pattern {pattern!r} may only contain 'F' (full) and 'S' (shared)")
+            return tuple(letters[c] for c in pattern)
+        return tuple(pattern)
+    freq = max(int(raw.get("index_topk_freq") or 1), 1)
+    offset = int(raw.get("index_skip_topk_offset", 2))
+    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers))
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -141,6 +175,8 @@ class ModelConfig:
     index_topk: int = 2048
     index_head_dim: int = 128
     index_n_heads: int = 64
+    indexer_types: tuple[str, ...] = ()  # per layer "full" / "shared"; () = every layer full
+    indexer_rope_interleave: bool = False  # GLM-5: interleaved pairs; DeepSeek-V3.2: half-split
     rope: RopeConfig = field(default_factory=RopeConfig)
     quantization_config: dict[str, Any] | None = None
     model_type: str = "deepseek_v32"
@@ -153,7 +189,11 @@ class ModelConfig:
         model_type = raw.get("model_type", "deepseek_v32")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; expected one of {SUPPORTED_MODEL_TYPES}")
-        names = {f.name for f in cls.__dataclass_fields__.values()} - {"rope", "mlp_layer_types", "torch_dtype"}
+        glm = model_type == "glm_moe_dsa"
+        if glm:
+            raw = {**GLM_MOE_DSA_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
+        special = {"rope", "mlp_layer_types", "torch_dtype", "indexer_types", "indexer_rope_interleave"}
+        names = {f.name for f in cls.__dataclass_fields__.values()} - special
         kwargs: dict[str, Any] = {k: raw[k] for k in names if k in raw and raw[k] is not None}
         if "num_experts" in raw and "n_routed_experts" not in raw:
             kwargs["n_routed_experts"] = raw["num_experts"]
@@ -165,6 +205,8 @@ class ModelConfig:
             rope=RopeConfig.from_hf(raw, max_pos),
             mlp_layer_types=tuple(raw.get("mlp_layer_types") or ()),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            indexer_types=parse_indexer_types(raw, int(kwargs.get("num_hidden_layers", cls.num_hidden_layers))),
+            indexer_rope_interleave=bool(raw.get("indexer_rope_interleave", glm)),
         )
         cfg.validate()
         return cfg
@@ -194,6 +236,15 @@ class ModelConfig:
             raise ValueError("qk_rope_head_dim must be even and fit inside index_head_dim")
         if self.mlp_layer_types and len(self.mlp_layer_types) != self.num_hidden_layers:
             raise ValueError("mlp_layer_types must have one entry per layer")
+        if self.indexer_types:
+            if len(self.indexer_types) != self.num_hidden_layers:
+                raise ValueError(f"indexer_types has {len(self.indexer_types)} entries for "
+                                 f"{self.num_hidden_layers} layers")
+            bad = sorted({t for t in self.indexer_types if t not in INDEXER_TYPES})
+            if bad:
+                raise ValueError(f"indexer_types entries must be 'full' or 'shared', got {bad}")
+            if self.indexer_types[0] != "full":
+                raise ValueError("indexer_types[0] must be 'full': a shared layer reuses a previous full layer's top-k")
 
     # ---- derived quantities -------------------------------------------------------------------------------
 
@@ -230,6 +281,15 @@ class ModelConfig:
             return []
         return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
 
+    def is_index_layer(self, layer_id: int) -> bool:
+        """Whether the layer runs its own indexer ("full"); "shared" layers reuse the previous full layer's."""
+        return not self.indexer_types or self.indexer_types[layer_id] == "full"
+
+    @property
+    def index_layer_ids(self) -> tuple[int, ...]:
+        """Layers that run the indexer, hence own indexer weights and indexer-key cache."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_index_layer(i))
+
     def is_moe_layer(self, layer_id: int) -> bool:
         if self.mlp_layer_types:
             return self.mlp_layer_types[layer_id] == "sparse"
@@ -246,9 +306,12 @@ class ModelConfig:
         data.pop("rope")
         data.pop("torch_dtype")
         data["mlp_layer_types"] = list(self.mlp_layer_types) or None
+        data["indexer_types"] = list(self.indexer_types) or None
+        if self.model_type != "glm_moe_dsa":
+            data.pop("indexer_rope_interleave")  # DeepSeek-V3.2's indexer is half-split, not configurable
         if data["quantization_config"] is None:
             data.pop("quantization_config")
         data["rope_parameters"] = self.rope.to_hf()
-        data["architectures"] = ["DeepseekV32ForCausalLM"]
+        data["architectures"] = [ARCHITECTURES[self.model_type]]
         data["head_dim"] = self.qk_rope_head_dim
         return {k: v for k, v in data.items() if v is not None or k in ("pad_token_id",)}

@@ -2,7 +2,8 @@
 
 Per new token:
   q = wq_b(c_q) → [Hi, 128] (c_q is the MLA query latent), k = LayerNorm(wk(x)) → [128];
-  half-split RoPE on the first `qk_rope_head_dim` (64) dims of both; the rest pass through;
+  RoPE on the first `qk_rope_head_dim` (64) dims of both, half-split pairs (DeepSeek-V3.2) or interleaved pairs
+  (GLM-5, `indexer_rope_interleave`); the rest pass through;
   both rotated by the normalized 128×128 Walsh–Hadamard matrix (see below);
   k packed as FP8 e4m3 + one fp32 power-of-two scale (`kernels.indexer_ref.quantize_index_keys`);
   w = weights_proj(x) · Hi^-0.5 · 128^-0.5 (all scale factors folded, float32).
@@ -27,14 +28,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from decode_server.model.config import ModelConfig
-from decode_server.model.rope import apply_rope_half_split
+from decode_server.model.rope import apply_rope_half_split, apply_rope_interleaved
 from kernels.indexer_ref import quantize_index_keys
 
 
 def hadamard_matrix(dim: int) -> torch.Tensor:
-    """Normalized Walsh–Hadamard matrix [dim, dim] (Sylvester construction; dim a power of two), float32."""
+    """Normalized Walsh–Hadamard matrix [dim, dim] (Sylvester construction), float32.
+
+    Sylvester's construction exists for powers of two only (128 in every DSA checkpoint). For another
+    `index_head_dim` the rotation is the identity: it never changes exact scores, only FP8 rounding."""
+    if dim < 1:
+        raise ValueError(f"index_head_dim must be positive, got {dim}")
     if dim & (dim - 1):
-        raise ValueError(f"Hadamard rotation needs a power-of-two dimension, got {dim}")
+        return torch.eye(dim, dtype=torch.float32)
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < dim:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
@@ -57,6 +63,7 @@ class Indexer(nn.Module):
         self.n_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
+        self.apply_rope = apply_rope_interleaved if config.indexer_rope_interleave else apply_rope_half_split
         self.weight_scale = config.index_weight_scale
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
@@ -66,7 +73,7 @@ class Indexer(nn.Module):
         self.register_buffer("hadamard", hadamard_matrix(self.head_dim), persistent=False)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rotated = apply_rope_half_split(x[..., : self.rope_dim], cos, sin)
+        rotated = self.apply_rope(x[..., : self.rope_dim], cos, sin)
         return torch.cat((rotated, x[..., self.rope_dim :]), dim=-1)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> IndexerOutput:

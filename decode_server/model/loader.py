@@ -1,8 +1,9 @@
-"""Loading DeepSeek-V3.2 safetensors checkpoints (single file or sharded) into `DSAForCausalLM`.
+"""Loading DeepSeek-V3.2 / GLM-5 safetensors checkpoints (single file or sharded) into `DSAForCausalLM`.
 
 Tensor names are the Hugging Face ones (`model.layers.N.self_attn.indexer.wq_b.weight`, ...). FP8 e4m3 weights
 are dequantized on load with their block `weight_scale_inv`; bf16/fp32 tensors are used as they are (cast to
-the model dtype). The multi-token-prediction layer (`model.layers.{num_hidden_layers}.*`) is skipped. Every
+the model dtype). The multi-token-prediction layer (`model.layers.{num_hidden_layers}.*`) is skipped, and so are
+indexer weights a checkpoint may carry for GLM-5 "shared" layers (they never run an indexer). Every
 problem (missing, unexpected, mis-shaped tensor) is collected from the checkpoint's metadata before any data is
 read and reported in one `CheckpointError` naming the tensors and shapes.
 """
@@ -55,11 +56,15 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def _is_skipped(name: str, num_layers: int) -> bool:
-    """MTP layers (index >= num_hidden_layers) and stale RoPE caches some exporters save."""
+def _is_skipped(name: str, config: ModelConfig) -> bool:
+    """MTP layers (index >= num_hidden_layers), indexers of shared layers, stale RoPE caches some exporters save."""
     match = _LAYER_RE.match(name)
-    if match and int(match.group(1)) >= num_layers:
-        return True
+    if match:
+        layer = int(match.group(1))
+        if layer >= config.num_hidden_layers:
+            return True
+        if ".self_attn.indexer." in name and not config.is_index_layer(layer):
+            return True
     return name.endswith("rotary_emb.inv_freq")
 
 
@@ -98,7 +103,7 @@ def _check(
                     f"tensor {scale} has shape {catalog[scale][1]}, expected {scale_shape(found, block)}"
                 )
     for name, (_, shape, _) in catalog.items():
-        if name in expected or _is_skipped(name, config.num_hidden_layers):
+        if name in expected or _is_skipped(name, config):
             continue
         if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in expected:
             continue

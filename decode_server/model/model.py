@@ -1,4 +1,5 @@
-"""DeepSeek-V3.2 causal LM: embeddings, decoder layers (MLA + DSA indexer, dense MLP or MoE), final norm, head.
+"""DeepSeek-V3.2 / GLM-5 causal LM: embeddings, decoder layers (MLA + DSA indexer, dense MLP or MoE), final
+norm, head. GLM-5's "shared" layers take the top-k positions of the previous full layer (carried down the stack).
 
 Module and parameter names mirror the Hugging Face checkpoints (`model.layers.N.self_attn.q_a_proj.weight`,
 `model.layers.N.mlp.experts.E.gate_proj.weight`, ...), so the loader maps tensors by name.
@@ -26,9 +27,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), *rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], shared_topk: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        attn_out, topk = self.self_attn.forward_with_topk(self.input_layernorm(x), *rope, shared_topk=shared_topk)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), topk
 
 
 class DSAModel(nn.Module):
@@ -43,8 +47,9 @@ class DSAModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos32, sin32 = self.rotary(positions, torch.float32)
         rope = (cos32.to(x.dtype), sin32.to(x.dtype), cos32, sin32)
+        topk: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(x, rope)
+            x, topk = layer(x, rope, topk)
         return self.norm(x)
 
 

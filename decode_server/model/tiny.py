@@ -1,11 +1,14 @@
-"""The embedded default model `tiny-dsa`: generated deterministically on first use as a real checkpoint.
+"""The embedded models `tiny-dsa` (default) and `tiny-glm5`: generated deterministically on first use as real
+checkpoints.
 
 `configs/tiny-dsa.json` keeps DeepSeek-V3.2's row format (kv_lora_rank 512 + rope 64, 128-dim indexer heads,
 16 heads) with everything else small, and `index_topk` 64 so sparsity shows at short lengths. The generator
 writes what a downloaded checkpoint holds — `config.json`, `model.safetensors` (projection weights as FP8 e4m3
 with 128×128 block `weight_scale_inv`, embeddings/router in bf16, norms in fp32), a byte-level BPE
 `tokenizer.json` trained on an embedded text, and a `tokenizer_config.json` with a chat template — and the
-model is then loaded through the normal loader and tokenizer.
+model is then loaded through the normal loader and tokenizer. `configs/tiny-glm5.json` is the GLM-5
+(`glm_moe_dsa`) counterpart: GLM-5's head sizes (nope 192, v 256, same 512 + 64 row), n_group 1, rms_norm_eps
+1e-5, interleaved indexer RoPE, full and shared indexer layers, and a GLM-style tokenizer and chat template.
 
 Generation is atomic: files go to a temporary directory inside the cache, which is renamed into place, so a
 concurrent process sees either nothing or a complete checkpoint. The directory name carries a digest of the
@@ -20,6 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +38,7 @@ from decode_server.model.fp8 import quantize_block_fp8
 logger = logging.getLogger(__name__)
 
 TINY_NAME = "tiny-dsa"
+GLM_TINY_NAME = "tiny-glm5"
 TINY_SEED = 20251122
 GENERATOR_VERSION = 2
 # configs/ of the repository, reached through the decode_server/model/configs symlink in a source checkout and
@@ -56,6 +61,39 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
 )
+
+# GLM-style tokens and template (GLM-4.5 / GLM-5 layout: "[gMASK]<sop>", then "<|role|>\n" + content per turn).
+GLM_EOS = "<|endoftext|>"
+GLM_SPECIAL_TOKENS = [GLM_EOS, "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+GLM_CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for message in messages %}"
+    "{% if message['role'] in ['system', 'user', 'assistant', 'observation'] %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] }}"
+    "{% else %}{{ raise_exception('unsupported role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """An embedded model: its config in configs/, seed, tokenizer special tokens and chat template."""
+
+    name: str
+    seed: int
+    special_tokens: tuple[str, ...]
+    bos: str | None  # added by the tokenizer's post-processor (None: the chat template carries the prefix)
+    eos: str
+    chat_template: str
+
+
+TINY_SPECS = {
+    TINY_NAME: TinySpec(TINY_NAME, TINY_SEED, tuple(SPECIAL_TOKENS), BOS, EOS, CHAT_TEMPLATE),
+    GLM_TINY_NAME: TinySpec(GLM_TINY_NAME, TINY_SEED + 1, tuple(GLM_SPECIAL_TOKENS), None, GLM_EOS,
+                            GLM_CHAT_TEMPLATE),
+}
 
 # Training text for the tokenizer (written for this project). Varied words give the BPE enough merges.
 TRAINING_TEXT = """\
@@ -100,37 +138,39 @@ def cache_dir() -> Path:
     return Path(root).expanduser() if root else Path.home() / ".cache" / "hisparse-decode-server"
 
 
-def tiny_config_dict() -> dict:
-    path = CONFIG_DIR / f"{TINY_NAME}.json"
+def tiny_config_dict(name: str = TINY_NAME) -> dict:
+    path = CONFIG_DIR / f"{name}.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: tiny-dsa is defined by configs/ (shipped in the wheel)")
+        raise FileNotFoundError(f"{path} not found: {name} is defined by configs/ (shipped in the wheel)")
     with path.open() as fh:
         return json.load(fh)
 
 
-def tiny_checkpoint_dir() -> Path:
-    raw = tiny_config_dict()
-    digest = hashlib.sha256(
-        json.dumps([raw, TINY_SEED, GENERATOR_VERSION, TRAINING_TEXT, CHAT_TEMPLATE], sort_keys=True).encode()
-    ).hexdigest()[:12]
-    return cache_dir() / f"{TINY_NAME}-{digest}"
+def tiny_checkpoint_dir(name: str = TINY_NAME) -> Path:
+    spec = TINY_SPECS[name]
+    raw = tiny_config_dict(name)
+    parts: list = [raw, spec.seed, GENERATOR_VERSION, TRAINING_TEXT, spec.chat_template]
+    if name != TINY_NAME:  # tiny-dsa's digest predates the other specs: keep its cache directory
+        parts += [list(spec.special_tokens), spec.bos, spec.eos]
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_dir() / f"{name}-{digest}"
 
 
-def ensure_tiny_checkpoint() -> Path:
-    """Path of the tiny-dsa checkpoint, generating it first if no complete copy exists."""
-    target = tiny_checkpoint_dir()
+def ensure_tiny_checkpoint(name: str = TINY_NAME) -> Path:
+    """Path of an embedded model's checkpoint, generating it first if no complete copy exists."""
+    target = tiny_checkpoint_dir(name)
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        write_tiny_checkpoint(staging)
+        write_tiny_checkpoint(staging, name)
         staging.chmod(0o755)  # mkdtemp makes it private; the cache may be shared by several users
         for file in staging.iterdir():
             file.chmod(0o644)
         try:
             os.rename(staging, target)
-            logger.info("generated %s at %s", TINY_NAME, target)
+            logger.info("generated %s at %s", name, target)
         except OSError:
             if not (target / "config.json").exists():
                 raise
@@ -141,14 +181,14 @@ def ensure_tiny_checkpoint() -> Path:
     return target
 
 
-def build_tokenizer(vocab_size: int) -> HFTokenizer:
+def build_tokenizer(vocab_size: int, spec: TinySpec = TINY_SPECS[TINY_NAME]) -> HFTokenizer:
     """Byte-level BPE trained on TRAINING_TEXT (deterministic), padded with reserved special tokens."""
     tokenizer = HFTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(spec.special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -156,24 +196,27 @@ def build_tokenizer(vocab_size: int) -> HFTokenizer:
     missing = vocab_size - tokenizer.get_vocab_size(with_added_tokens=True)
     if missing > 0:  # every id the model can emit must decode
         tokenizer.add_special_tokens([f"<｜reserved_{i}｜>" for i in range(missing)])
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tokenizer.token_to_id(BOS))]
-    )
+    if spec.bos is not None:
+        bos = spec.bos
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+        )
     return tokenizer
 
 
-def tokenizer_config() -> dict:
-    return {
+def tokenizer_config(spec: TinySpec = TINY_SPECS[TINY_NAME]) -> dict:
+    config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": EOS,
-        "add_bos_token": True,
+        "bos_token": spec.bos,
+        "eos_token": spec.eos,
+        "pad_token": spec.eos,
+        "add_bos_token": spec.bos is not None,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": tiny_config_dict()["max_position_embeddings"],
-        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": tiny_config_dict(spec.name)["max_position_embeddings"],
+        "chat_template": spec.chat_template,
     }
+    return {k: v for k, v in config.items() if v is not None}
 
 
 def _stored_form(name: str, tensor: torch.Tensor, block: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -190,22 +233,25 @@ def _stored_form(name: str, tensor: torch.Tensor, block: tuple[int, int]) -> dic
     return {name: tensor.float()}
 
 
-def write_tiny_checkpoint(out_dir: Path) -> None:
-    raw = tiny_config_dict()
+def write_tiny_checkpoint(out_dir: Path, name: str = TINY_NAME) -> None:
+    spec = TINY_SPECS[name]
+    raw = tiny_config_dict(name)
     config = ModelConfig.from_dict(raw)
-    tokenizer = build_tokenizer(config.vocab_size)
-    if tokenizer.token_to_id(BOS) != config.bos_token_id or tokenizer.token_to_id(EOS) != config.eos_token_id:
-        raise RuntimeError("tiny-dsa tokenizer special-token ids disagree with configs/tiny-dsa.json")
+    tokenizer = build_tokenizer(config.vocab_size, spec)
+    bos_id = tokenizer.token_to_id(spec.bos) if spec.bos is not None else None
+    if (bos_id is not None and bos_id != config.bos_token_id) or (
+            tokenizer.token_to_id(spec.eos) != config.eos_token_ids[0]):
+        raise RuntimeError(f"{name} tokenizer special-token ids disagree with configs/{name}.json")
     model = build_empty_model(config, "cpu", torch.float32)
-    randomize_weights(model, TINY_SEED)
+    randomize_weights(model, spec.seed)
     block = config.weight_block_size
     tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        tensors.update(_stored_form(name, tensor.detach().contiguous(), block))
+    for key, tensor in model.state_dict().items():
+        tensors.update(_stored_form(key, tensor.detach().contiguous(), block))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps({**raw, "torch_dtype": "bfloat16"}, indent=2))
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2, ensure_ascii=False))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(spec), indent=2, ensure_ascii=False))
     (out_dir / "generation_config.json").write_text(
         json.dumps({"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}, indent=2)
     )

@@ -1,7 +1,8 @@
 """Tokenizer of a checkpoint directory: `tokenizer.json` through `tokenizers`, chat template through jinja2.
 
 This is the path a real DeepSeek checkpoint uses: the BPE model, normalizer and post-processor (which adds the
-BOS token) come from `tokenizer.json`; special tokens and the chat template come from `tokenizer_config.json`.
+BOS token) come from `tokenizer.json`; special tokens and the chat template come from `tokenizer_config.json`,
+or the template from `chat_template.jinja` next to it (where transformers ≥ 4.5x writes it; GLM-5 ships it so).
 A rendered chat prompt already starts with the BOS text, so encode it with `add_special_tokens=False`.
 """
 
@@ -60,6 +61,9 @@ class Tokenizer:
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         config_file = path / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.exists() else {}
+        template_file = path / "chat_template.jinja"
+        if not config.get("chat_template") and template_file.exists():
+            config["chat_template"] = template_file.read_text()
         return cls(HFTokenizer.from_file(str(tokenizer_file)), config)
 
     @property

@@ -15,7 +15,10 @@ from kernels.indexer_ref import index_scores_ref
 
 
 class ListBackend(AttentionBackend):
-    def __init__(self) -> None:
+    """`d_v`: width of the latent output (the model's kv_lora_rank; 512 for DeepSeek-V3.2 and GLM-5)."""
+
+    def __init__(self, d_v: int = 512) -> None:
+        self.d_v = d_v
         self.kv: dict[tuple[int, int], torch.Tensor] = {}
         self.keys: dict[tuple[int, int], torch.Tensor] = {}
         self.scales: dict[tuple[int, int], torch.Tensor] = {}
@@ -70,14 +73,14 @@ class ListBackend(AttentionBackend):
     def sparse_attention(
         self, layer_id: int, q: torch.Tensor, topk_positions: torch.Tensor, softmax_scale: float
     ) -> torch.Tensor:
-        out = torch.zeros(q.shape[0], q.shape[1], 512, dtype=q.dtype)
+        out = torch.zeros(q.shape[0], q.shape[1], self.d_v, dtype=q.dtype)
         for _, row, _, span in self._spans():
             kv = self.kv[(layer_id, row)]
             for t in range(span.start, span.stop):
                 sel = topk_positions[t][topk_positions[t] >= 0].long()
                 rows = kv[sel].to(q.dtype)
                 probs = torch.softmax((q[t] @ rows.T) * softmax_scale, dim=-1)
-                out[t] = probs @ rows[:, :512]
+                out[t] = probs @ rows[:, : self.d_v]
         return out
 
 
@@ -123,8 +126,10 @@ def dense_backend(config, num_slots: int = 4096, max_requests: int = 8, max_cont
                   kv_dtype=torch.float32, device="cpu"):
     """The engine's DenseBackend over a small cache (the backend the engine runs on CPU)."""
     from decode_server.engine.dense_backend import DenseBackend, DenseKVCache
+    from decode_server.engine.kv_rows import CacheGeometry
 
-    cache = DenseKVCache(config.num_hidden_layers, num_slots, max_requests, max_context, kv_dtype, device)
+    cache = DenseKVCache(config.num_hidden_layers, num_slots, max_requests, max_context, kv_dtype, device,
+                         geometry=CacheGeometry.from_model_config(config))
     return DenseBackend(cache)
 
 
