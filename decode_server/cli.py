@@ -49,6 +49,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "bfloat16", "float16", "float32", "fp8_e4m3"],
         default=d.kv_cache_dtype,
     )
+    g.add_argument("--attention-backend", choices=["auto", "flashmla", "triton"], default=d.attention_backend,
+                   help="sparse MLA kernel on CUDA (auto: flashmla on Hopper when installed, else triton)")
     g.add_argument("--random-seed", type=int, default=d.seed, help="seed of requests that give none")
     g.add_argument("--context-length", type=int, default=None, help="cap on prompt + generated tokens")
     g.add_argument(
@@ -99,6 +101,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
         seed=args.random_seed,
         context_length=args.context_length,
         enable_hisparse=args.enable_hisparse,

@@ -37,6 +37,8 @@ class HiSparseConfig(BaseModel):
 
 
 KVCacheDType = Literal["auto", "bfloat16", "float16", "float32", "fp8_e4m3"]
+# Sparse MLA kernel on CUDA; "auto": FlashMLA on Hopper when its wheel imports, else Triton (SGLang's flag).
+AttentionBackendName = Literal["auto", "flashmla", "triton"]
 
 
 class EngineConfig(BaseModel):
@@ -48,6 +50,7 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     kv_cache_dtype: KVCacheDType = "auto"
+    attention_backend: AttentionBackendName = "auto"
     seed: int = 0
 
     enable_hisparse: bool = False
