@@ -95,7 +95,7 @@ def run_case(pool: torch.Tensor, fmt: str, batch: int, heads: int, top_k: int, c
                   ref_us, ref_us / us if with_ref else 0.0, rel_err)
 
 
-SWEEP_BATCHES = [1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 50, 64, 80, 96, 128, 160, 192, 237, 256]
+SWEEP_BATCHES = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 50, 64, 80, 96, 128, 160, 192, 237, 256]
 
 
 def split_sweep(pool: torch.Tensor, fmt: str, heads: int, top_k: int, batches: list[int]) -> list[dict]:

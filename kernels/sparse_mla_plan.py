@@ -45,6 +45,13 @@ def choose_splits(batch: int, num_heads: int, top_k: int, block_h: int, block_n:
     """Split count of the top-k list, a function of shapes only (so results never depend on slot placement):
     the divisor of the tile count with the least `split_cost_us` (the smallest on ties)."""
     tiles = top_k // block_n
+    programs_per_split = batch * (num_heads // block_h)
+    if fp8 and block_h >= 64 and programs_per_split * tiles <= 2 * num_sms:
+        # Measured (docs/benchmarks.md, split sweep): with FP8 rows, two waves of one-tile programs beat one wave
+        # of two-tile programs (e.g. 6 programs per split: 34.0–34.4 µs at 32 splits vs 36.1–37.1 at 16), which
+        # the wave model prices the other way round; so while every tile as its own split fits in two waves,
+        # split all the way.
+        return tiles
     best, best_cost = 1, math.inf
     for s in range(1, tiles + 1):
         if tiles % s:

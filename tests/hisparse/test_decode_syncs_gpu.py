@@ -18,14 +18,15 @@ _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynch
 
 
 def _torch_syncs(step) -> list[str]:
-    """Where each synchronizing torch operation of `step` came from (file:line of the Python caller)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
+    """Where each synchronizing torch operation of `step` came from (file:line of the Python caller). The debug
+    mode is switched on outside the recording: the first switch in a process warns about itself."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     return [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
 
 
