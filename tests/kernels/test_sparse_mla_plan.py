@@ -12,6 +12,9 @@ def test_choose_splits_divides_the_tiles_and_picks_the_least_cost() -> None:
             for batch in (1, 3, 16, 64, 237, 256):
                 s = choose_splits(batch, heads, 2048, block_h, 64, 132, fp8)
                 assert 32 % s == 0
+                if fp8 and block_h == 64 and batch * heads // 64 * 32 <= 2 * 132:
+                    assert s == 32  # the measured FP8 rule: every tile its own split while that fits in 2 waves
+                    continue
                 costs = {d: split_cost_us(batch, heads, 2048, block_h, 64, 132, fp8, d) for d in (1, 2, 4, 8, 16, 32)}
                 assert costs[s] == min(costs.values())
 
