@@ -27,7 +27,7 @@ def swap_in_cuda(
     """See kernels/swap_in_ref.py. All tensors on the device pool's GPU except the host pool, which must be
     pinned (or on that GPU). Asynchronous on the current stream.
 
-    `check=False` skips the Python argument checks (ValueErrors with clear messages; ~4 µs of host time per call,
+    `check=False` skips the Python argument checks (ValueErrors with clear messages; ~5 µs of host time per call,
     measured in docs/benchmarks.md) for a caller that already passed the same tables and pools with checks, as
     the HiSparse backend does for every batch shape after its first; the extension keeps its own checks."""
     if check:

@@ -75,8 +75,9 @@ class MoE(nn.Module):
     """Routed experts + shared experts.
 
     On CUDA the routed experts run as three grouped GEMMs over the tokens sorted by expert (`torch._grouped_mm`
-    with offsets computed on the device by a sorted search, no bincount), so a forward never waits for the GPU to learn how many tokens each
-    expert got; the per-token results are summed in a fixed order (no atomics), so the output is deterministic.
+    with offsets found on the device by a sorted search, `expert_end_offsets`), so a forward never waits for the
+    GPU to learn how many tokens each expert got; the per-token results are summed in a fixed order (no
+    atomics), so the output is deterministic.
     Elsewhere (CPU) a loop over the experts that received tokens, with one host sync per call.
     """
 
