@@ -31,8 +31,8 @@ import torch
 from tqdm import tqdm
 
 from decode_server.config import EngineConfig, HiSparseConfig
-from decode_server.engine.engine import Engine
-from decode_server.engine.kv_rows import CacheGeometry
+from decode_server.engine.engine import Engine, resolve_attention_kernel
+from decode_server.engine.kv_rows import CacheGeometry, encode_row_bytes, encode_rows
 from decode_server.engine.memory import resolve_kv_dtype, resolve_model_dtype
 from decode_server.engine.request import Request
 from decode_server.engine.sampling_params import SamplingParams
@@ -62,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="synthetic top-k trace miss rates for extra HiSparse runs (empty: none)")
     p.add_argument("--buffer-size", type=int, default=None, help="HiSparse D (default 2 * index_topk)")
     p.add_argument("--num-recent", type=int, default=4)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e4m3"],
+                   help="KV rows: the model dtype (bf16, 1152 B) or FlashMLA's FP8 rows (656 B)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "flashmla", "triton"],
+                   help="sparse MLA kernel (auto: FlashMLA on Hopper when installed, else Triton)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
@@ -146,6 +150,7 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
     hisparse = mode.startswith("hisparse")
     cfg = EngineConfig(
         device=args.device, enable_hisparse=hisparse, page_size=args.page_size, context_length=max_len,
+        kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
         device_kv_budget_bytes=int(args.device_kv_budget_gib * GIB),
         host_kv_budget_bytes=int(args.host_kv_budget_gib * GIB), max_running_requests=batch_cap,
         max_queued_requests=batch_cap + 1, chunked_prefill_size=max(2048, args.page_size),
@@ -161,14 +166,15 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
 
 
 class SyntheticKV:
-    """One random context (MLA rows and indexer keys) copied into every request."""
+    """One random context (MLA rows, encoded for the KV dtype, and indexer keys) copied into every request."""
 
     def __init__(self, context: int, kv_dtype: torch.dtype, device: torch.device, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.rows = (torch.randn(context, 576, generator=gen) * 0.5).to(kv_dtype)
+        rows = torch.randn(context, 576, generator=gen) * 0.5
+        self.rows = encode_row_bytes(rows, kv_dtype)  # [context, row bytes] uint8, as the host pool holds them
         keys, self.scales = quantize_index_keys(torch.randn(context, 128, generator=gen))
         self.keys = keys
-        self.rows_dev = self.rows.to(device)
+        self.rows_dev = encode_rows(rows, kv_dtype).to(device)  # as the dense pool holds them
         self.keys_dev, self.scales_dev = keys.to(device), self.scales.to(device)
 
     def inject(self, engine: Engine, req: Request, context: int) -> None:
@@ -176,7 +182,7 @@ class SyntheticKV:
         row = req.row
         if isinstance(kv, HiSparseCoordinator):
             host_rows = kv.host.rows.slots(row, context).long().cpu()
-            data = self.rows.view(torch.uint8)
+            data = self.rows
             idx_rows = kv.indexer.rows.slots(row, context).long()
             for layer in range(kv.layout.num_layers):
                 kv.host.kv[layer].index_copy_(0, host_rows, data)
@@ -403,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"{'mode':<14}{'context':>8}{'batch':>7}{'tok/s':>11}{'step ms':>10}{'hit rate':>10}"
               f"{'PCIe MB/step':>14}{'fwd ms':>9}{'idx ms':>9}{'attn ms':>9}{'swap ms':>9}")
     print(f"device: {device_name}; config: {args.config}; budget: {args.device_kv_budget_gib:g} GiB device, "
-          f"{args.host_kv_budget_gib:g} GiB host; steps: {args.steps}")
+          f"{args.host_kv_budget_gib:g} GiB host; steps: {args.steps}; KV {args.kv_cache_dtype}; attention "
+          f"{resolve_attention_kernel(args.attention_backend, device)}")
     print(header)
     for r in results:
         label = r["mode"] + (f"@B{r['fixed_batch']}" if r.get("fixed_batch") else "")
@@ -417,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_name,
+            "attention_kernel": resolve_attention_kernel(args.attention_backend, device),
             "command": " ".join(sys.argv), "args": vars(args)}
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     if ok:

@@ -7,7 +7,12 @@ calls (untimed) and the calls rotate over several index sets; CUDA events around
 enqueueing behind a GPU spin so that launch overhead is not counted. `--configs` also times alternative block sizes for the
 B=64, H=128 case.
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_sparse_mla.py [--quick] [--configs] [--json out.json]
+`--splits` sweeps the Triton kernel's split count (every divisor of the 32 tiles) at B 1…256, H 128 and 64, both
+row formats, and prints the split `choose_splits` picks against the fastest (target: within 5 %). `--flashmla`
+times FlashMLA (the `sgl-flash-mla` wheel: FP8 rows through its sparse decode kernel, bf16 rows through its sparse
+prefill kernel) on the same inputs, with its error against the reference, next to the Triton kernel's chosen split.
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_sparse_mla.py [--quick] [--configs] [--splits] [--flashmla] [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from _timing import device_name, time_gpu_us  # noqa: E402
 
 from kernels.dispatch import sparse_mla_decode_rows_ref  # noqa: E402
 from kernels.fp8_rows import pack_fp8_rows  # noqa: E402
+from kernels.sparse_mla_plan import choose_splits  # noqa: E402
 from kernels.sparse_mla_triton import default_config, sparse_mla_decode_triton  # noqa: E402
 
 logger = logging.getLogger("bench_sparse_mla")
@@ -89,10 +95,68 @@ def run_case(pool: torch.Tensor, fmt: str, batch: int, heads: int, top_k: int, c
                   ref_us, ref_us / us if with_ref else 0.0, rel_err)
 
 
+SWEEP_BATCHES = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 50, 64, 80, 96, 128, 160, 192, 237, 256]
+
+
+def split_sweep(pool: torch.Tensor, fmt: str, heads: int, top_k: int, batches: list[int]) -> list[dict]:
+    """Time every split count at each batch; report the chosen one against the best."""
+    rows = []
+    cfg0 = default_config(heads, fmt == "fp8")
+    tiles = top_k // cfg0["BLOCK_N"]
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for batch in batches:
+        qs = [torch.randn(batch, heads, 576, device="cuda").bfloat16() for _ in range(2)]
+        idx = [torch.randint(0, POOL_ROWS, (batch, top_k), device="cuda", dtype=torch.int32) for _ in range(2)]
+        times = {}
+        for s in (d for d in range(1, tiles + 1) if tiles % d == 0):
+            cfg = dict(cfg0, SPLITS=s)
+            times[s] = bench(lambda i, c=cfg, q=qs, ix=idx: sparse_mla_decode_triton(q[i], pool, ix[i], SCALE, c), 2, flush)
+        chosen = choose_splits(batch, heads, top_k, cfg0["BLOCK_H"], cfg0["BLOCK_N"],
+                               torch.cuda.get_device_properties(0).multi_processor_count, fmt == "fp8")
+        best = min(times, key=times.get)
+        row = {"fmt": fmt, "heads": heads, "batch": batch, "times_us": times, "chosen": chosen, "best": best,
+               "chosen_over_best": times[chosen] / times[best]}
+        rows.append(row)
+        logger.info("split sweep %s H %d B %3d: %s | chosen %d (%.1f us) best %d (%.1f us) ratio %.3f", fmt, heads,
+                    batch, " ".join(f"{k}:{v:.1f}" for k, v in times.items()), chosen, times[chosen], best,
+                    times[best], row["chosen_over_best"])
+    return rows
+
+
+def flashmla_compare(pool: torch.Tensor, fmt: str, heads: int, top_k: int, batches: list[int]) -> list[dict]:
+    """FlashMLA vs the Triton kernel (its chosen split) on the same inputs, each against the reference."""
+    from kernels.sparse_mla_flashmla import flashmla_applies, sparse_mla_decode_flashmla
+
+    rows = []
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for batch in batches:
+        qs = [torch.randn(batch, heads, 576, device="cuda").bfloat16() for _ in range(2)]
+        idx = [torch.randint(0, POOL_ROWS, (batch, top_k), device="cuda", dtype=torch.int32) for _ in range(2)]
+        if not flashmla_applies(qs[0], pool, idx[0]):
+            continue
+        ref, ref_lse = sparse_mla_decode_rows_ref(qs[0], pool, idx[0], SCALE)
+        out, lse = sparse_mla_decode_flashmla(qs[0], pool, idx[0], SCALE)
+        err = float((out.float() - ref.float()).norm() / ref.float().norm())
+        lse_err = float((lse - ref_lse).abs().max())
+        fm_us = bench(lambda i, q=qs, ix=idx: sparse_mla_decode_flashmla(q[i], pool, ix[i], SCALE), 2, flush)
+        tr_us = bench(lambda i, q=qs, ix=idx: sparse_mla_decode_triton(q[i], pool, ix[i], SCALE), 2, flush)
+        flops = 2.0 * batch * heads * top_k * (576 + 512)
+        row = {"fmt": fmt, "heads": heads, "batch": batch, "flashmla_us": fm_us, "triton_us": tr_us,
+               "flashmla_tflops": flops / fm_us / 1e6, "triton_tflops": flops / tr_us / 1e6, "flashmla_rel_err": err,
+               "flashmla_lse_max_abs_err": lse_err}
+        rows.append(row)
+        logger.info("flashmla %s H %d B %3d: flashmla %.1f us (%.0f TFLOP/s) triton %.1f us (%.0f) err %.1e lse %.1e",
+                    fmt, heads, batch, fm_us, row["flashmla_tflops"], tr_us, row["triton_tflops"], err, lse_err)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--configs", action="store_true", help="also time alternative block sizes at B=64 H=128")
+    parser.add_argument("--splits", action="store_true", help="sweep the split count at B 1..256 (H 128, 64)")
+    parser.add_argument("--flashmla", action="store_true", help="time FlashMLA next to the Triton kernel")
+    parser.add_argument("--no-main", action="store_true", help="skip the main table (only --splits / --flashmla)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -101,15 +165,22 @@ def main() -> None:
     batches = [1, 16, 64, 128] if not args.quick else [1, 64]
     heads_list = [16, 64, 128]
     results: list[Result] = []
+    sweeps: list[dict] = []
+    compares: list[dict] = []
     for fmt in ("bf16", "fp8"):
         pool = make_pool(fmt)
-        for heads in heads_list:
+        for heads in (128, 64):
+            if args.splits:
+                sweeps += split_sweep(pool, fmt, heads, top_k, SWEEP_BATCHES)
+            if args.flashmla:
+                compares += flashmla_compare(pool, fmt, heads, top_k, SWEEP_BATCHES)
+        for heads in ([] if args.no_main else heads_list):
             for batch in batches:
                 r = run_case(pool, fmt, batch, heads, top_k, None, with_ref=True)
                 results.append(r)
                 logger.info("%s B %3d H %3d: %8.1f us %6.1f TFLOP/s %7.1f GB/s | ref %9.1f us (x%.1f) | err %.1e",
                             fmt, batch, heads, r.us, r.tflops, r.gbps, r.ref_us, r.speedup_vs_ref, r.rel_err)
-        if args.configs:
+        if args.configs and not args.no_main:
             for cfg in ({"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
                         {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
                         {"BLOCK_H": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
@@ -129,7 +200,27 @@ def main() -> None:
         del pool
         torch.cuda.empty_cache()
     if args.json:
-        args.json.write_text(json.dumps({"device": device_name(), "results": [asdict(r) for r in results]}, indent=1))
+        args.json.write_text(json.dumps({"device": device_name(), "results": [asdict(r) for r in results],
+                                         "split_sweep": sweeps, "flashmla": compares}, indent=1))
+    if sweeps:
+        print(f"\nsplit sweep, K={top_k}, {device_name()}: µs per split count; chosen vs best")
+        print("| rows | H | B | " + " | ".join(f"s={s}" for s in sweeps[0]["times_us"]) + " | chosen | best | ratio |")
+        print("|---|---|---|" + "---|" * (len(sweeps[0]["times_us"]) + 3))
+        for r in sweeps:
+            print(f"| {r['fmt']} | {r['heads']} | {r['batch']} | " + " | ".join(f"{v:.1f}" for v in r["times_us"].values())
+                  + f" | {r['chosen']} | {r['best']} | {r['chosen_over_best']:.3f} |")
+        worst = max(r["chosen_over_best"] for r in sweeps)
+        print(f"worst chosen/best: {worst:.3f} (target <= 1.05)")
+    if compares:
+        print(f"\nFlashMLA vs Triton (chosen split), K={top_k}, {device_name()}")
+        print("| rows | H | B | FlashMLA µs | TFLOP/s | Triton µs | TFLOP/s | FlashMLA rel err | lse max err |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in compares:
+            print(f"| {r['fmt']} | {r['heads']} | {r['batch']} | {r['flashmla_us']:.1f} | {r['flashmla_tflops']:.0f} | "
+                  f"{r['triton_us']:.1f} | {r['triton_tflops']:.0f} | {r['flashmla_rel_err']:.1e} | "
+                  f"{r['flashmla_lse_max_abs_err']:.1e} |")
+    if not results:
+        return
     print(f"\nsparse MLA decode, K={top_k}, {device_name()}")
     print("| rows | B | H | config | us | TFLOP/s | GB/s | ref us | speed-up | rel err |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -6,7 +6,12 @@ before every timed call (untimed), so every call moves exactly miss_rate·K rows
 rotate over several independent workloads. Prints µs per call, GB/s over the missed rows, and the ratio to a
 pinned host→device memcpy measured in the same run (one 256 MiB copy_, and one of the same bytes).
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_swap_in.py [--quick] [--json out.json]
+`--host-overhead` instead measures the host time to issue one hit-only call (no GPU time counted: 200 calls
+are queued back to back) through the extension directly, the `kernels.swap_in` dispatcher with and without its
+Python argument checks (the HiSparse backend checks each shape once), and the wrapper before this change, next
+to the call's GPU time.
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_swap_in.py [--quick] [--host-overhead] [--json out.json]
 """
 
 from __future__ import annotations
@@ -127,13 +132,65 @@ def run_case(host_pool: torch.Tensor, device_pool: torch.Tensor, batch: int, buf
                   gbps / peak_gbps if missed else 0.0)
 
 
+def host_overhead(batches: list[int], buffer_size: int = 4096, top_k: int = 2048) -> list[dict]:
+    """Host µs to issue one hit-only swap-in call, per entry point; GPU µs of the same call."""
+    import kernels
+    from kernels.cuda_ext import load_extension
+    from kernels.swap_in_ref import check_swap_in_args
+
+    dev = "cuda"
+    ext = load_extension()
+    host_pool = random_pinned(1 << 16, 1152)
+    rows = []
+    for batch in batches:
+        seq_len = 4 * buffer_size
+        width = buffer_size + NUM_RECENT
+        device_pool = torch.empty((batch * width, 1152), dtype=torch.uint8, device=dev)
+        slots = torch.arange(batch * width, device=dev, dtype=torch.int32).reshape(batch, width)
+        host_rows = torch.randint(0, host_pool.shape[0], (batch, seq_len), dtype=torch.int32, device=dev)
+        seq_lens = torch.full((batch,), seq_len, dtype=torch.int64, device=dev)
+        req_rows = torch.arange(batch, dtype=torch.int64, device=dev)
+        topk, tokens, lru, _ = make_workload(batch, buffer_size, top_k, 0.0, seq_len)
+        counters = torch.zeros(2, dtype=torch.int64, device=dev)
+        args = (topk, seq_lens, req_rows, slots, tokens, lru, host_rows, host_pool, device_pool, NUM_RECENT, counters)
+
+        def previous(a=args) -> None:  # the wrapper before this change: Python checks, then the extension
+            check_swap_in_args(*a)
+            if not a[7].is_cuda and not a[7].is_pinned():
+                raise ValueError("host_pool must be pinned")
+            ext.swap_in(*a)
+
+        entry = {"extension": lambda a=args: ext.swap_in(*a),
+                 "kernels.swap_in, checked": lambda a=args: kernels.swap_in(*a),
+                 "kernels.swap_in(check=False)": lambda a=args: kernels.swap_in(*a, check=False),
+                 "previous wrapper": previous}
+        row = {"batch": batch, "gpu_us": time_gpu_us(entry["extension"])}
+        for name, fn in entry.items():
+            row[name] = min(host_us_per_call(fn) for _ in range(3))
+        rows.append(row)
+        logger.info("host overhead B %d: %s", batch, row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer cases (smoke run)")
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
+    parser.add_argument("--host-overhead", action="store_true", help="only the host cost per call (hit-only)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
+    if args.host_overhead:
+        rows = host_overhead([1, 16, 64, 128])
+        if args.json:
+            args.json.write_text(json.dumps({"device": device_name(), "host_overhead": rows}, indent=1))
+        names = [k for k in rows[0] if k not in ("batch", "gpu_us")]
+        print(f"\nswap-in host µs per call (hit-only, D 4096, K 2048, bf16 rows), {device_name()}")
+        print("| batch | GPU µs | " + " | ".join(names) + " |")
+        print("|---|---|" + "---|" * len(names))
+        for r in rows:
+            print(f"| {r['batch']} | {r['gpu_us']:.1f} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |")
+        return
     top_k = 2048
     batches = [1, 16, 64, 128] if not args.quick else [1, 64]
     buffers = [4096, 8192] if not args.quick else [4096]

@@ -55,9 +55,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--attention-backend",
-        choices=["auto", "torch_native"],
+        choices=["auto", "flashmla", "triton", "torch_native"],
         default=d.attention_backend,
-        help="torch_native: PyTorch reference kernels on any device (MLA / indexer sizes the GPU kernels refuse)",
+        help="sparse MLA kernel on CUDA (auto: flashmla on Hopper when installed, else triton); torch_native: the "
+        "PyTorch reference kernels on any device (MLA / indexer sizes the GPU kernels refuse)",
     )
     g.add_argument("--random-seed", type=int, default=d.seed, help="seed of requests that give none")
     g.add_argument("--context-length", type=int, default=None, help="cap on prompt + generated tokens")

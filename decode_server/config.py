@@ -70,6 +70,11 @@ class DisaggregationConfig(BaseModel):
         return self.mode != "null"
 
 
+# Sparse MLA kernel on CUDA; "auto": FlashMLA on Hopper when its wheel imports, else Triton (SGLang's flag);
+# "torch_native": the PyTorch reference attention / indexer kernels even on CUDA (any MLA / indexer size).
+AttentionBackendName = Literal["auto", "flashmla", "triton", "torch_native"]
+
+
 class EngineConfig(BaseModel):
     """Everything the engine process needs: model, device, memory budgets, scheduling limits."""
 
@@ -79,8 +84,7 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     kv_cache_dtype: KVCacheDType = "auto"
-    # "torch_native": the PyTorch reference attention / indexer kernels even on CUDA (any MLA / indexer size).
-    attention_backend: Literal["auto", "torch_native"] = "auto"
+    attention_backend: AttentionBackendName = "auto"
     seed: int = 0
 
     enable_hisparse: bool = False

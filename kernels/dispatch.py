@@ -25,15 +25,17 @@ def swap_in(
     device_pool: torch.Tensor,
     num_recent: int,
     counters: torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """HiSparse swap-in for one layer (semantics: kernels/swap_in_ref.py). CUDA kernel when the device pool
-    is on a GPU (host pool pinned), the reference otherwise."""
+    is on a GPU (host pool pinned), the reference otherwise. `check=False`: see `swap_in_cuda` (the reference
+    always checks)."""
     args = (top_k_tokens, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
             device_pool, num_recent, counters)
     if device_pool.is_cuda:
         from kernels.swap_in_cuda import swap_in_cuda
 
-        return swap_in_cuda(*args)
+        return swap_in_cuda(*args, check=check)
     return swap_in_ref(*args)
 
 
@@ -53,14 +55,28 @@ def sparse_mla_decode_rows_ref(
     return sparse_mla_decode_ref(q, rows, torch.where(valid, local, -1), scale, d_v)
 
 
+ATTENTION_KERNELS = ("triton", "flashmla")
+
+
 def sparse_mla_decode(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int = D_V
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, kernel: str = "triton", d_v: int = D_V
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode: q [B, H, 576], kv [N, 576] float rows or [N, 656] uint8 FP8 rows, indices [B, K]
-    int32 (−1 skip) → (out [B, H, 512] in q's dtype, lse [B, H] fp32, natural log). Triton on CUDA (576 / 512
-    only: the engine refuses other sizes at load, decode_server/engine/kernel_support.py); the reference
-    elsewhere, for any row width and value width `d_v`."""
+    int32 (−1 skip) → (out [B, H, 512] in q's dtype, lse [B, H] fp32, natural log).
+
+    On CUDA: `kernel="triton"` runs the Triton kernel; `"flashmla"` runs FlashMLA where it takes the shapes and is
+    the faster one at this batch (`sparse_mla_plan.prefer_flashmla`), the Triton kernel otherwise. The choice
+    depends on shapes only. Both take 576 / 512 only: the engine refuses other sizes at load
+    (decode_server/engine/kernel_support.py). Elsewhere: the reference, for any row width and value width `d_v`."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; expected one of {ATTENTION_KERNELS}")
     if q.is_cuda:
+        if kernel == "flashmla":
+            from kernels.sparse_mla_flashmla import flashmla_applies, sparse_mla_decode_flashmla
+            from kernels.sparse_mla_plan import prefer_flashmla
+
+            if flashmla_applies(q, kv, indices) and prefer_flashmla(q.shape[0], q.shape[1], kv.dtype == torch.uint8):
+                return sparse_mla_decode_flashmla(q, kv, indices, scale)
         from kernels.sparse_mla_triton import sparse_mla_decode_triton
 
         return sparse_mla_decode_triton(q, kv, indices, scale)

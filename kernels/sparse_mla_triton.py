@@ -15,11 +15,12 @@ only on the selected rows and their order, not on which slots hold them.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.sparse_mla_plan import choose_splits
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -231,29 +232,6 @@ def default_config(num_heads: int, fp8: bool) -> dict[str, int]:
     return {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 8 if block_h == 64 else 4, "num_stages": 2}
 
 
-def choose_splits(batch: int, num_heads: int, top_k: int, block_h: int, block_n: int, num_sms: int) -> int:
-    """Split count of the top-k list, a function of shapes only (so results never depend on slot placement).
-
-    Cost model: programs run in waves of `num_sms · per_sm` (one 64-head program fills an SM's shared
-    memory); time ∝ waves · tiles per split. Splitting only pays when it removes idle SMs, and every split
-    beyond one costs a combine pass over fp32 partials, so the smallest split count of least cost wins.
-    """
-    tiles = top_k // block_n
-    programs = batch * (num_heads // block_h)
-    per_sm = 1 if block_h >= 64 else 2
-    slots = num_sms * per_sm
-    best, best_cost = 1, math.inf
-    for s in range(1, tiles + 1):
-        if tiles % s:
-            continue
-        cost = math.ceil(programs * s / slots) * (tiles // s)
-        if s > 1:
-            cost = cost * 1.1 + 1  # fp32 partials written and read back by the combine kernel
-        if cost < best_cost:
-            best, best_cost = s, cost
-    return best
-
-
 def sparse_mla_decode_triton(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -262,7 +240,8 @@ def sparse_mla_decode_triton(
     config: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. `config` overrides the block sizes (benchmarks try alternatives); "WIDE": 1
-    selects, for float rows, the variant that treats the 512 latent dims as one tile."""
+    selects, for float rows, the variant that treats the 512 latent dims as one tile; "SPLITS": n forces the
+    split count (the split sweep of the benchmark)."""
     if q.dim() != 3 or q.shape[2] != D_QK or indices.dim() != 2 or indices.shape[0] != q.shape[0]:
         raise ValueError(f"expected q [B, H, 576] and indices [B, K], got {tuple(q.shape)}, {tuple(indices.shape)}")
     batch, num_heads, _ = q.shape
@@ -286,7 +265,9 @@ def sparse_mla_decode_triton(
         indices = indices.contiguous()
     device = q.device
     num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 132  # 132: Triton's CPU interpreter
-    splits = choose_splits(batch, num_heads, top_k, block_h, block_n, num_sms)
+    splits = cfg.get("SPLITS") or choose_splits(batch, num_heads, top_k, block_h, block_n, num_sms, fp8)
+    if (top_k // block_n) % splits:
+        raise ValueError(f"SPLITS={splits} must divide the {top_k // block_n} tiles of the top-k list")
     out = torch.empty((batch, num_heads, D_V), dtype=q.dtype, device=device)
     lse = torch.empty((batch, num_heads), dtype=torch.float32, device=device)
     if batch == 0:

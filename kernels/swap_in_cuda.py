@@ -22,9 +22,38 @@ def swap_in_cuda(
     device_pool: torch.Tensor,
     num_recent: int,
     counters: torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """See kernels/swap_in_ref.py. All tensors on the device pool's GPU except the host pool, which must be
-    pinned (or on that GPU). Asynchronous on the current stream."""
+    pinned (or on that GPU). Asynchronous on the current stream.
+
+    `check=False` skips the Python argument checks (ValueErrors with clear messages; ~5 µs of host time per call,
+    measured in docs/benchmarks.md) for a caller that already passed the same tables and pools with checks, as
+    the HiSparse backend does for every batch shape after its first; the extension keeps its own checks."""
+    if check:
+        _check_args(
+            top_k_tokens, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
+            device_pool, num_recent, counters,
+        )
+    return load_extension().swap_in(
+        top_k_tokens, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool, device_pool,
+        int(num_recent), counters,
+    )
+
+
+def _check_args(
+    top_k_tokens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_rows: torch.Tensor,
+    buffer_slots: torch.Tensor,
+    buffer_tokens: torch.Tensor,
+    lru_order: torch.Tensor,
+    host_rows: torch.Tensor,
+    host_pool: torch.Tensor,
+    device_pool: torch.Tensor,
+    num_recent: int,
+    counters: torch.Tensor | None,
+) -> None:
     check_swap_in_args(
         top_k_tokens, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
         device_pool, num_recent, counters,
@@ -38,7 +67,3 @@ def swap_in_cuda(
         raise ValueError("host_pool must be pinned host memory (the GPU reads it directly through UVA)")
     if counters is not None and counters.device != device:
         raise ValueError(f"counters must be on {device}")
-    return load_extension().swap_in(
-        top_k_tokens, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool, device_pool,
-        int(num_recent), counters,
-    )

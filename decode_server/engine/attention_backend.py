@@ -24,6 +24,10 @@ from decode_server.engine.forward_context import ForwardBatch
 class AttentionBackend(ABC):
     """Owns (or references) the KV memory that the model reads and writes through the forward context."""
 
+    # Sparse MLA kernel on CUDA ("triton" or "flashmla", see kernels.sparse_mla_decode); the engine sets it from
+    # --attention-backend. Dense and HiSparse get the same value, so both modes run the same kernel.
+    attention_kernel: str = "triton"
+
     def begin_forward(self, batch: ForwardBatch) -> None:  # noqa: B027 - optional hook
         """Called once before the first layer (e.g. to compute physical row tables for the batch)."""
 

@@ -93,6 +93,8 @@ class Engine:
         if self.context_length <= 0:
             raise ValueError("context length unknown: set context_length")
         self.kv = kv_manager if kv_manager is not None else self._build_kv_manager()
+        self.attention_kernel = resolve_attention_kernel(config.attention_backend, self.device)
+        self.kv.backend.attention_kernel = self.attention_kernel
         self.scheduler = Scheduler(self.kv, config.max_running_requests, config.chunked_prefill_size)
         self.sampler = Sampler()
         self.eos_token_ids = _eos_ids(model_config, tokenizer)
@@ -258,8 +260,10 @@ class Engine:
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         with forward_context(fb, self.kv.backend):
             hidden = self.model.forward(input_ids, fb.positions)
-        pick = [i for i, s in enumerate(batch.sampled) if s]
-        last = fb.last_token_indices[torch.tensor(pick, dtype=torch.int64, device=self.device)]
+        if fb.is_decode and all(batch.sampled):
+            return self.model.compute_logits(hidden)  # one token per request, every one sampled: no gather
+        pick = torch.tensor([i for i, s in enumerate(batch.sampled) if s], dtype=torch.int64)
+        last = fb.last_token_indices[pick.to(self.device, non_blocking=True)]
         return self.model.compute_logits(hidden[last])
 
     def _append_token(self, req: Request, token: int, logprob: Any) -> RequestDelta:
@@ -312,6 +316,23 @@ class Engine:
     def is_idle_and_empty(self) -> bool:
         """No request anywhere and every pool back to zero (tests assert it)."""
         return not self._requests and not self.scheduler.has_work() and self.kv.is_empty()
+
+
+def resolve_attention_kernel(name: str, device: torch.device) -> str:
+    """--attention-backend → the sparse MLA kernel the backends pass to `kernels.sparse_mla_decode`.
+
+    "auto": FlashMLA on a Hopper GPU where the `sgl-flash-mla` wheel imports, Triton otherwise (off CUDA the
+    kernels run their PyTorch reference whatever the name). "flashmla" without FlashMLA is a configuration error.
+    """
+    from kernels.sparse_mla_flashmla import flashmla_available
+
+    available = device.type == "cuda" and flashmla_available(device)
+    if name == "auto":
+        return "flashmla" if available else "triton"
+    if name == "flashmla" and not available:
+        raise ValueError("--attention-backend flashmla needs a Hopper GPU and the sgl-flash-mla wheel "
+                         "(pip install 'hisparse-decode-server[flashmla]')")
+    return name
 
 
 def _load(model_path: str, device: torch.device, dtype: torch.dtype, tokenizer: Any) -> tuple[Any, Any, Any]:

@@ -95,7 +95,9 @@ class RequestTokenTable:
         slots = (torch.tensor(pages, dtype=torch.int32).unsqueeze(1) * ps + offsets).flatten()
         start = start_page * ps
         end = min(start + slots.numel(), self.max_context)
-        self.table[req_row, start:end] = slots[: end - start].to(self.table.device)
+        # Asynchronous copy (pageable source: CUDA stages it before returning), so a decode step that grows a
+        # request by a page does not wait for the GPU.
+        self.table[req_row, start:end] = slots[: end - start].to(self.table.device, non_blocking=True)
 
     def release(self, req_row: int) -> None:
         """Return every page of `req_row` and unmap its row."""

@@ -73,7 +73,14 @@ class Sampler:
         tokens: list[int] = []
         logprobs: list[TokenLogprob | None] = []
         greedy = [i for i, p in enumerate(params) if is_greedy(p)]
-        greedy_ids = torch.argmax(logits[greedy], dim=-1).tolist() if greedy else []
+        # The one host sync of a decode step is reading these ids; the rows are picked on the device first.
+        if len(greedy) == len(params):
+            greedy_ids = torch.argmax(logits, dim=-1).tolist()
+        elif greedy:
+            rows = torch.tensor(greedy, dtype=torch.int64).to(logits.device, non_blocking=True)
+            greedy_ids = torch.argmax(logits[rows], dim=-1).tolist()
+        else:
+            greedy_ids = []
         greedy_of = dict(zip(greedy, greedy_ids, strict=True))
         for i, p in enumerate(params):
             tok = greedy_of[i] if i in greedy_of else sample_one(logits[i], p, generators[i])

@@ -38,6 +38,18 @@ class HiSparseBackend(AttentionBackend):
         self._new_slots: torch.Tensor | None = None  # decode: device slot of each new token
         self._new_host_rows: torch.Tensor | None = None  # decode: host row of each new token
         self._extend_host_rows_cpu: torch.Tensor | None = None  # prefill: host rows of the new tokens
+        self._seq_lens: torch.Tensor | None = None  # decode: seq_lens of the batch, made once per forward
+        # Per-layer views of the pools and tables, made once: indexing them per call costs host time in the
+        # swap-in's critical path (one call per layer per step).
+        bufs = coordinator.buffers
+        self._layer_args = [
+            (bufs.buffer_tokens[layer], bufs.lru_order[layer], coordinator.host.kv[layer], bufs.kv[layer],
+             coordinator.counters.swap[layer], attention_rows(bufs.kv[layer], coordinator.kv_dtype))
+            for layer in range(coordinator.layout.num_layers)
+        ]
+        # (layer, batch, top-k) shapes the swap-in already checked with these tables and pools: later calls skip
+        # the Python argument checks (host time per call, docs/kernels.md).
+        self._checked_swaps: set[tuple[int, int, int]] = set()
 
     # -- per forward --
     def begin_forward(self, batch: ForwardBatch) -> None:
@@ -55,6 +67,7 @@ class HiSparseBackend(AttentionBackend):
                                                                         strict=True)]
             self._new_slots = torch.tensor(slots, dtype=torch.int64).to(co.device, non_blocking=True)
             self._new_host_rows = host_rows
+            self._seq_lens = batch.seq_lens
         else:
             self._extend_host_rows_cpu = host_rows.cpu()
 
@@ -65,7 +78,7 @@ class HiSparseBackend(AttentionBackend):
         finally:
             self._batch = None
             self._query_rows = self._index_rows = None
-            self._new_slots = self._new_host_rows = self._extend_host_rows_cpu = None
+            self._new_slots = self._new_host_rows = self._extend_host_rows_cpu = self._seq_lens = None
 
     def _backup(self, slots: torch.Tensor, host_rows: torch.Tensor) -> None:
         co = self.co
@@ -125,13 +138,19 @@ class HiSparseBackend(AttentionBackend):
         batch = self._current()
         co = self.co
         bufs = co.buffers
+        buffer_tokens, lru_order, host_kv, device_kv, counters, rows = self._layer_args[layer_id]
+        if topk_positions.dtype != torch.int32 or not topk_positions.is_contiguous():
+            topk_positions = topk_positions.to(torch.int32).contiguous()
+        shape = (layer_id, *topk_positions.shape)
+        checked = shape in self._checked_swaps
         slots = ops.swap_in(
-            topk_positions.to(torch.int32).contiguous(), batch.seq_lens, batch.req_rows, bufs.buffer_slots,
-            bufs.buffer_tokens[layer_id], bufs.lru_order[layer_id], co.host.rows.table, co.host.kv[layer_id],
-            bufs.kv[layer_id], bufs.num_recent, co.counters.swap[layer_id],
+            topk_positions, self._seq_lens, batch.req_rows, bufs.buffer_slots, buffer_tokens, lru_order,
+            co.host.rows.table, host_kv, device_kv, bufs.num_recent, counters, check=not checked,
         )
-        return ops.sparse_attention(q, attention_rows(bufs.kv[layer_id], co.kv_dtype), slots, softmax_scale,
-                                    co.kv_lora_rank, co.reference_kernels)
+        if not checked:
+            self._checked_swaps.add(shape)
+        return ops.sparse_attention(q, rows, slots, softmax_scale, co.kv_lora_rank, co.reference_kernels,
+                                    self.attention_kernel)
 
     def _extend_attention(
         self, layer_id: int, q: torch.Tensor, topk_positions: torch.Tensor, softmax_scale: float
@@ -151,4 +170,4 @@ class HiSparseBackend(AttentionBackend):
         local = inverse - 1 if has_pad else inverse
         local = torch.where(valid, local, torch.full_like(local, -1)).to(torch.int32)
         return ops.sparse_attention(q, attention_rows(scratch, co.kv_dtype), local, softmax_scale, co.kv_lora_rank,
-                                    co.reference_kernels)
+                                    co.reference_kernels, self.attention_kernel)

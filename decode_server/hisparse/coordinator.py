@@ -112,7 +112,8 @@ class HiSparseCoordinator(KVManager):
     def _wait_backup_on_host(self) -> None:
         """Before freeing rows the CPU may hand out again, the backup reading them must be done."""
         if self._pending_backup is not None:
-            self._pending_backup.synchronize()
+            if not self._pending_backup.query():  # usually done by now: no host wait then
+                self._pending_backup.synchronize()
             self._pending_backup = None
 
     # -- budgets --

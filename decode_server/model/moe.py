@@ -44,6 +44,15 @@ def route_tokens(
     return weights * routed_scaling_factor, expert_ids
 
 
+def expert_end_offsets(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """End offset of each expert's run in expert ids sorted ascending ([E] int32, = cumsum of the counts).
+
+    A sorted search with a fixed-size output stays on the device; `torch.bincount` would read the ids' max on
+    the host first (a sync per MoE layer on CUDA)."""
+    experts = torch.arange(num_experts, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    return torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+
+
 class MoEGate(nn.Module):
     """Router weights (kept in float32) and the per-expert selection bias."""
 
@@ -66,8 +75,9 @@ class MoE(nn.Module):
     """Routed experts + shared experts.
 
     On CUDA the routed experts run as three grouped GEMMs over the tokens sorted by expert (`torch._grouped_mm`
-    with offsets computed on the device), so a forward never waits for the GPU to learn how many tokens each
-    expert got; the per-token results are summed in a fixed order (no atomics), so the output is deterministic.
+    with offsets found on the device by a sorted search, `expert_end_offsets`), so a forward never waits for the
+    GPU to learn how many tokens each expert got; the per-token results are summed in a fixed order (no
+    atomics), so the output is deterministic.
     Elsewhere (CPU) a loop over the experts that received tokens, with one host sync per call.
     """
 
@@ -124,9 +134,8 @@ class MoE(nn.Module):
     def routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         gate_w, up_w, down_w = self.stacked_weights()
         num_tokens, top_k = expert_ids.shape
-        flat_ids = expert_ids.flatten()
-        order = torch.argsort(flat_ids, stable=True)
-        offsets = torch.cumsum(torch.bincount(flat_ids, minlength=self.num_experts), 0).to(torch.int32)
+        sorted_ids, order = torch.sort(expert_ids.flatten(), stable=True)
+        offsets = expert_end_offsets(sorted_ids, self.num_experts)
         xs = x[order // top_k]
         # grouped_mm(a [M, K], b [E, K, N]): the transposed views make each expert's weight column-major.
         hidden = F.silu(torch._grouped_mm(xs, gate_w.transpose(1, 2), offs=offsets))

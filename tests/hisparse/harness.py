@@ -37,7 +37,7 @@ class RunResult:
 def make_engine(
     tiny, *, hisparse: bool, device: str = "cpu", device_budget: int | None = 64 << 20,
     host_budget: int | None = None, buffer_size: int = TOP_K, num_recent: int = 2, max_running: int = 8,
-    chunk: int = 64, max_queued: int = 1024, kv_cache_dtype: str = "auto",
+    chunk: int = 64, max_queued: int = 1024, kv_cache_dtype: str = "auto", attention_backend: str = "auto",
 ) -> Engine:
     model, model_config, tokenizer = tiny
     cfg = EngineConfig(
@@ -45,6 +45,7 @@ def make_engine(
         hisparse=HiSparseConfig(device_buffer_size=buffer_size, num_recent_slots=num_recent),
         device_kv_budget_bytes=device_budget, host_kv_budget_bytes=host_budget,
         max_running_requests=max_running, max_queued_requests=max_queued, kv_cache_dtype=kv_cache_dtype,
+        attention_backend=attention_backend,
     )
     return Engine(cfg, model=model, model_config=model_config, tokenizer=tokenizer)
 

@@ -69,3 +69,16 @@ def test_moe_forward_equals_loop_over_experts() -> None:
         want[t] += (F.silu(x[t] @ shared.gate_proj.weight.T) * (x[t] @ shared.up_proj.weight.T)) @ shared.down_proj.weight.T
     torch.testing.assert_close(moe(x), want, rtol=1e-10, atol=1e-10)
     assert len(set(ids.flatten().tolist())) > 2  # the test exercises several experts
+
+
+def test_expert_end_offsets_equal_bincount_cumsum():
+    """The grouped-GEMM offsets (device-side sorted search, no host sync) equal cumsum(bincount), empty experts
+    and experts past the largest id included."""
+    from decode_server.model.moe import expert_end_offsets
+
+    gen = torch.Generator().manual_seed(0)
+    for num_experts, n in ((8, 1), (8, 37), (256, 2000), (16, 0)):
+        ids = torch.randint(0, max(1, num_experts - 3), (n,), generator=gen)
+        expect = torch.cumsum(torch.bincount(ids, minlength=num_experts), 0).to(torch.int32)
+        got = expert_end_offsets(torch.sort(ids, stable=True).values, num_experts)
+        assert torch.equal(got, expect)

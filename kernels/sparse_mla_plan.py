@@ -1,0 +1,77 @@
+"""Launch planning of the sparse MLA decode that needs no GPU: the split count of the Triton kernel.
+
+Kept apart from kernels/sparse_mla_triton.py so that it imports (and is tested) without Triton.
+"""
+
+from __future__ import annotations
+
+import math
+
+D_V = 512
+
+# Cost-model constants for `choose_splits` (H200, Triton 3.6), fitted to the split sweep of
+# benchmarks/bench_sparse_mla.py --splits (H 64 and 128, B 1…256, both row formats; docs/benchmarks.md): µs per
+# BLOCK_N = 64 tile of one 64-head program (bf16 rows, FP8 rows), fixed µs per program (q load, epilogue),
+# effective bandwidth of the fp32 partial outputs (written by the split programs, read back by the combine kernel;
+# partly from L2), and the combine launch.
+_TILE_US = {False: 4.2, True: 9.5}
+_PROGRAM_US = 2.0
+_PARTIAL_BYTES_PER_US = 4.0e6
+_COMBINE_US = 4.0
+
+
+def split_cost_us(batch: int, num_heads: int, top_k: int, block_h: int, block_n: int, num_sms: int, fp8: bool,
+                  splits: int) -> float:
+    """Modelled time of one call with `splits` splits of the top-k list.
+
+    Programs run in waves of `num_sms · per_sm` (a 64-head program fills an SM's shared memory); a program
+    streams `top_k / splits / block_n` tiles. Splitting fills idle SMs but every split beyond one writes an fp32
+    partial output [block_h, 512] that the combine kernel reads back, plus the combine launch: at large batch
+    this traffic (2 · B · H · splits · 2 KiB) costs more than the tiles it parallelizes.
+    """
+    tiles = top_k // block_n
+    programs = batch * (num_heads // block_h) * splits
+    per_sm = 1 if block_h >= 64 else 2
+    waves = math.ceil(programs / (num_sms * per_sm))
+    tile_us = _TILE_US[fp8] * block_h / 64 * block_n / 64
+    cost = waves * (tiles // splits * tile_us + _PROGRAM_US)
+    if splits > 1:
+        cost += 2 * batch * num_heads * splits * D_V * 4 / _PARTIAL_BYTES_PER_US + _COMBINE_US
+    return cost
+
+
+def choose_splits(batch: int, num_heads: int, top_k: int, block_h: int, block_n: int, num_sms: int,
+                  fp8: bool = False) -> int:
+    """Split count of the top-k list, a function of shapes only (so results never depend on slot placement):
+    the divisor of the tile count with the least `split_cost_us` (the smallest on ties)."""
+    tiles = top_k // block_n
+    programs_per_split = batch * (num_heads // block_h)
+    if fp8 and block_h >= 64 and programs_per_split * tiles <= 2 * num_sms:
+        # Measured (docs/benchmarks.md, split sweep): with FP8 rows, two waves of one-tile programs beat one wave
+        # of two-tile programs (e.g. 6 programs per split: 34.0–34.4 µs at 32 splits vs 36.1–37.1 at 16), which
+        # the wave model prices the other way round; so while every tile as its own split fits in two waves,
+        # split all the way.
+        return tiles
+    best, best_cost = 1, math.inf
+    for s in range(1, tiles + 1):
+        if tiles % s:
+            continue
+        cost = split_cost_us(batch, num_heads, top_k, block_h, block_n, num_sms, fp8, s)
+        if cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+# Smallest batch from which FlashMLA beats the Triton kernel, per (heads, FP8 rows), measured on the H200 with
+# K = 2048 (benchmarks/bench_sparse_mla.py --flashmla, docs/benchmarks.md; Triton µs vs FlashMLA µs): bf16 H128
+# B 16: 56 vs 64, B 20: 89 vs 65; bf16 H64 B 32: 58 vs 67, B 40: 92 vs 68; FP8 H128 B 1: 19.6 vs 20.6, B 2: 21.6
+# vs 19.6; FP8 H64 B 3: 21.1 vs 22.2, B 4: 23.2 vs 21.1. FlashMLA's bf16 kernel is its sparse prefill kernel:
+# ~57 µs even for one query.
+FLASHMLA_MIN_BATCH: dict[tuple[int, bool], int] = {(128, True): 2, (128, False): 20, (64, True): 4, (64, False): 40}
+
+
+def prefer_flashmla(batch: int, num_heads: int, fp8: bool) -> bool:
+    """Whether the `flashmla` attention backend runs FlashMLA (rather than Triton) for this launch shape. Depends
+    only on shapes, so dense and HiSparse (same batch) always pick the same kernel."""
+    threshold = FLASHMLA_MIN_BATCH.get((num_heads, fp8))
+    return threshold is not None and batch >= threshold

@@ -1,0 +1,35 @@
+"""Launch planning of the sparse MLA decode (no GPU needed): the split cost model and the per-shape choice
+between FlashMLA and Triton."""
+
+from __future__ import annotations
+
+from kernels.sparse_mla_plan import FLASHMLA_MIN_BATCH, choose_splits, prefer_flashmla, split_cost_us
+
+
+def test_choose_splits_divides_the_tiles_and_picks_the_least_cost() -> None:
+    for fp8 in (False, True):
+        for heads, block_h in ((128, 64), (64, 64), (16, 16)):
+            for batch in (1, 3, 16, 64, 237, 256):
+                s = choose_splits(batch, heads, 2048, block_h, 64, 132, fp8)
+                assert 32 % s == 0
+                if fp8 and block_h == 64 and batch * heads // 64 * 32 <= 2 * 132:
+                    assert s == 32  # the measured FP8 rule: every tile its own split while that fits in 2 waves
+                    continue
+                costs = {d: split_cost_us(batch, heads, 2048, block_h, 64, 132, fp8, d) for d in (1, 2, 4, 8, 16, 32)}
+                assert costs[s] == min(costs.values())
+
+
+def test_partial_output_traffic_keeps_large_batches_unsplit() -> None:
+    """Issue 13: the old model split a batch of 237 (and 50) 32 ways; the fp32 partials it wrote and read back
+    cost more than the idle SMs they filled."""
+    for fp8 in (False, True):
+        assert choose_splits(237, 128, 2048, 64, 64, 132, fp8) == 1
+        assert choose_splits(256, 128, 2048, 64, 64, 132, fp8) == 1
+        assert choose_splits(1, 128, 2048, 64, 64, 132, fp8) == 32  # one request: fill the GPU
+
+
+def test_prefer_flashmla_only_where_measured_faster() -> None:
+    for (heads, fp8), threshold in FLASHMLA_MIN_BATCH.items():
+        assert not prefer_flashmla(threshold - 1, heads, fp8)
+        assert prefer_flashmla(threshold, heads, fp8) and prefer_flashmla(512, heads, fp8)
+    assert not prefer_flashmla(256, 16, False)  # FlashMLA takes 64 or 128 heads only
