@@ -74,7 +74,7 @@ def describe_engine(engine: Any, config: EngineConfig) -> dict[str, Any]:
         "max_running_requests": config.max_running_requests,
         "max_queued_requests": config.max_queued_requests,
     }
-    for attr in ("context_length", "device", "kv_dtype", "model_dtype"):
+    for attr in ("context_length", "max_request_tokens", "device", "kv_dtype", "model_dtype"):
         value = getattr(engine, attr, None)
         if value is not None:
             info[attr] = value if isinstance(value, int | float | str | bool) else str(value)

@@ -93,9 +93,11 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         await client.shutdown("start-up failed", timeout_s=5)
         raise
     served = server_config.served_model_name or engine_config.model_path
+    context_length = int(info.get("context_length") or engine_config.context_length or 0)
     model = ModelInfo(
         served_model_name=served,
-        context_length=int(info.get("context_length") or engine_config.context_length or 0),
+        context_length=context_length,
+        max_request_tokens=int(info.get("max_request_tokens") or context_length),
         vocab_size=int(info.get("vocab_size") or tokenizer.vocab_size),
         accepted_names=frozenset({served, engine_config.model_path}),
     )

@@ -45,7 +45,12 @@ from decode_server.api.protocol import (
 from decode_server.api.sse import DONE_FRAME, SSE_HEADERS, sse_frame
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.engine.types import TokenLogprob
-from decode_server.errors import ContextLengthExceededError, DecodeServerError, InvalidRequestError
+from decode_server.errors import (
+    CapacityError,
+    ContextLengthExceededError,
+    DecodeServerError,
+    InvalidRequestError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,8 @@ class ModelInfo:
     context_length: int
     vocab_size: int
     accepted_names: frozenset[str]
+    # The most tokens (prompt + max_tokens - 1) the KV cache can hold for one request (≤ context length).
+    max_request_tokens: int = 0
 
 
 class OpenAIServing:
@@ -150,8 +157,18 @@ class OpenAIServing:
             )
 
     def _max_tokens(self, requested: int | None, prompt_len: int, default: int | None) -> int:
+        """The request's max_tokens. Left out, it is `default`, or (chat) "until EOS or the end of the context";
+        either way no more than the whole KV cache can hold for this prompt (as SGLang clamps it). Given, it must
+        fit the context length (400 otherwise; the engine refuses one the cache could never hold)."""
         room = self.model.context_length - prompt_len
         if requested is None:
+            cache_room = (self.model.max_request_tokens or self.model.context_length) + 1 - prompt_len
+            if cache_room < 1:
+                raise CapacityError(
+                    f"the prompt has {prompt_len} tokens; the KV cache holds at most "
+                    f"{self.model.max_request_tokens} tokens for one request", param="messages",
+                )
+            room = min(room, cache_room)
             return room if default is None else min(default, room)
         if prompt_len + requested > self.model.context_length:
             raise ContextLengthExceededError(
