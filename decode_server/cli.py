@@ -102,6 +102,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="bound of the waiting queue; beyond it requests get 503 + Retry-After",
     )
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)  # fmt: skip
+    g.add_argument(
+        "--watchdog-timeout",
+        type=float,
+        default=d.watchdog_timeout,
+        help="seconds: an engine step (or engine silence) longer than this ends the engine and the server",
+    )
 
 
 def _add_disaggregation_args(p: argparse.ArgumentParser) -> None:
@@ -165,6 +171,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests,
         chunked_prefill_size=args.chunked_prefill_size,
+        watchdog_timeout=args.watchdog_timeout,
     )
 
 
@@ -175,6 +182,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         log_level=args.log_level,
+        engine_heartbeat_timeout=args.engine_heartbeat_timeout,
     )
 
 
@@ -195,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--served-model-name", default=None, help="model id in the API (default: --model-path)")
     g.add_argument("--log-level", default=s.log_level, choices=["debug", "info", "warning", "error"])
+    g.add_argument(
+        "--engine-heartbeat-timeout",
+        type=float,
+        default=s.engine_heartbeat_timeout,
+        help="seconds without an engine heartbeat before /health answers 503 and in-flight requests fail",
+    )
     _add_disaggregation_args(serve)
 
     gen = sub.add_parser("generate", help="generate offline, in this process (no server)")

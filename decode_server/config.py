@@ -102,6 +102,10 @@ class EngineConfig(BaseModel):
     chunked_prefill_size: int = Field(default=2048, ge=1)
     context_length: int | None = Field(default=None, ge=1)
 
+    # SGLang's --watchdog-timeout: an engine step running longer than this ends the engine process (the server
+    # then exits non-zero, so an orchestrator restarts it).
+    watchdog_timeout: float = Field(default=300.0, gt=0)
+
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
 
     @field_validator("model_path")
@@ -136,3 +140,6 @@ class ServerConfig(BaseModel):
     api_key: str | None = None
     served_model_name: str | None = None
     log_level: str = "info"
+    # Seconds without a heartbeat from the engine process before /health answers 503 and in-flight requests fail;
+    # after `EngineConfig.watchdog_timeout` seconds of silence the api process kills the engine and exits.
+    engine_heartbeat_timeout: float = Field(default=10.0, gt=0)

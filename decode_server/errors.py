@@ -44,6 +44,17 @@ class EngineDeadError(DecodeServerError):
     error_type = "engine_unavailable"
 
 
+class EngineNotRespondingError(EngineDeadError):
+    """The engine process sends no heartbeat (stopped, or hung with every thread blocked)."""
+
+
+class TokenizerUnavailableError(DecodeServerError):
+    """A tokenizer worker process died while encoding; the pool is restarted and the client may retry."""
+
+    status_code = 503
+    error_type = "tokenizer_unavailable"
+
+
 class AuthenticationError(DecodeServerError):
     status_code = 401
     error_type = "authentication_error"

@@ -15,6 +15,7 @@ from decode_server.api.auth import ApiKeyMiddleware
 from decode_server.api.engine_client import EngineClient
 from decode_server.api.errors import error_body, install_error_handlers
 from decode_server.api.generation import ChoiceSpec, GenerationGroup
+from decode_server.api.limits import BodyLimitMiddleware, RejectionCounterMiddleware
 from decode_server.api.metrics import ServerMetrics
 from decode_server.api.protocol import (
     AbortRequestBody,
@@ -28,8 +29,11 @@ from decode_server.api.protocol import (
     random_id,
 )
 from decode_server.api.serving import ModelInfo, OpenAIServing
+from decode_server.api.tokenization import TokenizerPool
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.errors import DecodeServerError, EngineDeadError, InvalidRequestError
+
+BUSY_STEP_S = 1.0  # /health reports "busy" while one engine step has run this long
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,7 @@ class ServerContext:
     metrics: ServerMetrics
     engine_info: dict[str, Any] = field(default_factory=dict)
     api_key: str | None = None
+    tokenizer_pool: TokenizerPool | None = None
 
 
 def create_app(ctx: ServerContext) -> FastAPI:
@@ -67,7 +72,9 @@ def create_app(ctx: ServerContext) -> FastAPI:
     install_error_handlers(app)
     if ctx.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=ctx.api_key)
-    serving = OpenAIServing(ctx.client, ctx.tokenizer, ctx.metrics, ctx.model)
+    app.add_middleware(BodyLimitMiddleware)
+    app.add_middleware(RejectionCounterMiddleware, metrics=ctx.metrics)  # outermost: sees every refusal
+    serving = OpenAIServing(ctx.client, ctx.tokenizer, ctx.metrics, ctx.model, ctx.tokenizer_pool)
     app.state.ctx = ctx
     app.state.serving = serving
 
@@ -90,11 +97,25 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/health", responses={503: _ERRORS[503]})
     async def health() -> Response:
-        """Liveness: 200 while the engine process runs; 503 once it died or the server is stopping."""
-        if ctx.client.dead or ctx.client.closing:
-            reason = "engine process died" if ctx.client.dead else "server shutting down"
+        """Liveness: 200 `{"status": "ok", "engine": "running" | "busy", ...}` while the engine process runs and
+        sends heartbeats ("busy": one step has run for over a second); 503 with an OpenAI-style error once it
+        died, stopped answering for the heartbeat timeout, or the server is stopping."""
+        client = ctx.client
+        if client.dead or client.closing or client.unresponsive:
+            if client.dead:
+                reason = f"engine process died ({client.death_reason})"
+            elif client.closing:
+                reason = "server shutting down"
+            else:
+                reason = f"engine process not responding (no heartbeat for {client.silence_s():.1f} s)"
             return JSONResponse(error_body(reason, "engine_unavailable", 503), status_code=503)
-        return Response(status_code=200)
+        return JSONResponse({
+            "status": "ok",
+            "engine": "busy" if client.step_running_s >= BUSY_STEP_S else "running",
+            "engine_pid": client.pid,
+            "last_heartbeat_s": round(client.silence_s(), 3),
+            "step_running_s": round(client.step_running_s, 3),
+        })
 
     @app.get("/health_generate", responses={503: _ERRORS[503]})
     async def health_generate() -> Response:
@@ -105,28 +126,27 @@ def create_app(ctx: ServerContext) -> FastAPI:
                 await ctx.client.get_stats(STATS_TIMEOUT_S)
             except (TimeoutError, DecodeServerError) as exc:
                 return JSONResponse(error_body(f"engine not responding: {exc}", "engine_unavailable", 503), 503)
-            return Response(status_code=200)
+            return JSONResponse({"status": "ok"})
         ids = ctx.tokenizer.encode("Hello") or [0]
         spec = ChoiceSpec(index=0, prompt_token_ids=ids[: max(1, ctx.model.context_length - 1)],
                           params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))  # fmt: skip
         group = GenerationGroup(ctx.client, ctx.metrics, random_id("health"), [spec])
-        try:
+
+        async def generate_one() -> None:
             await group.submit()
+            async for _ in group.events():
+                pass
 
-            async def drain() -> None:
-                async for _ in group.events():
-                    pass
-
-            await asyncio.wait_for(drain(), HEALTH_GENERATE_TIMEOUT_S)
+        try:
+            await asyncio.wait_for(generate_one(), HEALTH_GENERATE_TIMEOUT_S)
         except TimeoutError:
-            group.abort_unfinished("health check timed out")
             return JSONResponse(error_body("health generation timed out", "engine_unavailable", 503), 503)
         except DecodeServerError as exc:
             status = exc.status_code if exc.status_code >= 500 else 503
             return JSONResponse(error_body(exc.message, exc.error_type, status), status_code=status)
         finally:
             group.abort_unfinished("health check ended")
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
@@ -180,11 +200,10 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
 
 async def _counted(ctx: ServerContext, handler: Any) -> Any:
-    """Run a generation handler, counting refusals by status for `sglang:num_rejected_requests`."""
+    """Run a generation handler (refusals are counted by `RejectionCounterMiddleware`; a dead engine is logged)."""
     try:
         return await handler
     except DecodeServerError as exc:
-        ctx.metrics.on_rejected(exc.status_code)
         if isinstance(exc, EngineDeadError):
             logger.error("refused a request: %s", exc.message)
         raise

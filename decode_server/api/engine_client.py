@@ -34,6 +34,7 @@ from decode_server.api.messages import (
     DeltasMsg,
     FatalMsg,
     GenerateMsg,
+    HeartbeatMsg,
     ReadyMsg,
     RejectedMsg,
     ShutdownMsg,
@@ -50,6 +51,7 @@ from decode_server.engine.types import EngineStats, RequestDelta
 from decode_server.errors import (
     DecodeServerError,
     EngineDeadError,
+    EngineNotRespondingError,
     QueueFullError,
     ServerShuttingDownError,
 )
@@ -85,6 +87,7 @@ class EngineClient:
         max_inflight: int | None = None,
         on_engine_death: Callable[[], None] | None = None,
         engine_factory: str | None = None,
+        heartbeat_timeout_s: float = 10.0,
     ) -> None:
         self.engine_config = engine_config
         self.engine_factory = engine_factory
@@ -97,6 +100,11 @@ class EngineClient:
         self.dead = False
         self.death_reason = ""
         self.closing = False
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.watchdog_timeout_s = engine_config.watchdog_timeout
+        self.last_heard = time.monotonic()  # any message from the engine
+        self.step_running_s = 0.0  # from the last heartbeat
+        self.unresponsive = False
         self._routes: dict[str, _Route] = {}
         self._accepts: dict[str, asyncio.Future[None]] = {}
         self._stats_queries: dict[int, asyncio.Future[EngineStats]] = {}
@@ -158,6 +166,7 @@ class EngineClient:
                 msg = decode_from_engine(await self._from_engine.recv())
                 if isinstance(msg, ReadyMsg):
                     self.engine_info = dict(msg.info)
+                    self.last_heard = time.monotonic()
                     break
                 if isinstance(msg, FatalMsg):
                     self._process.join(timeout=5)
@@ -260,8 +269,10 @@ class EngineClient:
             await self.abort(rid, reason)
         return len(rids)
 
-    def fail_all(self, error: DecodeServerError) -> None:
-        """End every waiting request with `error` (engine death, shutdown)."""
+    def fail_all(self, error: DecodeServerError, abort_in_engine: bool = False) -> None:
+        """End every waiting request with `error` (engine death, shutdown, unresponsive engine). With
+        `abort_in_engine` their aborts are queued for the engine, which frees them when it runs again."""
+        rids = list(self._routes) + [rid for rid in self._accepts if rid not in self._routes]
         for rid, route in list(self._routes.items()):
             route.queue.put_nowait(StreamEvent(route.index, error=error))
             self._routes.pop(rid, None)
@@ -269,6 +280,10 @@ class EngineClient:
             if not fut.done():
                 fut.set_exception(error)
         self._accepts.clear()
+        if abort_in_engine and not self.dead and not self._to_engine.closed:
+            for rid in rids:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._to_engine.send(encode(AbortMsg(rid)), flags=zmq.NOBLOCK)
         for fut in list(self._stats_queries.values()):
             if not fut.done():
                 fut.set_exception(error)
@@ -292,6 +307,15 @@ class EngineClient:
             )
         if self.closing:
             raise ServerShuttingDownError("server is shutting down; not accepting new requests")
+        if self.unresponsive:
+            raise EngineNotRespondingError(self._silence_message())
+
+    def silence_s(self) -> float:
+        return time.monotonic() - self.last_heard
+
+    def _silence_message(self) -> str:
+        return (f"engine process not responding (no heartbeat for {self.silence_s():.1f} s; it is restarted after "
+                f"{self.watchdog_timeout_s:.0f} s)")
 
     async def _send(self, msg: ToEngine) -> None:
         """Send without ever blocking on a vanished engine (a PUSH socket with no peer would wait forever)."""
@@ -307,6 +331,23 @@ class EngineClient:
 
     # ------------------------------------------------------------------------------------------ background
 
+    def _check_heartbeat(self) -> None:
+        if self.closing or self.dead or self._process is None:
+            return
+        silence = self.silence_s()
+        if silence > self.watchdog_timeout_s:
+            logger.error("engine process (pid %s) silent for %.0f s (watchdog timeout %.0f s): killing it",
+                         self._process.pid, silence, self.watchdog_timeout_s)  # fmt: skip
+            self.death_reason = f"killed by the watchdog after {silence:.0f} s without a heartbeat"
+            self._process.kill()
+            self._process.join(timeout=5)
+            return
+        if silence > self.heartbeat_timeout_s and not self.unresponsive:
+            self.unresponsive = True
+            logger.error("engine process (pid %s) silent for %.1f s; failing %d in-flight request(s)",
+                         self._process.pid, silence, len(self._routes))  # fmt: skip
+            self.fail_all(EngineNotRespondingError(self._silence_message()), abort_in_engine=True)
+
     async def _receive_loop(self) -> None:
         while True:
             try:
@@ -318,10 +359,16 @@ class EngineClient:
             except Exception:
                 logger.exception("dropping an engine message that could not be decoded")
                 continue
+            self.last_heard = time.monotonic()
             self._dispatch(msg)
 
     def _dispatch(self, msg: object) -> None:
-        if isinstance(msg, DeltasMsg):
+        if isinstance(msg, HeartbeatMsg):
+            self.step_running_s = msg.step_running_s
+            if self.unresponsive:
+                self.unresponsive = False
+                logger.warning("engine process responds again (heartbeat after a silence)")
+        elif isinstance(msg, DeltasMsg):
             for delta in msg.deltas:
                 route = self._routes.get(delta.rid)
                 if route is None:
@@ -351,6 +398,7 @@ class EngineClient:
         assert self._process is not None
         while self._process.is_alive():
             await asyncio.sleep(WATCHDOG_PERIOD_S)
+            self._check_heartbeat()
         if self.closing:
             return
         self.dead = True

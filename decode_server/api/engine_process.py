@@ -20,6 +20,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from typing import Any
 
 import zmq
@@ -30,6 +32,7 @@ from decode_server.api.messages import (
     DeltasMsg,
     FatalMsg,
     GenerateMsg,
+    HeartbeatMsg,
     ReadyMsg,
     RejectedMsg,
     ShutdownMsg,
@@ -45,6 +48,7 @@ logger = logging.getLogger("decode_server.engine_process")
 
 DEFAULT_ENGINE_FACTORY = "decode_server.engine.engine:Engine"
 IDLE_POLL_MS = 100
+HEARTBEAT_PERIOD_S = 0.5
 _PR_SET_PDEATHSIG = 1
 
 
@@ -77,7 +81,7 @@ def describe_engine(engine: Any, config: EngineConfig, role: Any = None) -> dict
     }
     if role is not None:
         info["disaggregation"] = role.describe()
-    for attr in ("context_length", "device", "kv_dtype", "model_dtype"):
+    for attr in ("context_length", "max_request_tokens", "device", "kv_dtype", "model_dtype"):
         value = getattr(engine, attr, None)
         if value is not None:
             info[attr] = value if isinstance(value, int | float | str | bool) else str(value)
@@ -133,9 +137,12 @@ class EngineLoop:
         self.parent_pid = parent_pid
         self.active: set[str] = set()
         self.stopping = False
+        self.num_loops = 0  # read by the heartbeat thread
+        self.step_started: float | None = None  # monotonic time the running step began; None between steps
 
     def run(self) -> None:
         while not self.stopping:
+            self.num_loops += 1
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 logger.warning("api process %d is gone; engine exiting", self.parent_pid)
                 return
@@ -148,7 +155,11 @@ class EngineLoop:
             if self.stopping:
                 break
             if self.role is not None or self.engine.has_unfinished_requests():
-                deltas = self.role.step() if self.role is not None else self.engine.step()
+                self.step_started = time.monotonic()
+                try:
+                    deltas = self.role.step() if self.role is not None else self.engine.step()
+                finally:
+                    self.step_started = None
                 if deltas:
                     for delta in deltas:
                         if delta.finished:
@@ -198,6 +209,41 @@ class EngineLoop:
             self.engine.abort_request(rid)
 
 
+class Heartbeat(threading.Thread):
+    """Reports loop progress to the api every `HEARTBEAT_PERIOD_S` on its own socket (ZMQ sockets are not
+    thread-safe), and ends the process when one step has run longer than `watchdog_timeout` (SGLang's watchdog):
+    a stuck step must not leave a pod that looks alive. SIGSTOP stops this thread too, so the api reads any
+    silence as "stopped or hung" and has its own watchdog for that case."""
+
+    def __init__(self, ctx: zmq.Context, address: str, loop: EngineLoop, watchdog_timeout: float) -> None:
+        super().__init__(name="engine-heartbeat", daemon=True)
+        self.socket = ctx.socket(zmq.PUSH)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, 16)
+        self.socket.connect(address)
+        self.loop = loop
+        self.watchdog_timeout = watchdog_timeout
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.stop.wait(HEARTBEAT_PERIOD_S):
+                started = self.loop.step_started
+                running = time.monotonic() - started if started is not None else 0.0
+                if running > self.watchdog_timeout:
+                    logger.error("engine step running for %.0f s (watchdog timeout %.0f s); exiting", running,
+                                 self.watchdog_timeout)  # fmt: skip
+                    with contextlib.suppress(zmq.ZMQError):
+                        self.socket.send(encode(FatalMsg(f"watchdog: one engine step ran for {running:.0f} s")),
+                                         zmq.NOBLOCK)  # fmt: skip
+                    time.sleep(0.2)
+                    os._exit(3)
+                with contextlib.suppress(zmq.ZMQError):
+                    self.socket.send(encode(HeartbeatMsg(os.getpid(), self.loop.num_loops, running)), zmq.NOBLOCK)
+        finally:
+            self.socket.close(linger=0)
+
+
 def run_engine_process(
     config: EngineConfig,
     to_engine_addr: str,
@@ -229,7 +275,14 @@ def run_engine_process(
 
             role = build_role(engine, config.disaggregation)
         push.send(encode(ReadyMsg(os.getpid(), describe_engine(engine, config, role))))
-        EngineLoop(engine, pull, push, parent_pid, role).run()
+        loop = EngineLoop(engine, pull, push, parent_pid, role)
+        heartbeat = Heartbeat(ctx, from_engine_addr, loop, config.watchdog_timeout)
+        heartbeat.start()
+        try:
+            loop.run()
+        finally:
+            heartbeat.stop.set()
+            heartbeat.join(timeout=2)
     except Exception as exc:
         logger.exception("engine process failed")
         with contextlib.suppress(zmq.ZMQError):

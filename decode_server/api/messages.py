@@ -1,7 +1,8 @@
 """Typed messages between the api process and the engine process, one family per direction, one codec.
 
 api → engine (`ToEngine`): `GenerateMsg`, `AbortMsg`, `StatsQueryMsg`, `ShutdownMsg`.
-engine → api (`FromEngine`): `ReadyMsg`, `AcceptedMsg`, `RejectedMsg`, `DeltasMsg`, `StatsMsg`, `FatalMsg`.
+engine → api (`FromEngine`): `ReadyMsg`, `AcceptedMsg`, `RejectedMsg`, `DeltasMsg`, `StatsMsg`, `FatalMsg`,
+`HeartbeatMsg`.
 
 The codec is pickle of these small dataclasses: both ends run the same code from the same installation, the
 sockets are local ipc paths inside a private temporary directory, and pickling keeps `SamplingParams`,
@@ -106,10 +107,22 @@ class FatalMsg:
     message: str
 
 
-FromEngine = ReadyMsg | AcceptedMsg | RejectedMsg | DeltasMsg | StatsMsg | FatalMsg
+@dataclass(frozen=True)
+class HeartbeatMsg:
+    """Sent by a thread of the engine process every `HEARTBEAT_PERIOD_S`, whatever the loop is doing.
+
+    `num_loops` counts loop iterations (progress); `step_running_s` is how long the current `Engine.step()` has
+    been running (0 between steps), so the api can tell "alive, in a long step" from "stopped" (no heartbeat)."""
+
+    pid: int
+    num_loops: int
+    step_running_s: float
+
+
+FromEngine = ReadyMsg | AcceptedMsg | RejectedMsg | DeltasMsg | StatsMsg | FatalMsg | HeartbeatMsg
 
 _TO_ENGINE = (GenerateMsg, AbortMsg, StatsQueryMsg, ShutdownMsg)
-_FROM_ENGINE = (ReadyMsg, AcceptedMsg, RejectedMsg, DeltasMsg, StatsMsg, FatalMsg)
+_FROM_ENGINE = (ReadyMsg, AcceptedMsg, RejectedMsg, DeltasMsg, StatsMsg, FatalMsg, HeartbeatMsg)
 
 # Every typed error in decode_server.errors keeps its class (and so its HTTP status) across the boundary.
 _ERRORS_BY_NAME: dict[str, type[DecodeServerError]] = {

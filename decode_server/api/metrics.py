@@ -213,8 +213,8 @@ class ServerMetrics:
             registry=self.registry,
         )  # fmt: skip
         self.rejected = Counter(
-            SGLANG + "num_rejected_requests", "requests refused, by HTTP status", ["model_name", "status"],
-            registry=self.registry,
+            SGLANG + "num_rejected_requests", "responses with an error status (>= 400), by status and error type",
+            ["model_name", "status", "reason"], registry=self.registry,
         )  # fmt: skip
         self.registry.register(_EngineStatsCollector(self))
 
@@ -233,8 +233,8 @@ class ServerMetrics:
         self.requests.labels(self.model_name, finish_reason).inc()
         self.e2e.labels(self.model_name).observe(e2e_seconds)
 
-    def on_rejected(self, status: int) -> None:
-        self.rejected.labels(self.model_name, str(status)).inc()
+    def on_rejected(self, status: int, reason: str = "unknown") -> None:
+        self.rejected.labels(self.model_name, str(status), reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

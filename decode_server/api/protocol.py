@@ -4,6 +4,10 @@ Requests are validated here (ranges, types) so that FastAPI rejects bad input wi
 tokenization; checks that need the model (context length, model name) live in `serving.py`. Unknown fields are
 accepted and ignored, as OpenAI-compatible servers do, so that newer clients keep working; fields we do not
 implement are declared and rejected with a clear message when set to a non-default value.
+
+Types are strict (`"stream": "yes"` or `"max_tokens": "5"` are 400, not coerced), and every string must be valid
+Unicode: JSON allows a lone UTF-16 surrogate (`"\ud800"`), which no tokenizer can encode, so it is refused with
+400 naming the parameter.
 """
 
 from __future__ import annotations
@@ -12,7 +16,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 MAX_N = 16  # choices per prompt: each choice is a separate engine request
 MAX_STOP_SEQUENCES = 16
@@ -23,8 +35,55 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """Where the first string holding a lone UTF-16 surrogate is in a parsed JSON value (None: nowhere).
+    Keys are checked too; a key in the returned path is written with backslash escapes."""
+    if isinstance(value, str):
+        return path if _has_surrogate(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            key_text = str(key)
+            sub = f"{path}.{_printable(key_text)}" if path else _printable(key_text)
+            if _has_surrogate(key_text):
+                return sub
+            found = lone_surrogate_path(item, sub)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = lone_surrogate_path(item, f"{path}.{i}" if path else str(i))
+            if found is not None:
+                return found
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class _Strict(BaseModel):
+    """Strict types, unknown fields ignored, and no lone surrogates anywhere in the body."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate_path(data)
+        if where is not None:
+            raise ValueError(f"'{where}' is not valid Unicode (a lone UTF-16 surrogate)")
+        return data
+
+
+class StreamOptions(_Strict):
 
     include_usage: bool = False
 
@@ -35,10 +94,8 @@ StopField = Annotated[
 ]
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Strict):
     """Parameters shared by both endpoints (OpenAI names plus SGLang's `top_k`, `ignore_eos`, ...)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(default=None, description="must be the served model name when given")
     max_tokens: int | None = Field(default=None, ge=1, description="tokens to generate (at least 1)")
@@ -79,19 +136,29 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = Field(default=None, description="not supported")
 
 
-class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TextContentPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Strict):
+    """`developer` is OpenAI's newer name for `system` and is rendered as a system message. Tool messages are
+    refused (no tool calling)."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _no_tool_role(cls, role: Any) -> Any:
+        if role == "tool":
+            raise ValueError("'tool' messages are not supported (this server does no tool calling)")
+        return role
+
+    @property
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
         if self.content is None:
@@ -238,10 +305,8 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class AbortRequestBody(BaseModel):
+class AbortRequestBody(_Strict):
     """POST /abort_request (SGLang's shape): one request id, or every running request."""
-
-    model_config = ConfigDict(extra="ignore")
 
     rid: str | None = None
     abort_all: bool = False

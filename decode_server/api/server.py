@@ -23,6 +23,7 @@ from decode_server.api.app import ServerContext, create_app
 from decode_server.api.engine_client import EngineClient
 from decode_server.api.metrics import ServerMetrics
 from decode_server.api.serving import ModelInfo
+from decode_server.api.tokenization import TokenizerPool
 from decode_server.config import EngineConfig, ServerConfig
 from decode_server.errors import EngineDeadError, ServerShuttingDownError
 
@@ -79,7 +80,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
 
         asyncio.get_running_loop().create_task(stop_later())
 
-    client = EngineClient(engine_config, log_level=server_config.log_level, on_engine_death=on_engine_death)
+    client = EngineClient(engine_config, log_level=server_config.log_level, on_engine_death=on_engine_death,
+                          heartbeat_timeout_s=server_config.engine_heartbeat_timeout)
     # The tokenizer module is light (no torch), but importing it still overlaps with the engine loading the model.
     tokenizer_import = asyncio.create_task(asyncio.to_thread(_import_tokenizer_class))
     try:
@@ -88,21 +90,25 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         # The engine resolved (and for tiny-dsa, generated) the checkpoint; read its tokenizer from there.
         model_dir = info["model_dir"]
         tokenizer = tokenizer_cls.from_dir(model_dir)
+        tokenizer_pool = TokenizerPool(tokenizer, model_dir)
+        await tokenizer_pool.start()
     except BaseException:
         tokenizer_import.cancel()
         await client.shutdown("start-up failed", timeout_s=5)
         raise
     served = server_config.served_model_name or engine_config.model_path
+    context_length = int(info.get("context_length") or engine_config.context_length or 0)
     model = ModelInfo(
         served_model_name=served,
-        context_length=int(info.get("context_length") or engine_config.context_length or 0),
+        context_length=context_length,
+        max_request_tokens=int(info.get("max_request_tokens") or context_length),
         vocab_size=int(info.get("vocab_size") or tokenizer.vocab_size),
         accepted_names=frozenset({served, engine_config.model_path}),
         disaggregation_mode=engine_config.disaggregation.mode,
     )
     metrics = ServerMetrics(served)
     ctx = ServerContext(client, tokenizer, model, metrics, dict(info, model_path=model_dir),
-                        server_config.api_key)  # fmt: skip
+                        server_config.api_key, tokenizer_pool)  # fmt: skip
     app = create_app(ctx)
 
     def on_stop_signal() -> None:
@@ -131,6 +137,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         await server.serve()
     finally:
         engine_code = await client.shutdown()
+        await asyncio.to_thread(tokenizer_pool.shutdown)
     if client.dead:
         logger.error("exiting because the engine process died (%s)", client.death_reason)
         return 1

@@ -43,10 +43,16 @@ from decode_server.api.protocol import (
     random_id,
 )
 from decode_server.api.sse import DONE_FRAME, SSE_HEADERS, sse_frame
+from decode_server.api.tokenization import TokenizerPool
 from decode_server.disagg.bootstrap_info import MAX_ROOM, BootstrapInfo
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.engine.types import TokenLogprob
-from decode_server.errors import ContextLengthExceededError, DecodeServerError, InvalidRequestError
+from decode_server.errors import (
+    CapacityError,
+    ContextLengthExceededError,
+    DecodeServerError,
+    InvalidRequestError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +71,18 @@ class ModelInfo:
     vocab_size: int
     accepted_names: frozenset[str]
     disaggregation_mode: str = "null"  # "prefill" / "decode": requests must carry bootstrap fields
+    # The most tokens (prompt + max_tokens - 1) the KV cache can hold for one request (≤ context length).
+    max_request_tokens: int = 0
 
 
 class OpenAIServing:
     def __init__(
-        self, client: EngineClient, tokenizer: Any, metrics: ServerMetrics, model: ModelInfo
+        self, client: EngineClient, tokenizer: Any, metrics: ServerMetrics, model: ModelInfo,
+        tokenizer_pool: TokenizerPool | None = None,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
+        self.tokenizer_pool = tokenizer_pool
         self.metrics = metrics
         self.model = model
         self.groups: dict[str, GenerationGroup] = {}  # running HTTP requests by id, for /abort_request
@@ -141,21 +151,27 @@ class OpenAIServing:
     def _check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
             raise InvalidRequestError("the prompt is empty (no tokens)", param=param)
+        if len(ids) >= self.model.context_length:
+            raise self._too_long(len(ids), param)
         bad = next((t for t in ids if t < 0 or t >= self.model.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(
                 f"token id {bad} is outside the vocabulary (size {self.model.vocab_size})", param=param
             )
-        if len(ids) >= self.model.context_length:
-            raise ContextLengthExceededError(
-                f"the prompt has {len(ids)} tokens; the context length is {self.model.context_length} "
-                "(it must leave room for at least one generated token)",
-                param=param,
-            )
 
     def _max_tokens(self, requested: int | None, prompt_len: int, default: int | None) -> int:
+        """The request's max_tokens. Left out, it is `default`, or (chat) "until EOS or the end of the context";
+        either way no more than the whole KV cache can hold for this prompt (as SGLang clamps it). Given, it must
+        fit the context length (400 otherwise; the engine refuses one the cache could never hold)."""
         room = self.model.context_length - prompt_len
         if requested is None:
+            cache_room = (self.model.max_request_tokens or self.model.context_length) + 1 - prompt_len
+            if cache_room < 1:
+                raise CapacityError(
+                    f"the prompt has {prompt_len} tokens; the KV cache holds at most "
+                    f"{self.model.max_request_tokens} tokens for one request", param="messages",
+                )
+            room = min(room, cache_room)
             return room if default is None else min(default, room)
         if prompt_len + requested > self.model.context_length:
             raise ContextLengthExceededError(
@@ -244,7 +260,30 @@ class OpenAIServing:
 
     # -------------------------------------------------------------------------------------- completions
 
-    def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+    def _check_text_length(self, num_chars: int, param: str) -> None:
+        """Refuse a text that surely has more tokens than the context holds, before tokenizing it."""
+        pool = self.tokenizer_pool
+        if pool is not None and pool.lower_bound_tokens(num_chars) >= self.model.context_length:
+            raise ContextLengthExceededError(
+                f"the prompt has {num_chars} characters, so at least {pool.lower_bound_tokens(num_chars)} tokens; "
+                f"the context length is {self.model.context_length} tokens", param=param,
+            )
+
+    def _too_long(self, num_tokens: int, param: str) -> ContextLengthExceededError:
+        return ContextLengthExceededError(
+            f"the prompt has {num_tokens} tokens; the context length is {self.model.context_length} "
+            "(it must leave room for at least one generated token)", param=param,
+        )
+
+    async def _encode(self, text: str) -> list[int]:
+        if self.tokenizer_pool is None:
+            return self.tokenizer.encode(text)
+        ids = await self.tokenizer_pool.encode(text, limit=self.model.context_length)
+        if isinstance(ids, int):
+            raise self._too_long(ids, "prompt")
+        return ids
+
+    async def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         prompt = req.prompt
         if isinstance(prompt, str):
             texts_or_ids: list[Any] = [prompt]
@@ -254,9 +293,14 @@ class OpenAIServing:
             texts_or_ids = list(prompt)
         if not texts_or_ids:
             raise InvalidRequestError("the prompt list is empty", param="prompt")
+        for item in texts_or_ids:
+            if isinstance(item, str):
+                if not item:
+                    raise InvalidRequestError("the prompt is empty (an empty string)", param="prompt")
+                self._check_text_length(len(item), "prompt")
         out = []
         for item in texts_or_ids:
-            ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
+            ids = await self._encode(item) if isinstance(item, str) else list(item)
             self._check_prompt(ids, "prompt")
             out.append(ids)
         return out
@@ -264,7 +308,7 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, raw: Request) -> Any:
         self._check_model(req.model)
         self._check_unsupported(req)
-        prompts = self._completion_prompts(req)
+        prompts = await self._completion_prompts(req)
         bootstraps = self._bootstrap(req, len(prompts))
         specs = []
         for p_index, ids in enumerate(prompts):
@@ -335,22 +379,29 @@ class OpenAIServing:
 
     # -------------------------------------------------------------------------------------- chat
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.template_role, "content": m.text()} for m in req.messages]
+        self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt
-            )
+            if self.tokenizer_pool is not None:
+                ids = await self.tokenizer_pool.encode_chat(messages, req.add_generation_prompt,
+                                                            limit=self.model.context_length)  # fmt: skip
+                if isinstance(ids, int):
+                    raise self._too_long(ids, "messages")
+            else:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+        except DecodeServerError:
+            raise
         except Exception as exc:  # the template raises (raise_exception) on conversations it cannot render
             raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
         self._check_prompt(ids, "messages")
         return ids
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
         self._check_model(req.model)
         self._check_unsupported(req)
-        ids = self._chat_prompt(req)
+        ids = await self._chat_prompt(req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._max_tokens(requested, len(ids), None)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -490,6 +541,8 @@ class OpenAIServing:
                 if usage_chunk is not None:
                     yield sse_frame(usage_chunk(self._usage(group)))
             except DecodeServerError as exc:
+                # The stream is already 200: the error travels as the last frame (counted here, not by status).
+                self.metrics.on_rejected(exc.status_code, exc.error_type)
                 yield sse_frame(error_body(exc.message, exc.error_type, exc.status_code, exc.param))
             finally:
                 # Runs on normal end, on errors, and when Starlette cancels us because the client left.

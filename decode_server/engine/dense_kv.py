@@ -1,7 +1,11 @@
 """Dense-mode KV manager: every token's MLA row and indexer key on the device (`DenseBackend`).
 
-Admission reserves the request's full length (prompt + max_tokens), so a running request can always finish
-and dense mode never retracts; requests that do not fit yet wait in the queue.
+KV grows a page at a time: admission takes pages for the prompt and the first generated token, each decode step
+adds a page when the request crosses a page boundary. When a page is missing the scheduler retracts a request:
+its rows and indexer keys are copied to (pageable) host memory and its device pages freed; on resume they are
+copied back into newly allocated pages. Nothing is recomputed, so the request's tokens and logits are the same
+bits as without the retraction (recomputing the KV with a prefill would run different GEMM shapes and could
+change the logits, hence greedy tokens).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from decode_server.engine.types import PoolUsage
 
 
 class DenseKVManager(KVManager):
-    supports_retraction = False
+    supports_retraction = True
 
     def __init__(
         self, num_layers: int, num_slots: int, max_reqs: int, max_ctx: int, kv_dtype: torch.dtype,
@@ -25,10 +29,20 @@ class DenseKVManager(KVManager):
         self.cache = DenseKVCache(num_layers, num_slots, max_reqs, max_ctx, kv_dtype, device, page_size, geometry)
         self.backend = DenseBackend(self.cache, reference_kernels)
         self.max_ctx = max_ctx
+        # Retracted requests: their rows, indexer keys and scales, in host memory.
+        self._saved: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def _alloc(self) -> PagedAllocator:
         return self.cache.allocator
+
+    @property
+    def page_size(self) -> int:
+        return self._alloc.page_size
+
+    @property
+    def max_request_tokens(self) -> int:
+        return min(self.max_ctx, self._alloc.num_slots)
 
     def capacity_error(self, prompt_len: int, max_total_len: int) -> str | None:
         if max_total_len > self.max_ctx:
@@ -39,11 +53,14 @@ class DenseKVManager(KVManager):
                     f"the device KV cache has {self._alloc.num_pages}")
         return None
 
+    def free_pages(self) -> int:
+        return self._alloc.num_free_pages
+
+    def pages_needed(self, req_row: int, num_tokens: int) -> int:
+        return self.cache.tokens.pages_needed(req_row, num_tokens)
+
     def try_admit(self, req_row: int, prompt_len: int, max_total_len: int) -> bool:
-        if not self._alloc.can_allocate(self.cache.tokens.pages_needed(req_row, max_total_len)):
-            return False
-        self.backend.reserve(req_row, max_total_len)
-        return True
+        return self.ensure_room(req_row, min(prompt_len + 1, max_total_len))
 
     def ensure_room(self, req_row: int, num_tokens: int) -> bool:
         need = self.cache.tokens.pages_needed(req_row, num_tokens)
@@ -52,7 +69,28 @@ class DenseKVManager(KVManager):
         self.backend.reserve(req_row, num_tokens)
         return True
 
+    def retract(self, req_row: int, num_tokens: int) -> None:
+        """Copy the request's first `num_tokens` rows (MLA + indexer) to host memory and free its pages."""
+        cache = self.cache
+        slots = cache.tokens.slots(req_row, num_tokens).long()
+        self._saved[req_row] = (cache.kv[:, slots].cpu(), cache.index_keys[:, slots].cpu(),
+                                cache.index_scales[:, slots].cpu())
+        self.backend.release(req_row)
+
+    def try_resume(self, req_row: int, num_tokens: int) -> bool:
+        """Pages for `num_tokens` + 1 tokens, then the saved rows copied back; False (nothing taken) if short."""
+        if not self.ensure_room(req_row, num_tokens + 1):
+            return False
+        kv, keys, scales = self._saved.pop(req_row)
+        cache = self.cache
+        slots = cache.tokens.slots(req_row, num_tokens).long()
+        cache.kv[:, slots] = kv.to(cache.device)
+        cache.index_keys[:, slots] = keys.to(cache.device)
+        cache.index_scales[:, slots] = scales.to(cache.device)
+        return True
+
     def free(self, req_row: int) -> None:
+        self._saved.pop(req_row, None)
         self.backend.release(req_row)
 
     def usage(self) -> dict[str, PoolUsage]:
@@ -63,4 +101,4 @@ class DenseKVManager(KVManager):
         return self.usage()["dense_kv_slots"].fraction
 
     def is_empty(self) -> bool:
-        return self._alloc.num_used_pages == 0
+        return self._alloc.num_used_pages == 0 and not self._saved

@@ -132,6 +132,12 @@ class Engine:
         return DenseKVManager(num_layers, slots, cfg.max_running_requests, self.context_length, self.kv_dtype,
                               self.device, cfg.page_size, geometry, reference)
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + max_tokens − 1) one request can hold: the context length, or less when the
+        whole KV cache holds less. The server clamps a defaulted max_tokens to it."""
+        return min(self.context_length, self.kv.max_request_tokens)
+
     # -- requests --
     def add_request(
         self, rid: str, prompt_token_ids: list[int], params: SamplingParams, *, remote_prefill: bool = False,

@@ -1,8 +1,11 @@
 """What the scheduler asks of KV memory, whatever the mode: admit, grow, retract, resume, free, report.
 
-Two implementations: `DenseKVManager` (all KV on the device; reserves prompt + max_tokens at admission, so it
-never needs retraction) and `decode_server.hisparse.coordinator.HiSparseCoordinator` (host pool + device buffers
-+ GPU indexer keys; retracts under indexer-key pressure). Both expose the `AttentionBackend` the model uses.
+Two implementations: `DenseKVManager` (all KV on the device) and
+`decode_server.hisparse.coordinator.HiSparseCoordinator` (host pool + device buffers + GPU indexer keys). In both,
+KV grows page by page with the sequence: admission takes pages for the prompt and the first generated token,
+`ensure_room` adds a page when a request needs one, and a request that cannot get one is retracted (its KV moved
+out of the budgeted pools into private host memory) and resumed later, bit for bit, without recomputation.
+Both expose the `AttentionBackend` the model uses.
 """
 
 from __future__ import annotations
@@ -21,9 +24,32 @@ class KVManager(ABC):
     def capacity_error(self, prompt_len: int, max_total_len: int) -> str | None:
         """Why a request of this size could never run, even alone; None when it can."""
 
+    @property
+    @abstractmethod
+    def page_size(self) -> int:
+        """Tokens per page of every growing pool."""
+
+    @property
+    @abstractmethod
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + generated − 1) one request can ever hold, alone in the cache."""
+
+    @abstractmethod
+    def free_pages(self) -> int:
+        """Free pages of the binding growing pool (the one with the fewest)."""
+
+    @abstractmethod
+    def pages_needed(self, req_row: int, num_tokens: int) -> int:
+        """Pages `req_row` still lacks to hold `num_tokens` tokens (in the pool that lacks the most)."""
+
+    def can_start_request(self) -> bool:
+        """Whether the fixed per-request resources (HiSparse: a device buffer) are free now."""
+        return True
+
     @abstractmethod
     def try_admit(self, req_row: int, prompt_len: int, max_total_len: int) -> bool:
-        """Take what the request needs to prefill (and, where the mode reserves it, to finish); False = wait."""
+        """Take what the request needs to prefill and sample its first token (pages for prompt + 1 tokens, and
+        the fixed per-request resources); False = not now."""
 
     @abstractmethod
     def ensure_room(self, req_row: int, num_tokens: int) -> bool:

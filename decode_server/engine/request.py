@@ -16,7 +16,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no memory
     PREFILLING = "prefilling"  # admitted, prompt partly in the KV cache
     RUNNING = "running"  # in the decode batch
-    RETRACTED = "retracted"  # KV kept in the host pool, device memory given back; resumes without recompute
+    RETRACTED = "retracted"  # KV moved out of the pools into host memory; resumes without recompute
     TRANSFERRING = "transferring"  # PD decode: admitted, its prompt's KV is arriving from a prefill server
     FINISHED = "finished"
 
@@ -34,6 +34,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     row: int = -1  # row in the engine's request tables while it holds memory
     num_computed: int = 0  # tokens whose KV is in the cache
+    num_bypassed: int = 0  # later requests admitted while this one waited for memory
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     detokenizer: IncrementalDetokenizer | None = None

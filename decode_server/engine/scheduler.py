@@ -2,13 +2,22 @@
 
 Each call to `schedule()` picks one forward pass:
 1. resume retracted requests (oldest first) when memory allows; while any remain, new requests wait;
-2. admit waiting requests (FIFO) while a request row is free and the KV manager accepts them;
+2. admit waiting requests while a request row is free and the KV budget allows, estimating how much the running
+   requests will still grow (SGLang's new-token ratio, below) instead of reserving their worst case; a request
+   that does not fit now does not block smaller ones behind it (it keeps its turn: after `HOL_BYPASS_LIMIT`
+   later requests went ahead of it, nobody else is admitted before it);
 3. if some admitted request still has prompt left, a prefill batch of prompt chunks under the token budget
    (`chunked_prefill_size`), so new requests join the decode batch quickly — but never two prefill passes in a
    row while requests are decoding: prefill and decode alternate, so a long prompt delays each running request
    by at most one chunk per token;
 4. otherwise one decode step for every running request. Before it, each request gets room for its next token;
    when memory runs out, the newest running requests are retracted until the rest fit.
+
+New-token ratio: a request that may generate `m` more tokens is expected to need `ratio × min(m, CLIP)` more
+tokens of KV. The ratio starts at `INIT_NEW_TOKEN_RATIO`, decays linearly by decode step to
+`MIN_NEW_TOKEN_RATIO_FACTOR × INIT_NEW_TOKEN_RATIO` (most requests stop long before max_tokens), and after a
+retraction is raised to what the running batch actually used: (decoded tokens + `RETRACT_DECODE_STEPS` per
+request) / (their max_tokens), so admission becomes more careful exactly when the estimate proved too low.
 
 PD disaggregation (decode_server/disagg/) adds two holding sets: `transferring` (decode: admitted like any
 request, but its prompt's KV arrives from a prefill server instead of being computed; it joins the decode set
@@ -19,6 +28,7 @@ transfer has ended; `release_held` frees them).
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -26,6 +36,15 @@ from decode_server.engine.kv_manager import KVManager
 from decode_server.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+# SGLang's defaults (python/sglang/srt/managers/scheduler.py, schedule_policy.py).
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+RETRACT_DECODE_STEPS = 20
+CLIP_MAX_NEW_TOKENS = 4096  # future growth counted per request, at most (SGLang's CLIP_MAX_NEW_TOKENS_ESTIMATION)
+# Later requests that may be admitted ahead of a waiting request that does not fit, before it blocks the queue.
+HOL_BYPASS_LIMIT = 64
 
 
 @dataclass
@@ -59,6 +78,11 @@ class Scheduler:
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
         self.num_retractions = 0
         self._last_was_prefill = False
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        # How much of its own (clipped) max_tokens a new request must find room for: SGLang asks for all of it.
+        self.new_request_ratio = 1.0
+        self.min_new_token_ratio = INIT_NEW_TOKEN_RATIO * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.new_token_ratio_decay = (INIT_NEW_TOKEN_RATIO - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
 
     # -- bookkeeping --
     @property
@@ -121,9 +145,28 @@ class Scheduler:
             raise RuntimeError("scheduler stalled: queued requests cannot be admitted into an idle engine")
         return None
 
+    # -- growth estimates --
+    def _expected_tokens(self, req: Request, ratio: float) -> int:
+        """Tokens of KV the request is expected to hold at its end: what it has plus `ratio` of what it may
+        still generate (clipped), never more than its maximum."""
+        remaining = req.params.max_tokens - len(req.output_ids)
+        return min(req.max_total_len, req.num_tokens + math.ceil(ratio * min(remaining, CLIP_MAX_NEW_TOKENS)))
+
+    def _reserved_pages(self) -> int:
+        """Pages the requests holding memory are expected to still take."""
+        return sum(self.kv.pages_needed(r.row, self._expected_tokens(r, self.new_token_ratio))
+                   for r in (*self.prefilling, *self.running))
+
     def _resume_retracted(self) -> None:
+        """Resume the oldest retracted requests while their pages are free, plus one spare page per request
+        holding memory, so that those can grow a page each before anyone must be retracted again (no
+        retract/resume ping-pong)."""
         while self.retracted:
             req = self.retracted[0]
+            spare = len(self.running) + len(self.prefilling)
+            need = self.kv.pages_needed(req.row, req.num_computed + 1) + spare
+            if not self.kv.can_start_request() or self.kv.free_pages() < need:
+                return
             if not self.kv.try_resume(req.row, req.num_computed):
                 return
             self.retracted.pop(0)
@@ -132,11 +175,28 @@ class Scheduler:
             logger.debug("resumed %s at %d tokens", req.rid, req.num_computed)
 
     def _admit_waiting(self) -> None:
-        while self.waiting and self.try_admit(self.waiting[0]):
-            pass
+        """Admit every waiting request that fits now, oldest first. One that does not fit is passed by later
+        ones (no head-of-line blocking) until `HOL_BYPASS_LIMIT` have gone ahead of it; then the queue waits
+        for it, so a large request is never starved by a stream of small ones."""
+        reserved = self._reserved_pages()
+        blocked: Request | None = None
+        for req in list(self.waiting):
+            if not self._free_rows or not self.kv.can_start_request():
+                return
+            if blocked is not None and blocked.num_bypassed >= HOL_BYPASS_LIMIT:
+                return
+            # SGLang's check: the request's prompt and its clipped max_tokens must fit beside what the others
+            # are expected to take; once admitted, it is expected to take only its ratio.
+            need = self.kv.pages_needed(self._free_rows[-1], self._expected_tokens(req, self.new_request_ratio))
+            if self.kv.free_pages() - reserved >= need and self.try_admit(req):
+                reserved += self.kv.pages_needed(req.row, self._expected_tokens(req, self.new_token_ratio))
+                if blocked is not None:
+                    blocked.num_bypassed += 1
+            elif blocked is None:
+                blocked = req
 
     def try_admit(self, req: Request) -> bool:
-        """Move a waiting request to prefill if a request row and its KV budgets are available now."""
+        """Move a waiting request to prefill if a request row and the pages for its prompt are available now."""
         if not self._free_rows:
             return False
         row = self._free_rows[-1]
@@ -181,6 +241,7 @@ class Scheduler:
     def _decode_batch(self) -> ScheduledBatch:
         self.running.sort(key=lambda r: r.arrival)
         i = 0
+        retracted = False
         while i < len(self.running):
             req = self.running[i]
             if self.kv.ensure_room(req.row, req.num_computed + 1):
@@ -189,8 +250,20 @@ class Scheduler:
             if not self.kv.supports_retraction:
                 raise RuntimeError(f"{type(self.kv).__name__} ran out of memory for {req.rid} mid-decode")
             self._retract(self.running[-1])
+            retracted = True
+        if retracted:
+            self._raise_ratio_after_retraction()
+        else:
+            self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - self.new_token_ratio_decay)
         reqs = list(self.running)
         return ScheduledBatch(reqs, [r.num_computed for r in reqs], [1] * len(reqs), is_decode=True)
+
+    def _raise_ratio_after_retraction(self) -> None:
+        """SGLang's re-estimate: what the remaining batch decoded so far, plus some steps each, over max_tokens."""
+        decoded = sum(len(r.output_ids) for r in self.running)
+        total = sum(r.params.max_tokens for r in self.running)
+        estimate = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (total + 1)
+        self.new_token_ratio = min(1.0, max(self.new_token_ratio, estimate))
 
     def _retract(self, req: Request) -> None:
         self.running.remove(req)

@@ -4,13 +4,14 @@ indexer-key cache (admit, grow, preload, retract, resume, free) plus the eager b
 Where a token lives is the rule of docs/architecture.md "HiSparse memory layout". The coordinator keeps it
 true between steps; the swap-in kernel keeps it true within a step.
 
-Budgets, checked explicitly at admission:
-- host pool: pages for the request's full length (prompt + max_tokens) are reserved at admission, so the host
-  never runs out mid-decode and a retracted request keeps all its KV there;
+Budgets, checked explicitly at admission and as requests grow:
+- host pool: pages for the tokens so far, grown a page at a time as the request decodes;
 - device buffers: one buffer of D + R slots per running request;
-- indexer keys: pages for the tokens so far (grown during decode; when they run out, the engine retracts).
-A retracted request loses its device buffer and indexer pages (its indexer keys are saved to host memory,
-132 B per token and layer) and resumes later without recomputing anything.
+- indexer keys: pages for the tokens so far, grown in step with the host pages.
+When a page is missing the engine retracts a request: its host rows and indexer keys (132 B per token and layer)
+are copied out of the pools into private host memory, and its host pages, indexer pages and device buffer are
+freed. It resumes later by copying them back into newly allocated pages and preloading a buffer: nothing is
+recomputed, so its outputs are the same bits as without the retraction.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class HiSparseCoordinator(KVManager):
         self.backup_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending_backup: torch.cuda.Event | None = None
         self._saved_index_keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._spilled_rows: dict[int, torch.Tensor] = {}  # retracted requests' host rows, out of the pool
         self.backend = HiSparseBackend(self)
 
     # -- backup ordering --
@@ -131,27 +133,45 @@ class HiSparseCoordinator(KVManager):
                     f"{lay.indexer_pages}")
         return None
 
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    @property
+    def max_request_tokens(self) -> int:
+        lay = self.layout
+        return min(lay.max_ctx, lay.host_pages * lay.page_size, lay.indexer_pages * lay.page_size)
+
+    def free_pages(self) -> int:
+        return min(self.host.rows.allocator.num_free_pages, self.indexer.rows.allocator.num_free_pages)
+
+    def pages_needed(self, req_row: int, num_tokens: int) -> int:
+        return max(self.host.rows.pages_needed(req_row, num_tokens),
+                   self.indexer.rows.pages_needed(req_row, num_tokens))
+
+    def can_start_request(self) -> bool:
+        return self.buffers.free_buffers >= 1
+
+    def _can_grow(self, req_row: int, num_tokens: int) -> bool:
+        return (self.host.rows.allocator.can_allocate(self.host.rows.pages_needed(req_row, num_tokens))
+                and self.indexer.rows.allocator.can_allocate(self.indexer.rows.pages_needed(req_row, num_tokens)))
+
     def try_admit(self, req_row: int, prompt_len: int, max_total_len: int) -> bool:
-        host_pages = self.host.rows.pages_needed(req_row, max_total_len)
+        """A device buffer, and host and indexer pages for the prompt and the first generated token."""
         first_tokens = min(prompt_len + 1, max_total_len)
-        idx_pages = self.indexer.rows.pages_needed(req_row, first_tokens)
-        if (self.buffers.free_buffers < 1 or not self.host.rows.allocator.can_allocate(host_pages)
-                or not self.indexer.rows.allocator.can_allocate(idx_pages)):
+        if not self.can_start_request() or not self._can_grow(req_row, first_tokens):
             return False
-        self.host.rows.ensure(req_row, max_total_len)
+        self.host.rows.ensure(req_row, first_tokens)
         self.indexer.rows.ensure(req_row, first_tokens)
         self.buffers.allocate(req_row)
         return True
 
     def ensure_room(self, req_row: int, num_tokens: int) -> bool:
-        """Indexer rows for `num_tokens` tokens (host rows were reserved in full at admission)."""
-        rows = self.indexer.rows
-        need = rows.pages_needed(req_row, num_tokens)
-        if need == 0:
-            return True
-        if not rows.allocator.can_allocate(need):
+        """Host rows and indexer rows for `num_tokens` tokens; False (nothing taken) when either pool is short."""
+        if not self._can_grow(req_row, num_tokens):
             return False
-        rows.ensure(req_row, num_tokens)
+        self.host.rows.ensure(req_row, num_tokens)
+        self.indexer.rows.ensure(req_row, num_tokens)
         return True
 
     # -- lifecycle --
@@ -183,19 +203,25 @@ class HiSparseCoordinator(KVManager):
             self.counters.add_h2d(layer, len(slots))
 
     def retract(self, req_row: int, num_tokens: int) -> None:
-        """Free the device buffer and indexer rows; keep the host KV (complete after the last backup)."""
+        """Move the request's host rows (complete after the last backup) and indexer keys out of the pools into
+        private host memory, and free its host pages, indexer pages and device buffer."""
         self._wait_backup_on_host()
+        host_slots = self.host.rows.slots(req_row, num_tokens).cpu().long()
+        self._spilled_rows[req_row] = self.host.kv[:, host_slots]  # advanced indexing copies
         self._saved_index_keys[req_row] = self.indexer.save(req_row, num_tokens)
         self.indexer.rows.release(req_row)
+        self.host.rows.release(req_row)
         self.buffers.free(req_row)
 
     def try_resume(self, req_row: int, num_tokens: int) -> bool:
-        """Resume only with one spare indexer page per request holding a buffer, so that the requests already
-        running can grow a page each before anyone must be retracted again (no retract/resume ping-pong)."""
-        idx_pages = self.indexer.rows.pages_needed(req_row, num_tokens + 1) + self.buffers.used_buffers
-        if self.buffers.free_buffers < 1 or not self.indexer.rows.allocator.can_allocate(idx_pages):
+        """A buffer and pages for `num_tokens` + 1 tokens, then the saved rows and keys copied back and the buffer
+        preloaded; False (nothing taken) when something is short."""
+        if not self.can_start_request() or not self._can_grow(req_row, num_tokens + 1):
             return False
+        self.host.rows.ensure(req_row, num_tokens + 1)
         self.indexer.rows.ensure(req_row, num_tokens + 1)
+        host_slots = self.host.rows.slots(req_row, num_tokens).cpu().long()
+        self.host.kv[:, host_slots] = self._spilled_rows.pop(req_row)
         self.indexer.restore(req_row, self._saved_index_keys.pop(req_row))
         self.buffers.allocate(req_row)
         self.preload(req_row, num_tokens)
@@ -204,6 +230,7 @@ class HiSparseCoordinator(KVManager):
     def free(self, req_row: int) -> None:
         self._wait_backup_on_host()
         self._saved_index_keys.pop(req_row, None)
+        self._spilled_rows.pop(req_row, None)
         self.buffers.free(req_row)
         self.indexer.rows.release(req_row)
         self.host.rows.release(req_row)
@@ -231,4 +258,5 @@ class HiSparseCoordinator(KVManager):
 
     def is_empty(self) -> bool:
         return (self.host.rows.allocator.num_used_pages == 0 and self.buffers.used_buffers == 0
-                and self.indexer.rows.allocator.num_used_pages == 0 and not self._saved_index_keys)
+                and self.indexer.rows.allocator.num_used_pages == 0 and not self._saved_index_keys
+                and not self._spilled_rows)

@@ -95,3 +95,83 @@ def test_abort_frees_waiting_and_running_requests(make_engine):
     assert not engine.has_unfinished_requests()
     assert engine.is_idle_and_empty()
     engine.abort_request("unknown")  # no error
+
+
+def run_tracking(engine, max_steps: int = 5000, out: dict | None = None) -> tuple[dict[str, list[int]], int]:
+    """Run to the end; returns each request's tokens and the most requests that ran at once."""
+    out = {} if out is None else out
+    most = 0
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return out, most
+        for d in engine.step():
+            out.setdefault(d.rid, []).extend(d.new_token_ids)
+        most = max(most, engine.stats().num_running_reqs + engine.stats().num_retracted_reqs)
+    if max_steps < 5000:
+        return out, most
+    raise AssertionError("engine did not finish")
+
+
+@pytest.mark.parametrize("hisparse", [False, True])
+def test_admission_estimates_growth_instead_of_reserving_the_worst_case(make_engine, hisparse):
+    """64 pages of 2 tokens; six requests that may each grow to 16 pages: reserving the worst case runs 4 at once,
+    the new-token-ratio estimate admits 5; all finish with every token (retracted and resumed if they must)."""
+    if hisparse:
+        engine = make_engine(enable_hisparse=True, page_size=2, host_kv_budget_bytes=64 * 2 * 576 * 4 * 3)
+        assert engine.kv.layout.host_pages == 64 and engine.kv.layout.indexer_pages >= 64
+    else:
+        engine = make_engine(page_size=2, device_kv_budget_bytes=64 * 2 * ROW)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(f"r{i}", [2 + i] * 2, params)
+    out, most = run_tracking(engine)
+    assert most == 5
+    assert all(len(out[f"r{i}"]) == 30 for i in range(6))
+    assert engine.is_idle_and_empty()
+
+
+def test_max_request_tokens_is_the_smaller_of_context_and_cache(make_engine):
+    assert make_engine(device_kv_budget_bytes=8 * 16 * ROW, context_length=256).max_request_tokens == 128
+    assert make_engine(context_length=200).max_request_tokens == 200
+
+
+@pytest.mark.parametrize("hisparse", [False, True])
+def test_short_request_is_not_blocked_by_a_large_one_that_does_not_fit(make_engine, hisparse):
+    """10 pages: a long request runs; another long one cannot fit yet; a short one behind it is admitted now."""
+    if hisparse:
+        engine = make_engine(enable_hisparse=True, host_kv_budget_bytes=10 * 16 * 576 * 4 * 3)
+    else:
+        engine = make_engine(device_kv_budget_bytes=10 * 16 * ROW)
+    long_params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    out: dict[str, list[int]] = {}
+    engine.add_request("long0", list(range(2, 102)), long_params)
+    run_tracking(engine, 1, out)
+    engine.add_request("long1", list(range(3, 103)), long_params)
+    engine.add_request("short", [5, 6, 7], GREEDY)
+    run_tracking(engine, 1, out)
+    status = {r.rid: r.status.value for r in engine._requests.values()}
+    assert status["long1"] == "waiting"
+    assert status["short"] in ("prefilling", "running")
+    run_tracking(engine, out=out)
+    assert len(out["long1"]) == 40 and len(out["short"]) == 4
+    assert engine.is_idle_and_empty()
+
+
+def test_a_blocked_request_is_not_starved_by_later_short_ones(make_engine, monkeypatch):
+    import decode_server.engine.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "HOL_BYPASS_LIMIT", 2)
+    engine = make_engine(device_kv_budget_bytes=11 * 16 * ROW)
+    long_params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    out: dict[str, list[int]] = {}
+    engine.add_request("long0", list(range(2, 102)), long_params)
+    run_tracking(engine, 1, out)
+    engine.add_request("long1", list(range(3, 103)), long_params)
+    for i in range(4):
+        engine.add_request(f"s{i}", [5 + i, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    run_tracking(engine, 1, out)
+    waiting = [r.rid for r in engine.scheduler.waiting]
+    assert waiting == ["long1", "s2", "s3"], "two short requests may pass long1, then the queue waits for it"
+    run_tracking(engine, out=out)
+    assert all(len(v) in (40, 4) for v in out.values()) and len(out) == 6
+    assert engine.is_idle_and_empty()

@@ -38,7 +38,10 @@ def make_engine(
     tiny, *, hisparse: bool, device: str = "cpu", device_budget: int | None = 64 << 20,
     host_budget: int | None = None, buffer_size: int = TOP_K, num_recent: int = 2, max_running: int = 8,
     chunk: int = 64, max_queued: int = 1024, kv_cache_dtype: str = "auto", attention_backend: str = "auto",
+    optimistic: bool = False,
 ) -> Engine:
+    """`optimistic`: admission expects no request to grow past its prompt (new-token ratios 0), so that tight
+    budgets force retractions."""
     model, model_config, tokenizer = tiny
     cfg = EngineConfig(
         device=device, enable_hisparse=hisparse, page_size=PAGE, chunked_prefill_size=chunk,
@@ -47,7 +50,11 @@ def make_engine(
         max_running_requests=max_running, max_queued_requests=max_queued, kv_cache_dtype=kv_cache_dtype,
         attention_backend=attention_backend,
     )
-    return Engine(cfg, model=model, model_config=model_config, tokenizer=tokenizer)
+    engine = Engine(cfg, model=model, model_config=model_config, tokenizer=tokenizer)
+    if optimistic:
+        sched = engine.scheduler
+        sched.new_token_ratio = sched.min_new_token_ratio = sched.new_request_ratio = 0.0
+    return engine
 
 
 def random_prompt(gen: torch.Generator, length: int, vocab: int = 1024) -> list[int]:
@@ -101,6 +108,9 @@ def replay_schedule(engine: Engine, recorded: list) -> None:
         for req in reqs:
             if req.status is RequestStatus.WAITING:
                 assert sched.try_admit(req), "the replaying engine must have room for the recorded batch"
+        for req, p, e in zip(reqs, prefix, extend, strict=True):
+            # KV grows page by page; the replaying engine (dense, ample budget) never retracts.
+            assert engine.kv.ensure_room(req.row, p + e + int(is_decode)), "the replaying engine ran out of KV"
         return ScheduledBatch(reqs, prefix, extend, is_decode)
 
     sched.schedule = replaying

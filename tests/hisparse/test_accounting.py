@@ -30,7 +30,7 @@ def random_workload(seed: int, num: int = 12) -> list[Arrival]:
 
 def test_pools_empty_and_counters_consistent(tiny_cpu):
     engine = make_engine(tiny_cpu, hisparse=True, device_budget=tight_hisparse_budget(3, 10),
-                         host_budget=64 << 20, max_running=5, chunk=96)
+                         host_budget=64 << 20, optimistic=True, max_running=5, chunk=96)
     assert (engine.kv.layout.num_buffers, engine.kv.layout.indexer_pages) == (3, 10)
     arrivals = random_workload(seed=8)
     result = run_script(engine, arrivals)

@@ -34,7 +34,7 @@ def test_admission_takes_all_three_budgets_and_free_returns_them():
     co = make(num_buffers=1)
     assert co.try_admit(0, prompt_len=5, max_total_len=12)
     usage = co.usage()
-    assert usage["host_pages"].used == 3  # full length reserved
+    assert usage["host_pages"].used == 2  # prompt + 1 token, in pages of 4 (grows with the sequence)
     assert usage["indexer_slots"].used == 8  # prompt + 1 token, in pages of 4
     assert usage["device_slots"].used == 10
     assert not co.try_admit(1, prompt_len=2, max_total_len=4), "no second device buffer"
@@ -67,21 +67,39 @@ def test_preload_fills_identity_and_ring_from_host():
     assert torch.equal(co.buffers.buffer_tokens[:, 0], torch.arange(8, dtype=torch.int32).repeat(2, 1))
 
 
-def test_retract_keeps_host_kv_and_resume_restores_index_keys():
+def test_admission_and_growth_take_pages_as_the_sequence_grows():
+    co = make(num_buffers=2, host_pages=3, indexer_pages=8)
+    assert co.max_request_tokens == 12
+    assert co.try_admit(0, prompt_len=3, max_total_len=60)
+    assert co.usage()["host_pages"].used == 1 and co.free_pages() == 2
+    assert co.pages_needed(0, 9) == 2
+    assert co.ensure_room(0, 9)
+    assert co.usage()["host_pages"].used == 3 and co.usage()["indexer_slots"].used == 12
+    assert not co.ensure_room(0, 13), "the host pool is full"
+    assert co.usage()["indexer_slots"].used == 12, "a refused growth takes nothing"
+    co.free(0)
+    assert co.is_empty()
+
+
+def test_retract_moves_kv_out_of_the_pools_and_resume_restores_it():
     co = make(num_buffers=1, indexer_pages=4)
     co.try_admit(0, 6, 12)
     idx_rows = co.indexer.rows.slots(0, 6).long()
     co.indexer.scales[:, idx_rows] = torch.arange(6, dtype=torch.float32) + 1
-    host_before = co.usage()["host_pages"].used
+    host_rows = co.host.rows.slots(0, 6).long()
+    co.host.kv[:, host_rows] = (torch.arange(6, dtype=torch.uint8) + 7).view(1, 6, 1)
     co.retract(0, 6)
     u = co.usage()
-    assert u["device_slots"].used == 0 and u["indexer_slots"].used == 0 and u["host_pages"].used == host_before
+    assert u["device_slots"].used == 0 and u["indexer_slots"].used == 0 and u["host_pages"].used == 0
+    assert not co.is_empty()  # the request's KV is held outside the pools
     assert co.try_admit(1, 2, 4)  # the freed buffer is reusable
     assert not co.try_resume(0, 6)
     co.free(1)
     assert co.try_resume(0, 6)
     idx_rows = co.indexer.rows.slots(0, 6).long()
     assert torch.equal(co.indexer.scales[0, idx_rows], torch.arange(6, dtype=torch.float32) + 1)
+    host_rows = co.host.rows.slots(0, 6).long()
+    assert torch.equal(co.host.kv[1, host_rows, 3], torch.arange(6, dtype=torch.uint8) + 7)
     co.free(0)
     assert co.is_empty()
 
@@ -90,6 +108,6 @@ def test_free_while_retracted_releases_everything():
     co = make()
     co.try_admit(0, 6, 12)
     co.retract(0, 6)
-    assert not co.is_empty()  # host KV and saved keys are kept
+    assert not co.is_empty()  # host rows and indexer keys are held outside the pools
     co.free(0)
     assert co.is_empty()

@@ -57,8 +57,9 @@ def test_fp8_hisparse_matches_dense_on_cuda(tiny_cuda):
     assert engine.stats().hisparse_misses > 0
     # With retractions forced (656 B rows; test_lossless's larger workload); dense replays HiSparse's batches.
     engine = make_engine(tiny, hisparse=True, device="cuda", kv_cache_dtype=FP8, host_budget=64 << 20,
-                         device_budget=tight_hisparse_budget(3, 14, row_bytes=656))
-    assert (engine.kv.layout.num_buffers, engine.kv.layout.indexer_pages) == (3, 14)
+                         optimistic=True,
+                         device_budget=tight_hisparse_budget(3, 12, row_bytes=656))
+    assert (engine.kv.layout.num_buffers, engine.kv.layout.indexer_pages) == (3, 12)
     sparse = run_script(engine, workload(seed=1))
     dense = run_script(make_engine(tiny, hisparse=False, device="cuda", kv_cache_dtype=FP8), workload(seed=1),
                        replay=sparse.schedule)

@@ -43,9 +43,9 @@ def tight_hisparse_budget(num_buffers: int, indexer_pages: int, row_bytes: int =
 def test_hisparse_matches_dense_with_retractions(tiny_cpu):
     """Retracted requests resume from the host pool without recompute; dense replays HiSparse's batches."""
     arrivals = workload(seed=1)
-    engine = make_engine(tiny_cpu, hisparse=True, device_budget=tight_hisparse_budget(3, 14),
-                         host_budget=64 << 20)
-    assert (engine.kv.layout.num_buffers, engine.kv.layout.indexer_pages) == (3, 14)
+    engine = make_engine(tiny_cpu, hisparse=True, device_budget=tight_hisparse_budget(3, 12),
+                         host_budget=64 << 20, optimistic=True)
+    assert (engine.kv.layout.num_buffers, engine.kv.layout.indexer_pages) == (3, 12)
     sparse = run_script(engine, arrivals)
     dense = run_script(make_engine(tiny_cpu, hisparse=False), arrivals, replay=sparse.schedule)
     assert_identical(dense, sparse)
@@ -68,8 +68,8 @@ def test_hisparse_matches_dense_on_cuda(tiny_cuda):
     assert_identical(dense, sparse)
     assert engine.stats().hisparse_misses > 0
     # With retractions forced (bf16 rows); dense replays HiSparse's batches.
-    engine = make_engine(tiny, hisparse=True, device="cuda", host_budget=64 << 20,
-                         device_budget=tight_hisparse_budget(3, 14, row_bytes=576 * 2))
+    engine = make_engine(tiny, hisparse=True, device="cuda", host_budget=64 << 20, optimistic=True,
+                         device_budget=tight_hisparse_budget(3, 12, row_bytes=576 * 2))
     sparse = run_script(engine, arrivals)
     dense = run_script(make_engine(tiny, hisparse=False, device="cuda"), arrivals, replay=sparse.schedule)
     assert_identical(dense, sparse)
