@@ -183,6 +183,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         served_model_name=args.served_model_name,
         log_level=args.log_level,
         engine_heartbeat_timeout=args.engine_heartbeat_timeout,
+        graceful_shutdown_timeout=args.graceful_shutdown_timeout,
     )
 
 
@@ -208,6 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=s.engine_heartbeat_timeout,
         help="seconds without an engine heartbeat before /health answers 503 and in-flight requests fail",
+    )
+    g.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=s.graceful_shutdown_timeout,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT stop accepting requests (/health 503) and let those in flight finish for up to "
+        "this long before aborting them (0: abort at once); a second signal stops at once",
     )
     _add_disaggregation_args(serve)
 

@@ -143,3 +143,7 @@ class ServerConfig(BaseModel):
     # Seconds without a heartbeat from the engine process before /health answers 503 and in-flight requests fail;
     # after `EngineConfig.watchdog_timeout` seconds of silence the api process kills the engine and exits.
     engine_heartbeat_timeout: float = Field(default=10.0, gt=0)
+    # On SIGTERM/SIGINT: stop taking requests (/health 503, new requests 503) and let the ones in flight finish for
+    # up to this many seconds before aborting them; 0 aborts them at once. Kubernetes' terminationGracePeriodSeconds
+    # must be longer.
+    graceful_shutdown_timeout: float = Field(default=0.0, ge=0)

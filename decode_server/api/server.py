@@ -1,9 +1,11 @@
 """Start and stop the whole service: engine process first, then the HTTP server; signals end both cleanly.
 
 Shutdown paths:
-- SIGINT/SIGTERM: in-flight requests end at once with a clear "server shutting down" error (a final SSE
+- SIGINT/SIGTERM: the server stops taking requests (`/health` and new requests answer 503, so a load balancer
+  or Kubernetes takes it out of rotation); requests in flight may finish for up to `--graceful-shutdown-timeout`
+  seconds (default 0); those still running then end with a clear "server shutting down" error (a final SSE
   error frame for streams, 503 otherwise), uvicorn stops, the engine is asked to exit and is reaped (killed
-  if it does not exit in time). Exit code 0. A second signal forces uvicorn out without waiting.
+  if it does not exit in time). Exit code 0. A second signal aborts what is left and forces uvicorn out.
 - Engine process death: every waiting request gets 503 (`EngineDeadError`), new ones too, and after a
   short grace period (so those answers reach their clients) the server stops with exit code 1.
 """
@@ -31,15 +33,20 @@ logger = logging.getLogger("decode_server.server")
 
 ENGINE_DEATH_GRACE_S = 1.0
 GRACEFUL_SHUTDOWN_S = 5
+DRAIN_POLL_S = 0.05
 
 
 class _Uvicorn(uvicorn.Server):
-    """uvicorn, with our signal handling: abort in-flight requests first, and no re-raise of the signal after
-    `serve()` returns (uvicorn re-raises it, which would turn a clean stop into death by signal)."""
+    """uvicorn, with our signal handling: drain (or abort) in-flight requests first, and no re-raise of the
+    signal after `serve()` returns (uvicorn re-raises it, which would turn a clean stop into death by signal).
 
-    def __init__(self, config: uvicorn.Config, on_stop_signal: Any) -> None:
+    `drain()` is awaited on the first signal: it returns once uvicorn may stop (requests finished or aborted)."""
+
+    def __init__(self, config: uvicorn.Config, drain: Any, abort_all: Any) -> None:
         super().__init__(config)
-        self._on_stop_signal = on_stop_signal
+        self._drain = drain
+        self._abort_all = abort_all
+        self._draining: asyncio.Task[None] | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -53,13 +60,20 @@ class _Uvicorn(uvicorn.Server):
                 loop.remove_signal_handler(sig)
 
     def _stop(self, sig: int) -> None:
-        if self.should_exit:
-            logger.warning("second %s: forcing exit", signal.Signals(sig).name)
-            self.force_exit = True
+        if self.should_exit or self._draining is not None:
+            logger.warning("second %s: aborting what is left and forcing exit", signal.Signals(sig).name)
+            self._abort_all()
+            self.should_exit = self.force_exit = True
             return
         logger.info("%s received: shutting down", signal.Signals(sig).name)
-        self._on_stop_signal()
-        self.should_exit = True
+
+        async def drain_then_exit() -> None:
+            try:
+                await self._drain()
+            finally:
+                self.should_exit = True
+
+        self._draining = asyncio.get_running_loop().create_task(drain_then_exit())
 
 
 def _memory_summary(info: dict[str, Any]) -> str:
@@ -111,9 +125,22 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
                         server_config.api_key, tokenizer_pool)  # fmt: skip
     app = create_app(ctx)
 
-    def on_stop_signal() -> None:
+    def abort_all() -> None:
         client.closing = True
         client.fail_all(ServerShuttingDownError("request aborted: server shutting down"))
+
+    async def drain() -> None:
+        """Refuse new work at once; give requests in flight up to the graceful timeout, then abort the rest."""
+        client.closing = True
+        deadline = asyncio.get_running_loop().time() + server_config.graceful_shutdown_timeout
+        if client.num_inflight and server_config.graceful_shutdown_timeout > 0:
+            logger.info("draining %d request(s) for up to %.0f s", client.num_inflight,
+                        server_config.graceful_shutdown_timeout)  # fmt: skip
+        while client.num_inflight and not client.dead and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if client.num_inflight:
+            logger.info("aborting %d request(s) still in flight", client.num_inflight)
+        abort_all()
 
     uv_config = uvicorn.Config(
         app,
@@ -125,7 +152,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         lifespan="off",
     )
-    server = _Uvicorn(uv_config, on_stop_signal)
+    server = _Uvicorn(uv_config, drain, abort_all)
     state["server"] = server
     logger.info(
         "model %s (%s), mode %s, device %s, context length %d, served as '%s'; memory: %s",

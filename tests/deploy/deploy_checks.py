@@ -346,8 +346,15 @@ def check_probes(objs: list[Obj], min_startup_s: int) -> list[str]:
         command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
         if not command:
             problems.append(f"{where}: no preStop hook")
-        elif "--timeout" in command and float(command[command.index("--timeout") + 1]) >= grace:
-            problems.append(f"{where}: preStop waits as long as the grace period ({grace} s)")
+            continue
+        pause = float(command[1]) if command[0] == "sleep" else 0.0
+        if "--timeout" in command:
+            pause = float(command[command.index("--timeout") + 1])
+        drain = [a.split("=", 1)[1] for a in container.get("args", []) if a.startswith("--graceful-shutdown-timeout=")]
+        if role(template) in SERVER_ROLES and not drain:
+            problems.append(f"{where}: no --graceful-shutdown-timeout (SIGTERM would abort requests in flight)")
+        if pause + sum(float(d) for d in drain) >= grace:
+            problems.append(f"{where}: preStop + drain wait as long as the grace period ({grace} s)")
     return problems
 
 

@@ -177,6 +177,10 @@ def test_resource_probe_and_budget_checks_catch_mistakes(rendered: dict[str, lis
     objs = mutated(rendered["gpu-tcp"])
     find(objs, "StatefulSet", "hisparse-decode")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 30
     assert any("grace period" in p for p in check_probes(objs, min_startup_s=1800))
+    objs = mutated(rendered["gpu-tcp"])
+    container = find(objs, "StatefulSet", "hisparse-decode")["spec"]["template"]["spec"]["containers"][0]
+    container["args"] = [a for a in container["args"] if not a.startswith("--graceful-shutdown-timeout")]
+    assert any("no --graceful-shutdown-timeout" in p for p in check_probes(objs, min_startup_s=1800))
     objs = [o for o in mutated(rendered["gpu-tcp"]) if o["metadata"]["name"] != "hisparse-decode"
             or o["kind"] != "PodDisruptionBudget"]  # fmt: skip
     assert check_pdbs(objs) == ["StatefulSet/hisparse-decode: covered by 0 PodDisruptionBudgets"]
