@@ -120,11 +120,11 @@ class DenseBackend(AttentionBackend):
         self, layer_id: int, q: torch.Tensor, topk_positions: torch.Tensor, softmax_scale: float
     ) -> torch.Tensor:
         slots = self.physical_rows(topk_positions)
-        return attend_in_chunks(q, self.cache.kv[layer_id], slots, softmax_scale, self.attention_kernel)
+        return attend_in_chunks(q, self.cache.kv[layer_id], slots, softmax_scale, kernel=self.attention_kernel)
 
 
 def attend_in_chunks(
-    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, softmax_scale: float, kernel: str = "triton"
+    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, softmax_scale: float, *, kernel: str = "triton"
 ) -> torch.Tensor:
     """Sparse MLA over physical slots.
 
@@ -134,7 +134,7 @@ def attend_in_chunks(
     a bit of the output.
     """
     if q.is_cuda:
-        return _sparse_mla(q, kv, slots, softmax_scale, kernel)[0]
+        return _sparse_mla(q, kv, slots, softmax_scale, kernel=kernel)[0]
     num_q, top_k = slots.shape
     per_query = max(1, top_k * D_QK * 4 + q.shape[1] * top_k * 4)
     chunk = max(1, _ATTENTION_CHUNK_BYTES // per_query)

@@ -32,6 +32,6 @@ def indexer_topk(*args, **kwargs) -> torch.Tensor:
     return dense_backend._indexer_topk(*args, **kwargs)
 
 
-def sparse_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, scale: float,
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, scale: float, *,
                      kernel: str = "triton") -> torch.Tensor:
-    return dense_backend.attend_in_chunks(q, kv, slots, scale, kernel)
+    return dense_backend.attend_in_chunks(q, kv, slots, scale, kernel=kernel)
