@@ -59,7 +59,7 @@ ATTENTION_KERNELS = ("triton", "flashmla")
 
 
 def sparse_mla_decode(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, kernel: str = "triton", d_v: int = D_V
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int = D_V, *, kernel: str = "triton"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode: q [B, H, 576], kv [N, 576] float rows or [N, 656] uint8 FP8 rows, indices [B, K]
     int32 (−1 skip) → (out [B, H, 512] in q's dtype, lse [B, H] fp32, natural log).

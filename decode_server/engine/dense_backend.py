@@ -136,7 +136,7 @@ class DenseBackend(AttentionBackend):
     ) -> torch.Tensor:
         slots = self.physical_rows(topk_positions)
         return attend_in_chunks(q, self.cache.kv[layer_id], slots, softmax_scale, self.cache.geometry.kv_lora_rank,
-                                self.reference_kernels, self.attention_kernel)
+                                self.reference_kernels, kernel=self.attention_kernel)
 
 
 def indexer_topk(
@@ -150,7 +150,7 @@ def indexer_topk(
 
 def attend_in_chunks(
     q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, softmax_scale: float, d_v: int = D_V,
-    reference: bool = False, kernel: str = "triton",
+    reference: bool = False, *, kernel: str = "triton",
 ) -> torch.Tensor:
     """Sparse MLA over physical slots → [T, H, d_v] (d_v = kv_lora_rank).
 
@@ -160,7 +160,7 @@ def attend_in_chunks(
     so chunking never changes a bit of the output.
     """
     if q.is_cuda and not reference:
-        return _sparse_mla(q, kv, slots, softmax_scale, kernel)[0]
+        return _sparse_mla(q, kv, slots, softmax_scale, kernel=kernel)[0]
     num_q, top_k = slots.shape
     per_query = max(1, top_k * q.shape[-1] * 4 + q.shape[1] * top_k * 4)
     chunk = max(1, _ATTENTION_CHUNK_BYTES // per_query)

@@ -150,7 +150,7 @@ class HiSparseBackend(AttentionBackend):
         if not checked:
             self._checked_swaps.add(shape)
         return ops.sparse_attention(q, rows, slots, softmax_scale, co.kv_lora_rank, co.reference_kernels,
-                                    self.attention_kernel)
+                                    kernel=self.attention_kernel)
 
     def _extend_attention(
         self, layer_id: int, q: torch.Tensor, topk_positions: torch.Tensor, softmax_scale: float
@@ -170,4 +170,4 @@ class HiSparseBackend(AttentionBackend):
         local = inverse - 1 if has_pad else inverse
         local = torch.where(valid, local, torch.full_like(local, -1)).to(torch.int32)
         return ops.sparse_attention(q, attention_rows(scratch, co.kv_dtype), local, softmax_scale, co.kv_lora_rank,
-                                    co.reference_kernels, self.attention_kernel)
+                                    co.reference_kernels, kernel=self.attention_kernel)

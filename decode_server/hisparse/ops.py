@@ -33,7 +33,7 @@ def indexer_topk(*args, **kwargs) -> torch.Tensor:
 
 
 def sparse_attention(
-    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, scale: float, d_v: int, reference: bool = False,
+    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, scale: float, d_v: int, reference: bool = False, *,
     kernel: str = "triton",
 ) -> torch.Tensor:
-    return dense_backend.attend_in_chunks(q, kv, slots, scale, d_v, reference, kernel)
+    return dense_backend.attend_in_chunks(q, kv, slots, scale, d_v, reference, kernel=kernel)

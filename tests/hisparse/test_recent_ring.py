@@ -18,9 +18,9 @@ def test_recent_tokens_are_ring_hits_with_the_right_rows(tiny_cpu, monkeypatch):
     original = ops.swap_in
 
     def checking(top_k, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
-                 device_pool, num_recent, counters):
+                 device_pool, num_recent, counters, **kwargs):
         out = original(top_k, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
-                       device_pool, num_recent, counters)
+                       device_pool, num_recent, counters, **kwargs)
         for b in range(top_k.shape[0]):
             s, r = int(seq_lens[b]), int(req_rows[b])
             if s <= D:

@@ -96,10 +96,10 @@ def test_flashmla_dispatch_picks_per_batch(fp8: bool) -> None:
         if batch < 1:
             continue
         q, pool, indices, _, _, _ = _case(fp8, 128, batch, 512, 7, 3 + batch)
-        got = sparse_mla_decode(q, pool, indices, SCALE, "flashmla")
+        got = sparse_mla_decode(q, pool, indices, SCALE, kernel="flashmla")
         expect = (sparse_mla_decode_flashmla if expect_flashmla else sparse_mla_decode_triton)(q, pool, indices, SCALE)
         assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
     q, pool, indices, _, _, _ = _case(fp8, 16, 40, 512, 7, 99)
-    got = sparse_mla_decode(q, pool, indices, SCALE, "flashmla")
+    got = sparse_mla_decode(q, pool, indices, SCALE, kernel="flashmla")
     expect = sparse_mla_decode_triton(q, pool, indices, SCALE)
     assert torch.equal(got[0], expect[0])
