@@ -10,7 +10,7 @@ servers instead (then `--interval-ms` is ignored).
 Per request: time to the first token chunk (TTFT) and to the end of the stream (E2E), direct vs routed, and the
 difference of the medians: the latency the router adds. Rounds alternate between the two paths.
 
-    python benchmarks/bench_router.py --concurrency 64 --rounds 10 --tokens 16 --interval-ms 5
+    python benchmarks/bench_router.py --concurrency 1 64 --rounds 10 --tokens 16 --interval-ms 5
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def pct(values: list[float], q: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[64], help="one table row pair per value")
     ap.add_argument("--rounds", type=int, default=10, help="rounds per path (alternating)")
     ap.add_argument("--tokens", type=int, default=16, help="chunks per stream (max_tokens)")
     ap.add_argument("--interval-ms", type=float, default=5.0, help="target: gap between chunks")
@@ -165,10 +165,11 @@ def main() -> None:
             wait_healthy(url)
         body = {"model": args.model, "prompt": "Benchmark", "max_tokens": args.tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}  # fmt: skip
-        results: dict[str, list[tuple[float, float]]] = {"direct": [], "router": []}
-        for _ in range(args.rounds):
-            for path, url in (("direct", urls["decode"]), ("router", router_url)):
-                results[path] += asyncio.run(run_round(url, args.concurrency, body))
+        results: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        for c in args.concurrency:
+            for _ in range(args.rounds):
+                for path, url in (("direct", urls["decode"]), ("router", router_url)):
+                    results.setdefault((c, path), []).extend(asyncio.run(run_round(url, c, body)))
         dispatch = _router_dispatch_mean(router_url)
     finally:
         for p in procs:
@@ -179,24 +180,29 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
 
-    rows = {}
-    for path, samples in results.items():
-        ttft = [s[0] * 1000 for s in samples]
-        e2e = [s[1] * 1000 for s in samples]
-        rows[path] = {"n": len(samples), "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90),
-                      "ttft_p99": pct(ttft, 99), "e2e_p50": pct(e2e, 50), "e2e_p90": pct(e2e, 90),
-                      "e2e_p99": pct(e2e, 99), "e2e_mean": statistics.fmean(e2e)}  # fmt: skip
-    added = {k: rows["router"][k] - rows["direct"][k] for k in ("ttft_p50", "e2e_p50")}
-    print(f"\n{args.concurrency} concurrent streams x {args.rounds} rounds per path, {args.tokens} chunks per "
-          f"stream, target interval {args.interval_ms:g} ms; machine: {platform.node()} ({os.cpu_count()} CPUs), "
-          f"load average {os.getloadavg()[0]:.1f}\n")  # fmt: skip
-    print("| path | requests | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p90 ms | E2E p99 ms |")
-    print("|---|---|---|---|---|---|---|---|")
-    for path, r in rows.items():
-        print(f"| {path} | {r['n']} | {r['ttft_p50']:.2f} | {r['ttft_p90']:.2f} | {r['ttft_p99']:.2f} | "
-              f"{r['e2e_p50']:.2f} | {r['e2e_p90']:.2f} | {r['e2e_p99']:.2f} |")  # fmt: skip
-    print(f"\nrouter-added latency (p50 difference): TTFT {added['ttft_p50']:+.2f} ms, E2E {added['e2e_p50']:+.2f} ms;"
-          f" router dispatch overhead (its own metric, mean): {dispatch * 1000:.3f} ms")  # fmt: skip
+    rows: dict[str, dict[str, float]] = {}
+    for (c, path), samples in results.items():
+        ttft = [x[0] * 1000 for x in samples]
+        e2e = [x[1] * 1000 for x in samples]
+        rows[f"{c}/{path}"] = {"concurrency": c, "n": len(samples), "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90),
+                               "ttft_p99": pct(ttft, 99), "e2e_p50": pct(e2e, 50), "e2e_p90": pct(e2e, 90),
+                               "e2e_p99": pct(e2e, 99), "e2e_mean": statistics.fmean(e2e)}  # fmt: skip
+    print(f"\n{args.rounds} rounds per path and concurrency (alternating), {args.tokens} chunks per stream, target "
+          f"interval {args.interval_ms:g} ms; machine: {platform.node()} ({os.cpu_count()} CPUs), load average "
+          f"{os.getloadavg()[0]:.1f}\n")  # fmt: skip
+    print("| streams | path | requests | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p90 ms | E2E p99 ms "
+          "| added p50 TTFT / E2E ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    added = {}
+    for c in args.concurrency:
+        d, r_ = rows[f"{c}/direct"], rows[f"{c}/router"]
+        added[c] = {"ttft_p50": r_["ttft_p50"] - d["ttft_p50"], "e2e_p50": r_["e2e_p50"] - d["e2e_p50"]}
+        for path, r in (("direct", d), ("router", r_)):
+            extra = f"{added[c]['ttft_p50']:+.2f} / {added[c]['e2e_p50']:+.2f}" if path == "router" else ""
+            print(f"| {c} | {path} | {r['n']} | {r['ttft_p50']:.2f} | {r['ttft_p90']:.2f} | {r['ttft_p99']:.2f} | "
+                  f"{r['e2e_p50']:.2f} | {r['e2e_p90']:.2f} | {r['e2e_p99']:.2f} | {extra} |")  # fmt: skip
+    print(f"\nrouter dispatch overhead (its own metric: arrival to the worker requests going out, mean over all "
+          f"requests): {dispatch * 1000:.3f} ms")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"date": datetime.now(UTC).isoformat(), "args": vars(args) | {"json": str(args.json)},
                                          "rows": rows, "added_ms": added, "dispatch_mean_s": dispatch,
