@@ -1,11 +1,12 @@
 """Time to first token of a PD request (prefill server + decode server, KV over mooncake TCP) vs colocated
 serving, for one long prompt (default 4096 tokens), on tiny-dsa.
 
-Starts three `decode-server serve` processes on 127.0.0.1: a colocated server (HiSparse), a prefill server and
-a HiSparse decode server. Requests alternate between the two set-ups, one at a time, streamed; TTFT is the time
-from sending the request (PD: to both servers at once, as a router does) to the first token's SSE chunk. Also
-reported: when the prefill server answered (its first token: its compute is done) and the transfer latency the
-decode server measured. Prints a Markdown table and writes JSON.
+Starts four `decode-server serve` processes on 127.0.0.1: colocated HiSparse and colocated dense servers, a
+prefill server and a HiSparse decode server. Requests rotate between the three set-ups, one at a time, streamed;
+TTFT is the time from sending the request (PD: to both servers at once, as a router does) to the first token's
+SSE chunk. Also reported: when the prefill server answered (its first token: its compute is done), so PD TTFT
+minus that is what the last chunk's transfer, the aux record and decode's admission add. A short prompt warms
+every path up first. Prints a Markdown table and writes JSON.
 
     python benchmarks/bench_pd_ttft.py                      # CPU, 4096-token prompt, 5 runs each
     python benchmarks/bench_pd_ttft.py --device cuda --prompt-tokens 8192
@@ -79,7 +80,7 @@ def _stream_first_token(url: str, body: dict, t0: float, out: dict, key: str) ->
     with httpx.Client(timeout=600) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if key not in out and line.startswith("data: {") and '"text":' in line and '"text":""' not in line:
+            if key not in out and line.startswith("data: {") and '"tokens":["' in line:
                 out[key] = time.perf_counter() - t0
             if line.startswith("data: {") and '"error"' in line:
                 raise RuntimeError(f"{url}: {line}")
@@ -103,21 +104,24 @@ def main() -> int:
     chunk = ["--chunked-prefill-size", str(args.chunked_prefill_size)]
     bootstrap_port = _free_port()
     colocated = Server("colocated", [*HISPARSE, *chunk], args.device, context)
+    colocated_dense = Server("colocated-dense", chunk, args.device, context)
     prefill = Server("prefill", ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
                                  str(bootstrap_port), *chunk], args.device, context)
     decode = Server("decode", ["--disaggregation-mode", "decode", *HISPARSE, *chunk], args.device, context)
-    servers = [colocated, prefill, decode]
+    servers = [colocated, colocated_dense, prefill, decode]
     rows: list[dict] = []
     try:
         for s in servers:
             s.wait_ready()
-        for run in range(-1, args.runs):  # run -1 warms both paths up (first-call costs) and is not recorded
-            prompt = [(run * 7919 + 31 * i) % 900 + 5 for i in range(args.prompt_tokens)]  # fresh each run
+        for run in range(-1, args.runs):  # run -1 (a short prompt) warms every path up and is not recorded
+            n = args.prompt_tokens if run >= 0 else 64
+            prompt = [(run * 7919 + 31 * i) % 900 + 5 for i in range(n)]  # fresh each run
             body = {"model": "tiny-dsa", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
+                    "ignore_eos": True, "stream": True, "logprobs": 0}
             times: dict[str, float] = {}
-            t0 = time.perf_counter()
-            _stream_first_token(colocated.url, body, t0, times, "colocated")
+            for server, key in ((colocated, "colocated"), (colocated_dense, "colocated_dense")):
+                t0 = time.perf_counter()
+                _stream_first_token(server.url, body, t0, times, key)
             pd_body = dict(body, bootstrap_host="127.0.0.1", bootstrap_port=bootstrap_port, bootstrap_room=10_000 + run)
             lat_sum, lat_n = _transfer_latency(decode)
             t0 = time.perf_counter()
@@ -129,24 +133,27 @@ def main() -> int:
                 t.join()
             lat_sum2, lat_n2 = _transfer_latency(decode)
             times["transfer_latency"] = (lat_sum2 - lat_sum) / max(1, lat_n2 - lat_n)
+            times["pd_minus_prefill_answered"] = times["pd"] - times["prefill_done"]
             if run >= 0:
                 rows.append(times)
-                print(f"run {run}: colocated {times['colocated']:.3f} s, PD {times['pd']:.3f} s (prefill answered "
+                print(f"run {run}: colocated {times['colocated']:.3f} s (dense {times['colocated_dense']:.3f} s), PD "
+                      f"{times['pd']:.3f} s (prefill answered "
                       f"{times['prefill_done']:.3f} s, room latency {times['transfer_latency']:.3f} s)", flush=True)
     finally:
         for s in servers:
             s.stop()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     ratio = med["pd"] / med["colocated"]
-    print(f"\n| prompt | runs | colocated TTFT (median) | PD TTFT (median) | PD / colocated | prefill answered | "
-          f"decode room latency |\n|---|---|---|---|---|---|---|\n| {args.prompt_tokens} | {args.runs} | "
-          f"{med['colocated']:.3f} s | {med['pd']:.3f} s | {ratio:.3f} | {med['prefill_done']:.3f} s | "
-          f"{med['transfer_latency']:.3f} s |")
+    print(f"\n| prompt | runs | colocated HiSparse TTFT | colocated dense TTFT | PD TTFT | PD / colocated HiSparse | "
+          f"PD / colocated dense | prefill answered | PD − prefill answered |\n|---|---|---|---|---|---|---|---|---|\n"
+          f"| {args.prompt_tokens} | {args.runs} | {med['colocated']:.3f} s | {med['colocated_dense']:.3f} s | "
+          f"{med['pd']:.3f} s | {ratio:.3f} | {med['pd'] / med['colocated_dense']:.3f} | {med['prefill_done']:.3f} s | "
+          f"{med['pd_minus_prefill_answered']:.3f} s |  (medians over runs)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "host": platform.node(),
         "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(), "args": vars(args), "runs": rows,
-        "median": med, "pd_over_colocated": ratio,
+        "median": med, "pd_over_colocated": ratio, "pd_over_colocated_dense": med["pd"] / med["colocated_dense"],
     }, indent=2))
     print(f"wrote {args.out}")
     return 0

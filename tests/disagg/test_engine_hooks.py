@@ -17,7 +17,7 @@ from decode_server.engine.request import RequestStatus
 from decode_server.engine.sampling_params import SamplingParams
 
 # Prompts shorter and longer than the decode buffer (D = top_k = 64); chunked prefill of 32 tokens.
-PROMPT_LENS = [5, 70, 130]
+PROMPT_LENS = [20, 130]
 MAX_TOKENS = 6
 
 

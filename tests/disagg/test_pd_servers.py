@@ -47,8 +47,9 @@ def servers() -> Iterator[dict]:
     mismatched = decode_server("--kv-cache-dtype", "bfloat16", hisparse=True)
     everyone = [prefill, *decodes.values(), mismatched]
     start_all(*everyone)
+    registered = {s.url: disagg_stats(s)["registered_bytes"] for s in everyone}
     try:
-        yield {"prefill": prefill, **decodes, "mismatched": mismatched}
+        yield {"prefill": prefill, **decodes, "mismatched": mismatched, "registered_at_start": registered}
     finally:
         for s in everyone:
             s.kill()
@@ -294,3 +295,11 @@ def test_handshake_mismatch_refused(servers):
     assert err.value.status_code == 503 and "transfer layout mismatch" in message, message
     assert "2304" in message and "1152" in message  # fp32 vs bf16 MLA rows
     wait_pd_idle(decode)
+
+
+def test_registered_memory_unchanged(servers):
+    """Registration happens once, at start: no fault above registered or leaked a buffer."""
+    for name in ("prefill", "hisparse", "dense", "mismatched"):
+        server = servers[name]
+        now = disagg_stats(server)["registered_bytes"]
+        assert now > 0 and now == servers["registered_at_start"][server.url], name

@@ -5,6 +5,7 @@ bootstrap unreachable, prefill-side failure). Short timeouts come from construct
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -174,10 +175,15 @@ def test_prefill_side_failure_aborts_decode_room(pair):
     prefill.call("expect", room)
     assert prefill.call("wait_event", room, 10)[0] == "ready"
     prefill.call("send", room, list(range(8)), 0)
+    acks_before = prefill.call("state")["stats"]["abort_acks_received"]
     assert prefill.call("fail", room, "prefill request failed: out of memory")
     ok, reason, _ = decode.call("wait", room, 5)
     assert not ok and "out of memory" in reason
     prefill.call("release", room)
+    deadline = time.monotonic() + 5  # decode acknowledges prefill's ABORT too
+    while prefill.call("state")["stats"]["abort_acks_received"] == acks_before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert prefill.call("state")["stats"]["abort_acks_received"] == acks_before + 1
     assert_quiet(prefill, decode)
 
 

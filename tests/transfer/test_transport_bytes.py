@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from peer_harness import recv, region_arrays, start_peer
@@ -54,3 +56,33 @@ def test_two_process_write_moves_every_byte(peers):
     for name, arr in dst.items():
         np.testing.assert_array_equal(arr[:, dst_rows], src[name][:, src_rows], err_msg=name)
         assert not arr[:, ~written].any(), f"{name}: rows that were not targets changed"
+
+
+def test_transport_settings_and_registration(monkeypatch):
+    """Our timeout flag becomes mooncake's MC_TRANSFER_TIMEOUT (clamped to its 5 s minimum) before the engine
+    exists; tcp forces TCP; buffers register once and close() unregisters what is left."""
+    from transfer.errors import TransferError
+    from transfer.mooncake_transport import MooncakeTransport
+
+    monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    with pytest.raises(ValueError, match="needs an RDMA device"):
+        MooncakeTransport("127.0.0.1", "rdma")
+    with pytest.raises(ValueError, match="protocol must be"):
+        MooncakeTransport("127.0.0.1", "udp")
+    t = MooncakeTransport("127.0.0.1", "tcp", transfer_timeout_s=2.5)
+    assert os.environ["MC_TRANSFER_TIMEOUT"] == "5" and os.environ["MC_FORCE_TCP"] == "1"
+    assert t.session_id == f"127.0.0.1:{t.rpc_port}"
+    a, b = np.zeros(4096, np.uint8), np.zeros(64, np.uint8)
+    t.register(a.ctypes.data, a.nbytes)
+    t.register(b.ctypes.data, b.nbytes)
+    with pytest.raises(TransferError, match="already registered"):
+        t.register(a.ctypes.data, a.nbytes)
+    t.unregister(b.ctypes.data)
+    assert t.registered == {a.ctypes.data: 4096}
+    with pytest.raises(TransferError, match="failed"):  # nobody listens there: fails at once, not after 5 s
+        t.batch_write("127.0.0.1:1", [a.ctypes.data], [0], [16])
+    t.close()
+    assert t.registered == {}
+    with pytest.raises(TransferError, match="closed"):
+        t.batch_write("127.0.0.1:1", [a.ctypes.data], [0], [16])
