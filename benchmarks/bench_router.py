@@ -4,13 +4,14 @@
 By default the workers are lightweight SSE targets started by this script (`--serve-target`): each answers
 like our servers (OpenAI completion chunks, usage chunk, `[DONE]`, `/health`, `/load`, `/abort_request`) with
 `--tokens` chunks `--interval-ms` apart, so that the numbers measure the router and not the model. Two are
-started: one plays the prefill worker and one the decode worker. `--prefill-url/--decode-url` point it at real
+started: one plays the decode worker, the other the prefill worker (it answers with one token, as a PD prefill
+server does). `--prefill-url/--decode-url` point it at real
 servers instead (then `--interval-ms` is ignored).
 
 Per request: time to the first token chunk (TTFT) and to the end of the stream (E2E), direct vs routed, and the
 difference of the medians: the latency the router adds. Rounds alternate between the two paths.
 
-    python benchmarks/bench_router.py --concurrency 64 --rounds 10 --tokens 16 --interval-ms 5
+    python benchmarks/bench_router.py --concurrency 1 64 --rounds 10 --tokens 16 --interval-ms 5
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ REPO = Path(__file__).resolve().parents[1]
 # ----------------------------------------------------------------------------------------------- the target
 
 
-def serve_target(port: int, tokens_default: int, interval_ms: float) -> None:
-    """A minimal OpenAI-shaped SSE worker (Starlette on uvicorn, as the real servers)."""
+def serve_target(port: int, tokens_default: int, interval_ms: float, fixed_tokens: int | None) -> None:
+    """A minimal OpenAI-shaped SSE worker (Starlette on uvicorn, as the real servers). `fixed_tokens` (the
+    prefill target: 1) ignores the request's max_tokens, as a PD prefill server answers with one token."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -47,7 +49,7 @@ def serve_target(port: int, tokens_default: int, interval_ms: float) -> None:
 
     async def completions(request: Request) -> Response:
         body = json.loads(await request.body())
-        n = int(body.get("max_tokens") or tokens_default)
+        n = fixed_tokens or int(body.get("max_tokens") or tokens_default)
         rid = body.get("rid") or "cmpl-bench"
 
         async def frames():  # noqa: ANN202
@@ -122,6 +124,12 @@ async def run_round(url: str, concurrency: int, body: dict) -> list[tuple[float,
         return await asyncio.gather(*(one_stream(client, url, body) for _ in range(concurrency)))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
@@ -129,7 +137,7 @@ def pct(values: list[float], q: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[64], help="one table row pair per value")
     ap.add_argument("--rounds", type=int, default=10, help="rounds per path (alternating)")
     ap.add_argument("--tokens", type=int, default=16, help="chunks per stream (max_tokens)")
     ap.add_argument("--interval-ms", type=float, default=5.0, help="target: gap between chunks")
@@ -138,9 +146,10 @@ def main() -> None:
     ap.add_argument("--model", default="tiny-dsa", help="model name sent (real servers)")
     ap.add_argument("--json", type=Path, default=None, help="write the raw numbers here")
     ap.add_argument("--serve-target", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
+    ap.add_argument("--target-fixed-tokens", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_target is not None:
-        serve_target(args.serve_target, args.tokens, args.interval_ms)
+        serve_target(args.serve_target, args.tokens, args.interval_ms, args.target_fixed_tokens)
         return
 
     procs: list[subprocess.Popen[bytes]] = []
@@ -152,23 +161,32 @@ def main() -> None:
                 urls[role] = given.rstrip("/")
                 continue
             port = free_port()
+            fixed = ["--target-fixed-tokens", "1"] if role == "prefill" else []  # PD prefill: one token
             procs.append(subprocess.Popen([sys.executable, __file__, "--serve-target", str(port), "--tokens",
-                                           str(args.tokens), "--interval-ms", str(args.interval_ms)], env=env))  # fmt: skip
+                                           str(args.tokens), "--interval-ms", str(args.interval_ms), *fixed],
+                                          env=env))  # fmt: skip
             urls[role] = f"http://127.0.0.1:{port}"
         router_port = free_port()
         router_url = f"http://127.0.0.1:{router_port}"
-        procs.append(subprocess.Popen([sys.executable, "-m", "decode_server.cli", "router", "--prefill",
+        router_proc = subprocess.Popen([sys.executable, "-m", "decode_server.cli", "router", "--prefill",
                                        urls["prefill"], "--decode", urls["decode"], "--port", str(router_port),
                                        "--log-level", "warning", "--health-check-interval-secs", "0.5"],
-                                      env=env, cwd=REPO))  # fmt: skip
+                                      env=env, cwd=REPO)  # fmt: skip
+        procs.append(router_proc)
         for url in (*urls.values(), router_url):
             wait_healthy(url)
         body = {"model": args.model, "prompt": "Benchmark", "max_tokens": args.tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}  # fmt: skip
-        results: dict[str, list[tuple[float, float]]] = {"direct": [], "router": []}
-        for _ in range(args.rounds):
-            for path, url in (("direct", urls["decode"]), ("router", router_url)):
-                results[path] += asyncio.run(run_round(url, args.concurrency, body))
+        results: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        router_cpu: dict[int, float] = {}
+        for c in args.concurrency:
+            for _ in range(args.rounds):
+                for path, url in (("direct", urls["decode"]), ("router", router_url)):
+                    before = cpu_seconds(router_proc.pid)
+                    results.setdefault((c, path), []).extend(asyncio.run(run_round(url, c, body)))
+                    if path == "router":  # its CPU time per request, warm-up requests included
+                        router_cpu[c] = router_cpu.get(c, 0.0) + (cpu_seconds(router_proc.pid) - before) / (
+                            c + min(c, 8)) / args.rounds
         dispatch = _router_dispatch_mean(router_url)
     finally:
         for p in procs:
@@ -179,24 +197,32 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
 
-    rows = {}
-    for path, samples in results.items():
-        ttft = [s[0] * 1000 for s in samples]
-        e2e = [s[1] * 1000 for s in samples]
-        rows[path] = {"n": len(samples), "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90),
-                      "ttft_p99": pct(ttft, 99), "e2e_p50": pct(e2e, 50), "e2e_p90": pct(e2e, 90),
-                      "e2e_p99": pct(e2e, 99), "e2e_mean": statistics.fmean(e2e)}  # fmt: skip
-    added = {k: rows["router"][k] - rows["direct"][k] for k in ("ttft_p50", "e2e_p50")}
-    print(f"\n{args.concurrency} concurrent streams x {args.rounds} rounds per path, {args.tokens} chunks per "
-          f"stream, target interval {args.interval_ms:g} ms; machine: {platform.node()} ({os.cpu_count()} CPUs), "
-          f"load average {os.getloadavg()[0]:.1f}\n")  # fmt: skip
-    print("| path | requests | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p90 ms | E2E p99 ms |")
-    print("|---|---|---|---|---|---|---|---|")
-    for path, r in rows.items():
-        print(f"| {path} | {r['n']} | {r['ttft_p50']:.2f} | {r['ttft_p90']:.2f} | {r['ttft_p99']:.2f} | "
-              f"{r['e2e_p50']:.2f} | {r['e2e_p90']:.2f} | {r['e2e_p99']:.2f} |")  # fmt: skip
-    print(f"\nrouter-added latency (p50 difference): TTFT {added['ttft_p50']:+.2f} ms, E2E {added['e2e_p50']:+.2f} ms;"
-          f" router dispatch overhead (its own metric, mean): {dispatch * 1000:.3f} ms")  # fmt: skip
+    rows: dict[str, dict[str, float]] = {}
+    for (c, path), samples in results.items():
+        ttft = [x[0] * 1000 for x in samples]
+        e2e = [x[1] * 1000 for x in samples]
+        rows[f"{c}/{path}"] = {"concurrency": c, "n": len(samples), "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90),
+                               "ttft_p99": pct(ttft, 99), "e2e_p50": pct(e2e, 50), "e2e_p90": pct(e2e, 90),
+                               "e2e_p99": pct(e2e, 99), "e2e_mean": statistics.fmean(e2e)}  # fmt: skip
+    print(f"\n{args.rounds} rounds per path and concurrency (alternating), {args.tokens} chunks per stream, target "
+          f"interval {args.interval_ms:g} ms; machine: {platform.node()} ({os.cpu_count()} CPUs), load average "
+          f"{os.getloadavg()[0]:.1f}\n")  # fmt: skip
+    print("| streams | path | requests | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p90 ms | E2E p99 ms "
+          "| added p50 TTFT / E2E ms | router CPU ms / request |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    added = {}
+    for c in args.concurrency:
+        d, r_ = rows[f"{c}/direct"], rows[f"{c}/router"]
+        added[c] = {"ttft_p50": r_["ttft_p50"] - d["ttft_p50"], "e2e_p50": r_["e2e_p50"] - d["e2e_p50"]}
+        added[c]["router_cpu_ms_per_request"] = router_cpu[c] * 1000
+        for path, r in (("direct", d), ("router", r_)):
+            routed = path == "router"
+            extra = f"{added[c]['ttft_p50']:+.2f} / {added[c]['e2e_p50']:+.2f}" if routed else ""
+            cpu = f"{router_cpu[c] * 1000:.2f}" if routed else ""
+            print(f"| {c} | {path} | {r['n']} | {r['ttft_p50']:.2f} | {r['ttft_p90']:.2f} | {r['ttft_p99']:.2f} | "
+                  f"{r['e2e_p50']:.2f} | {r['e2e_p90']:.2f} | {r['e2e_p99']:.2f} | {extra} | {cpu} |")  # fmt: skip
+    print(f"\nrouter dispatch overhead (its own metric: arrival to the worker requests going out, mean over all "
+          f"requests): {dispatch * 1000:.3f} ms")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"date": datetime.now(UTC).isoformat(), "args": vars(args) | {"json": str(args.json)},
                                          "rows": rows, "added_ms": added, "dispatch_mean_s": dispatch,

@@ -105,12 +105,14 @@ class Deployment:
 
     def start(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Every fork before any thread starts: preexec_fn is only safe in a single-threaded parent.
         for child in self.children:
             child.proc = subprocess.Popen(  # noqa: S603
                 child.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, preexec_fn=_set_pdeathsig, env=env,
             )  # fmt: skip
             child.pgid = child.proc.pid  # a new session: its leader's pid is the group id
+        for child in self.children:
             pump = threading.Thread(target=self._pump, args=(child,), name=f"log-{child.role}", daemon=True)
             pump.start()
             child.pumps.append(pump)

@@ -373,6 +373,7 @@ class Dispatcher:
                 logger.warning("decode worker %s failed mid-stream of %s: %s", decode.url, rid, exc)
                 self._count(decode, "stream_error")
                 pair.abort_prefill()
+                pair.abort_decode()  # it may only be slow: free the request there too
                 prefix = b"" if last.endswith(b"\n\n") else b"\n\n"  # end a frame cut in the middle first
                 kind = "timed out" if isinstance(exc, asyncio.TimeoutError) else "failed"
                 yield prefix + _sse_error(f"decode worker {decode.url} {kind} mid-stream ({type(exc).__name__})",

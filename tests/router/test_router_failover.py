@@ -4,6 +4,7 @@ ones go to the other prefill worker; with no prefill worker left, a clear 503 at
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import threading
 import time
@@ -114,6 +115,37 @@ def test_unresponsive_worker_leaves_and_rejoins_the_rotation(workers: tuple) -> 
             assert httpx.post(r.url + "/v1/completions", json=SHORT, timeout=60).status_code == 200
         assert r.requests_at(frozen) - before == 1  # round robin again over both
     finally:
+        try:
+            assert r.stop() == 0, r.log_text()
+        finally:
+            r.kill()
+
+
+def test_decode_silent_mid_stream_ends_with_an_error_event(workers: tuple) -> None:
+    """Decode stops answering after the first bytes (SIGSTOP): the stream ends with an OpenAI-style error event
+    and [DONE] after --request-timeout-secs (no retry: the client saw tokens); both workers free the request."""
+    prefill, decode = workers
+    r = RouterProcess(prefill[:1], decode[:1], "--request-timeout-secs", "5").wait_ready()
+    body = {"model": MODEL, "prompt": "Go on:", "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+    frames: list[str] = []
+    try:
+        with httpx.stream("POST", r.url + "/v1/completions", json=body, timeout=120) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                frames.append(line)
+                if len(frames) == 2:
+                    decode[0].server.proc.send_signal(signal.SIGSTOP)
+        decode[0].server.proc.send_signal(signal.SIGCONT)
+        assert frames[-1] == "data: [DONE]"
+        error = json.loads(frames[-2][len("data: "):])["error"]
+        assert error["type"] == "worker_failed" and error["code"] == 502 and "timed out" in error["message"], error
+        assert r.metric("hisparse_router:requests_total", role="decode", worker=decode[0].url,
+                        outcome="stream_error") == 1  # fmt: skip
+        wait_all_idle([prefill[0], decode[0]])
+    finally:
+        decode[0].server.proc.send_signal(signal.SIGCONT)
         try:
             assert r.stop() == 0, r.log_text()
         finally:
