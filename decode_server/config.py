@@ -50,6 +50,8 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: KVCacheDType = "auto"
     # "torch_native": the PyTorch reference attention / indexer kernels even on CUDA (any MLA / indexer size).
     attention_backend: Literal["auto", "torch_native"] = "auto"
+    # Batch-invariant mode: a request's tokens and logprobs do not depend on what else runs (docs/models.md).
+    enable_deterministic_inference: bool = False
     seed: int = 0
 
     enable_hisparse: bool = False

@@ -262,7 +262,8 @@ def sparse_mla_decode_triton(
     config: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. `config` overrides the block sizes (benchmarks try alternatives); "WIDE": 1
-    selects, for float rows, the variant that treats the 512 latent dims as one tile."""
+    selects, for float rows, the variant that treats the 512 latent dims as one tile; "SPLITS" fixes the split
+    count (batch-invariant mode: otherwise it follows the batch size)."""
     if q.dim() != 3 or q.shape[2] != D_QK or indices.dim() != 2 or indices.shape[0] != q.shape[0]:
         raise ValueError(f"expected q [B, H, 576] and indices [B, K], got {tuple(q.shape)}, {tuple(indices.shape)}")
     batch, num_heads, _ = q.shape
@@ -286,7 +287,7 @@ def sparse_mla_decode_triton(
         indices = indices.contiguous()
     device = q.device
     num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 132  # 132: Triton's CPU interpreter
-    splits = choose_splits(batch, num_heads, top_k, block_h, block_n, num_sms)
+    splits = cfg.get("SPLITS") or choose_splits(batch, num_heads, top_k, block_h, block_n, num_sms)
     out = torch.empty((batch, num_heads, D_V), dtype=q.dtype, device=device)
     lse = torch.empty((batch, num_heads), dtype=torch.float32, device=device)
     if batch == 0:

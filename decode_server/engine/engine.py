@@ -39,6 +39,7 @@ from decode_server.errors import (
     QueueFullError,
 )
 from decode_server.hisparse.coordinator import HiSparseCoordinator
+from decode_server.model.batch_invariant import batch_invariant_mode
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,8 @@ class Engine:
         if self.context_length <= 0:
             raise ValueError("context length unknown: set context_length")
         self.kv = kv_manager if kv_manager is not None else self._build_kv_manager()
-        self.scheduler = Scheduler(self.kv, config.max_running_requests, config.chunked_prefill_size)
+        self.scheduler = Scheduler(self.kv, config.max_running_requests, config.chunked_prefill_size,
+                                   fixed_prefill_chunks=config.enable_deterministic_inference)
         self.sampler = Sampler()
         self.eos_token_ids = _eos_ids(model_config, tokenizer)
         self.logits_hook: LogitsHook | None = None
@@ -199,11 +201,12 @@ class Engine:
         ids = [r.token_at(p + i) for r, p, e in zip(batch.requests, batch.prefix_lens, batch.extend_lens, strict=True)
                for i in range(e)]
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        with forward_context(fb, self.kv.backend):
-            hidden = self.model.forward(input_ids, fb.positions)
-        pick = [i for i, s in enumerate(batch.sampled) if s]
-        last = fb.last_token_indices[torch.tensor(pick, dtype=torch.int64, device=self.device)]
-        return self.model.compute_logits(hidden[last])
+        with batch_invariant_mode(self.config.enable_deterministic_inference):
+            with forward_context(fb, self.kv.backend):
+                hidden = self.model.forward(input_ids, fb.positions)
+            pick = [i for i, s in enumerate(batch.sampled) if s]
+            last = fb.last_token_indices[torch.tensor(pick, dtype=torch.int64, device=self.device)]
+            return self.model.compute_logits(hidden[last])
 
     def _append_token(self, req: Request, token: int, logprob: Any) -> RequestDelta:
         if req.status is RequestStatus.PREFILLING:
