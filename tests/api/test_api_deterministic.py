@@ -15,6 +15,7 @@ batching does but is not guaranteed to do on every machine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 
 import openai
@@ -70,6 +71,7 @@ def run_concurrently(server: ServerProcess, requests: list[dict]) -> list[tuple]
     return asyncio.run(go())
 
 
+@contextlib.contextmanager
 def _server(*args: str) -> Iterator[ServerProcess]:
     server = ServerProcess(*ARGS, *args)
     try:
@@ -81,12 +83,14 @@ def _server(*args: str) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def deterministic_dense() -> Iterator[ServerProcess]:
-    yield from _server(*DETERMINISTIC)
+    with _server(*DETERMINISTIC) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def deterministic_hisparse() -> Iterator[ServerProcess]:
-    yield from _server(*DETERMINISTIC, *HISPARSE)
+    with _server(*DETERMINISTIC, *HISPARSE) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +129,7 @@ def test_512_token_prompts_alone_equal_batched(deterministic_dense, deterministi
 def test_without_the_flag_batching_changes_logprobs() -> None:
     """The comparison above is sensitive: without the flag, running concurrently changes some logprob bits."""
     requests = _requests(PROMPT_LEN)
-    for server in _server():
+    with _server() as server:
         alone = run_alone(server, requests)
         batched = run_concurrently(server, requests)
         differing = sum(a[2] != b[2] for a, b in zip(alone, batched, strict=True))
