@@ -7,7 +7,8 @@ the issue's ~512-token prompts (8 chunks each) are `slow` (about 4x the CPU time
 the 512-token run did not finish within pytest's 600 s limit while other jobs ran).
 
 Without the flag the same comparison finds differences: the GEMM shapes, hence the float rounding of each row,
-follow the batch (measured: logprobs of 5 of 6 requests differed in some bit, tokens of none, on tiny-dsa CPU).
+follow the batch (measured with this file's slow test: logprobs of 16 of 16 requests differed in some bit, tokens
+of none, on tiny-dsa CPU).
 That check is `slow` (it needs a third server) and asserts only that some logprob differs, which is what
 batching does but is not guaranteed to do on every machine.
 """
