@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="batch-invariant mode (docs/models.md): measure its cost against a run without it")
     p.add_argument("--out", default=None, help="JSON results (default benchmarks/results/bench_decode[_smoke].json)")
     p.add_argument("--plot", default=None, help="PNG plot (default next to the JSON)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU: tiny-dsa, 2 contexts, 3 steps")
@@ -155,6 +157,7 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
         host_kv_budget_bytes=int(args.host_kv_budget_gib * GIB), max_running_requests=batch_cap,
         max_queued_requests=batch_cap + 1, chunked_prefill_size=max(2048, args.page_size),
         hisparse=HiSparseConfig(device_buffer_size=args.buffer_size, num_recent_slots=args.num_recent),
+        enable_deterministic_inference=args.enable_deterministic_inference,
     )
     kv = None
     if hisparse:
@@ -410,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{'PCIe MB/step':>14}{'fwd ms':>9}{'idx ms':>9}{'attn ms':>9}{'swap ms':>9}")
     print(f"device: {device_name}; config: {args.config}; budget: {args.device_kv_budget_gib:g} GiB device, "
           f"{args.host_kv_budget_gib:g} GiB host; steps: {args.steps}; KV {args.kv_cache_dtype}; attention "
-          f"{resolve_attention_kernel(args.attention_backend, device)}")
+          f"{resolve_attention_kernel(args.attention_backend, device, args.enable_deterministic_inference)}"
+          + ("; deterministic inference" if args.enable_deterministic_inference else ""))
     print(header)
     for r in results:
         label = r["mode"] + (f"@B{r['fixed_batch']}" if r.get("fixed_batch") else "")
@@ -424,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_name,
-            "attention_kernel": resolve_attention_kernel(args.attention_backend, device),
+            "attention_kernel": resolve_attention_kernel(args.attention_backend, device,
+                                                         args.enable_deterministic_inference),
             "command": " ".join(sys.argv), "args": vars(args)}
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     if ok:

@@ -60,6 +60,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="sparse MLA kernel on CUDA (auto: flashmla on Hopper when installed, else triton); torch_native: the "
         "PyTorch reference kernels on any device (MLA / indexer sizes the GPU kernels refuse)",
     )
+    g.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch-invariant kernels and fixed prefill chunks: a request's output does not depend on its batch",
+    )
     g.add_argument("--random-seed", type=int, default=d.seed, help="seed of requests that give none")
     g.add_argument("--context-length", type=int, default=None, help="cap on prompt + generated tokens")
     g.add_argument(
@@ -160,6 +165,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
+        enable_deterministic_inference=args.enable_deterministic_inference,
         seed=args.random_seed,
         context_length=args.context_length,
         enable_hisparse=args.enable_hisparse,

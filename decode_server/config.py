@@ -85,6 +85,8 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     kv_cache_dtype: KVCacheDType = "auto"
     attention_backend: AttentionBackendName = "auto"
+    # Batch-invariant mode: a request's tokens and logprobs do not depend on what else runs (docs/models.md).
+    enable_deterministic_inference: bool = False
     seed: int = 0
 
     enable_hisparse: bool = False

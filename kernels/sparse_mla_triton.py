@@ -241,7 +241,7 @@ def sparse_mla_decode_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. `config` overrides the block sizes (benchmarks try alternatives); "WIDE": 1
     selects, for float rows, the variant that treats the 512 latent dims as one tile; "SPLITS": n forces the
-    split count (the split sweep of the benchmark)."""
+    split count (the benchmark's split sweep; batch-invariant mode fixes it, otherwise it follows the batch size)."""
     if q.dim() != 3 or q.shape[2] != D_QK or indices.dim() != 2 or indices.shape[0] != q.shape[0]:
         raise ValueError(f"expected q [B, H, 576] and indices [B, K], got {tuple(q.shape)}, {tuple(indices.shape)}")
     batch, num_heads, _ = q.shape

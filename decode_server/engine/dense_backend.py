@@ -12,6 +12,7 @@ from decode_server.engine.attention_backend import AttentionBackend
 from decode_server.engine.forward_context import ForwardBatch
 from decode_server.engine.kv_alloc import PagedAllocator, RequestTokenTable
 from decode_server.engine.kv_rows import CacheGeometry, encode_rows, storage_layout
+from decode_server.model import batch_invariant
 from kernels import indexer_topk as _indexer_topk
 from kernels import sparse_mla_decode as _sparse_mla
 from kernels.dispatch import sparse_mla_decode_rows_ref
@@ -158,7 +159,13 @@ def attend_in_chunks(
     shrink the kernel's grid). The reference (CPU, or `reference` on any device) gathers the rows, so queries go
     in chunks that keep the gathered rows under a fixed size; each query's result depends only on its own rows,
     so chunking never changes a bit of the output.
+
+    Batch-invariant mode (`--enable-deterministic-inference`): the Triton kernel runs with one split whatever the
+    batch, and the reference on fixed tiles of `batch_invariant.ROW_TILE` queries (padded), so the kernels see the
+    same shapes whatever else is in the batch.
     """
+    if batch_invariant.enabled():
+        return _attend_batch_invariant(q, kv, slots, softmax_scale, d_v, reference)
     if q.is_cuda and not reference:
         return _sparse_mla(q, kv, slots, softmax_scale, kernel=kernel)[0]
     num_q, top_k = slots.shape
@@ -167,3 +174,22 @@ def attend_in_chunks(
     outs = [sparse_mla_decode_rows_ref(q[i : i + chunk], kv, slots[i : i + chunk], softmax_scale, d_v)[0]
             for i in range(0, num_q, chunk)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _attend_batch_invariant(
+    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, softmax_scale: float, d_v: int, reference: bool
+) -> torch.Tensor:
+    if q.is_cuda and not reference:
+        from kernels.sparse_mla_triton import default_config, sparse_mla_decode_triton
+
+        config = {**default_config(q.shape[1], kv.dtype == torch.uint8), "SPLITS": 1}
+        return sparse_mla_decode_triton(q, kv, slots, softmax_scale, config)[0]
+    tile = batch_invariant.ROW_TILE
+    num_q = q.shape[0]
+    pad = (-num_q) % tile or (tile if num_q == 0 else 0)
+    if pad:
+        q = torch.cat((q, q.new_zeros(pad, *q.shape[1:])))
+        slots = torch.cat((slots, slots.new_full((pad, slots.shape[1]), -1)))
+    outs = [sparse_mla_decode_rows_ref(q[i : i + tile], kv, slots[i : i + tile], softmax_scale, d_v)[0]
+            for i in range(0, q.shape[0], tile)]
+    return torch.cat(outs)[:num_q]

@@ -39,6 +39,7 @@ from decode_server.errors import (
     QueueFullError,
 )
 from decode_server.hisparse.coordinator import HiSparseCoordinator
+from decode_server.model.batch_invariant import batch_invariant_mode
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +94,11 @@ class Engine:
         if self.context_length <= 0:
             raise ValueError("context length unknown: set context_length")
         self.kv = kv_manager if kv_manager is not None else self._build_kv_manager()
-        self.attention_kernel = resolve_attention_kernel(config.attention_backend, self.device)
+        self.attention_kernel = resolve_attention_kernel(config.attention_backend, self.device,
+                                                         config.enable_deterministic_inference)
         self.kv.backend.attention_kernel = self.attention_kernel
-        self.scheduler = Scheduler(self.kv, config.max_running_requests, config.chunked_prefill_size)
+        self.scheduler = Scheduler(self.kv, config.max_running_requests, config.chunked_prefill_size,
+                                   fixed_prefill_chunks=config.enable_deterministic_inference)
         self.sampler = Sampler()
         self.eos_token_ids = _eos_ids(model_config, tokenizer)
         self.logits_hook: LogitsHook | None = None
@@ -264,13 +267,14 @@ class Engine:
         ids = [r.token_at(p + i) for r, p, e in zip(batch.requests, batch.prefix_lens, batch.extend_lens, strict=True)
                for i in range(e)]
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        with forward_context(fb, self.kv.backend):
-            hidden = self.model.forward(input_ids, fb.positions)
-        if fb.is_decode and all(batch.sampled):
-            return self.model.compute_logits(hidden)  # one token per request, every one sampled: no gather
-        pick = torch.tensor([i for i, s in enumerate(batch.sampled) if s], dtype=torch.int64)
-        last = fb.last_token_indices[pick.to(self.device, non_blocking=True)]
-        return self.model.compute_logits(hidden[last])
+        with batch_invariant_mode(self.config.enable_deterministic_inference):
+            with forward_context(fb, self.kv.backend):
+                hidden = self.model.forward(input_ids, fb.positions)
+            if fb.is_decode and all(batch.sampled):
+                return self.model.compute_logits(hidden)  # one token per request, every one sampled: no gather
+            pick = torch.tensor([i for i, s in enumerate(batch.sampled) if s], dtype=torch.int64)
+            last = fb.last_token_indices[pick.to(self.device, non_blocking=True)]
+            return self.model.compute_logits(hidden[last])
 
     def _append_token(self, req: Request, token: int, logprob: Any) -> RequestDelta:
         if req.status is RequestStatus.PREFILLING:
@@ -324,14 +328,22 @@ class Engine:
         return not self._requests and not self.scheduler.has_work() and self.kv.is_empty()
 
 
-def resolve_attention_kernel(name: str, device: torch.device) -> str:
+def resolve_attention_kernel(name: str, device: torch.device, deterministic: bool = False) -> str:
     """--attention-backend → the sparse MLA kernel the backends pass to `kernels.sparse_mla_decode`.
 
     "auto": FlashMLA on a Hopper GPU where the `sgl-flash-mla` wheel imports, Triton otherwise (off CUDA the
     kernels run their PyTorch reference whatever the name). "flashmla" without FlashMLA is a configuration error.
+    With `--enable-deterministic-inference` attention runs the Triton kernel with one split (FlashMLA's split
+    scheduling follows the batch size, so it is not batch-invariant): "auto" resolves to "triton" and an explicit
+    "flashmla" is refused.
     """
     from kernels.sparse_mla_flashmla import flashmla_available
 
+    if deterministic:
+        if name == "flashmla":
+            raise ValueError("--attention-backend flashmla cannot be batch-invariant (its split scheduling follows "
+                             "the batch); --enable-deterministic-inference runs the Triton kernel with one split")
+        return "triton" if name == "auto" else name
     available = device.type == "cuda" and flashmla_available(device)
     if name == "auto":
         return "flashmla" if available else "triton"

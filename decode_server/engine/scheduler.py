@@ -64,10 +64,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_running_requests: int, chunked_prefill_size: int) -> None:
+    def __init__(
+        self, kv: KVManager, max_running_requests: int, chunked_prefill_size: int, fixed_prefill_chunks: bool = False
+    ) -> None:
         self.kv = kv
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
+        # Deterministic inference: a prompt is always cut at multiples of chunked_prefill_size of its own tokens,
+        # whatever else is prefilling (chunk boundaries change the indexer's GEMM shapes, hence its rounding).
+        self.fixed_prefill_chunks = fixed_prefill_chunks
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
@@ -232,6 +237,10 @@ class Scheduler:
             if budget <= 0:
                 break
             n = min(req.prompt_len - req.num_computed, budget)
+            if self.fixed_prefill_chunks:
+                n = min(req.prompt_len - req.num_computed, self.chunked_prefill_size)
+                if n > budget:
+                    break  # its whole next chunk runs in a later pass
             budget -= n
             reqs.append(req)
             prefix.append(req.num_computed)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from decode_server.engine.forward_context import get_forward_context
+from decode_server.model.batch_invariant import Linear, batched_matmul
 from decode_server.model.config import ModelConfig
 from decode_server.model.indexer import Indexer
 from decode_server.model.layers import RMSNorm
@@ -43,13 +44,13 @@ class MLAAttention(nn.Module):
         self.softmax_scale = config.softmax_scale
         self.index_topk = config.index_topk
         bias = config.attention_bias
-        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
+        self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank, bias=bias)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * config.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, config.kv_row_dim, bias=bias)
+        self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * config.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(config.hidden_size, config.kv_row_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, config.hidden_size, bias=bias)
+        self.kv_b_proj = Linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = Linear(self.num_heads * self.v_dim, config.hidden_size, bias=bias)
         self.indexer = Indexer(config) if config.is_index_layer(layer_id) else None
         # Absorbed up-projections, [H, nope, 512] and [H, v, 512]: filled from kv_b_proj by `absorb_weights`.
         self.register_buffer("w_uk", torch.empty(0), persistent=False)
@@ -78,7 +79,7 @@ class MLAAttention(nn.Module):
         # W_UKᵀ q_nope per head, in token chunks so the temporary stays small for long prefills.
         for start in range(0, num_tokens, _ABSORB_CHUNK_TOKENS):
             rows = slice(start, start + _ABSORB_CHUNK_TOKENS)
-            latent = torch.matmul(q[rows, :, : self.nope_dim].transpose(0, 1), self.w_uk)  # [H, t, 512]
+            latent = batched_matmul(q[rows, :, : self.nope_dim].transpose(0, 1), self.w_uk)  # [H, t, 512]
             query[rows, :, : self.kv_lora_rank] = latent.transpose(0, 1)
         query[..., self.kv_lora_rank :] = apply_rope_interleaved(q[..., self.nope_dim :], cos, sin)
         return query
@@ -116,6 +117,6 @@ class MLAAttention(nn.Module):
         latent_out = backend.sparse_attention(self.layer_id, query, positions, self.softmax_scale)  # [T, H, 512]
         del query
         # [H, T, 512] @ [H, 512, v] → [H, T, v] → [T, H·v]
-        out = torch.matmul(latent_out.to(self.w_uv.dtype).transpose(0, 1), self.w_uv.transpose(1, 2))
+        out = batched_matmul(latent_out.to(self.w_uv.dtype).transpose(0, 1), self.w_uv.transpose(1, 2))
         del latent_out
         return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.v_dim)), positions

@@ -24,9 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from decode_server.model import batch_invariant
+from decode_server.model.batch_invariant import Linear
 from decode_server.model.config import ModelConfig
 from decode_server.model.rope import apply_rope_half_split, apply_rope_interleaved
 from kernels.indexer_ref import quantize_index_keys
@@ -65,11 +66,11 @@ class Indexer(nn.Module):
         self.rope_dim = config.qk_rope_head_dim
         self.apply_rope = apply_rope_interleaved if config.indexer_rope_interleave else apply_rope_half_split
         self.weight_scale = config.index_weight_scale
-        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         # Kept in float32 (bf16 in checkpoints, upcast like DeepSeek's inference code and transformers).
-        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
         self.register_buffer("hadamard", hadamard_matrix(self.head_dim), persistent=False)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -80,10 +81,10 @@ class Indexer(nn.Module):
         """x [T, hidden], q_latent [T, q_lora_rank]; cos/sin [T, rope_dim/2] float32."""
         num_tokens = x.shape[0]
         q = self.wq_b(q_latent).float().view(num_tokens, self.n_heads, self.head_dim)
-        q = self._rope(q, cos, sin) @ self.hadamard
-        k = self.wk(x).float()
-        k = F.layer_norm(k, (self.head_dim,), self.k_norm.weight.float(), self.k_norm.bias.float(), self.k_norm.eps)
-        k = self._rope(k, cos, sin) @ self.hadamard
+        q = batch_invariant.matmul_rows(self._rope(q, cos, sin).view(num_tokens, -1), self.hadamard, self.n_heads)
+        q = q.view(num_tokens, self.n_heads, self.head_dim)
+        k = batch_invariant.layer_norm(self.wk(x).float(), self.k_norm)
+        k = batch_invariant.matmul_rows(self._rope(k, cos, sin), self.hadamard)
         keys_fp8, key_scales = quantize_index_keys(k)
-        weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale
+        weights = batch_invariant.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale
         return IndexerOutput(q=q, weights=weights, keys_fp8=keys_fp8, key_scales=key_scales)

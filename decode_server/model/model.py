@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from decode_server.model.attention import MLAAttention
+from decode_server.model.batch_invariant import Linear
 from decode_server.model.config import ModelConfig
 from decode_server.model.layers import MLP, RMSNorm
 from decode_server.model.moe import MoE
@@ -61,7 +62,7 @@ class DSAForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DSAModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
     def num_layers(self) -> int:

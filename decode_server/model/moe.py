@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decode_server.model import batch_invariant
 from decode_server.model.config import ModelConfig
 from decode_server.model.layers import MLP
 
@@ -64,7 +65,7 @@ class MoEGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        logits = torch.nn.functional.linear(x.float(), self.weight.float())
+        logits = batch_invariant.linear(x.float(), self.weight.float())
         return route_tokens(
             logits, self.e_score_correction_bias, c.n_group, c.topk_group, c.num_experts_per_tok,
             c.norm_topk_prob, c.routed_scaling_factor,
@@ -93,7 +94,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.gate(x)
-        if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        # Batch-invariant mode runs the experts one by one on fixed row tiles (decode_server/model/batch_invariant.py).
+        grouped_ok = not batch_invariant.enabled() and hasattr(torch, "_grouped_mm")
+        if x.is_cuda and x.dtype == torch.bfloat16 and grouped_ok:
             routed = self.routed_grouped(x, weights, expert_ids)
         else:
             routed = self.routed_loop(x, weights, expert_ids)

@@ -1,0 +1,99 @@
+"""Batch-invariant arithmetic for `--enable-deterministic-inference` (a request's output never depends on its batch).
+
+A GEMM kernel's choice of blocking, split-K and threading depends on the matrix shape, so the float rounding of a
+token's row changes with how many other rows share the call (M). With the mode on, every operation whose kernel
+sees the number of tokens runs on fixed-size row tiles instead: the input's rows are padded to a multiple of
+`ROW_TILE` and processed `ROW_TILE` rows per call, so each kernel always sees the same shape and a row's result
+depends only on that row. This covers the model's linear layers, the absorbed MLA matmuls, the indexer's
+projections and Hadamard rotation, RMSNorm / LayerNorm (row reductions whose GPU launch configuration depends on
+the row count), the router, and the routed experts (which run per expert, on tiles, instead of as one grouped GEMM).
+Attention and indexer kernels are per query already; the attention backend additionally fixes its query tiles
+and split counts while the mode is on (engine/dense_backend.py).
+
+The mode is a context variable that the engine sets around each forward pass, so engines with and without it can
+live in one process. Its cost is the padding (at most ROW_TILE - 1 wasted rows per call) and the extra calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROW_TILE = 64
+
+_enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("batch_invariant", default=False)
+
+
+def enabled() -> bool:
+    return _enabled.get()
+
+
+@contextlib.contextmanager
+def batch_invariant_mode(on: bool = True) -> Iterator[None]:
+    token = _enabled.set(on)
+    try:
+        yield
+    finally:
+        _enabled.reset(token)
+
+
+def on_row_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn over the rows of x [..., K] (leading dims flattened), ROW_TILE zero-padded rows per call."""
+    lead, width = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, width)
+    n = rows.shape[0]
+    pad = (-n) % ROW_TILE
+    if pad or n == 0:
+        rows = torch.cat((rows, rows.new_zeros(pad or ROW_TILE, width)))
+    outs = [fn(rows[i : i + ROW_TILE].contiguous()) for i in range(0, rows.shape[0], ROW_TILE)]
+    out = torch.cat(outs)[:n]
+    return out.reshape(*lead, out.shape[-1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, on fixed row tiles while the mode is on."""
+    if not enabled():
+        return F.linear(x, weight, bias)
+    return on_row_tiles(lambda rows: F.linear(rows, weight, bias), x)
+
+
+def matmul_rows(x: torch.Tensor, w: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """x [T, groups·K] viewed as [T, groups, K], each group @ w [K, N] → [T, groups·N]; while the mode is on, on
+    tiles of ROW_TILE rows of x (so ROW_TILE·groups rows per GEMM, always the same)."""
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        return (rows.view(rows.shape[0], groups, -1) @ w).view(rows.shape[0], -1)
+
+    return on_row_tiles(fn, x) if enabled() else fn(x)
+
+
+def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [G, M, K] @ b [G, K, N] (one GEMM per group g); while the mode is on, M is cut into fixed row tiles."""
+    if not enabled():
+        return torch.matmul(a, b)
+    groups, m, k = a.shape
+    pad = (-m) % ROW_TILE or (ROW_TILE if m == 0 else 0)
+    if pad:
+        a = torch.cat((a, a.new_zeros(groups, pad, k)), dim=1)
+    outs = [torch.matmul(a[:, i : i + ROW_TILE].contiguous(), b) for i in range(0, a.shape[1], ROW_TILE)]
+    return torch.cat(outs, dim=1)[:, :m]
+
+
+def layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    """F.layer_norm with the module's parameters in x's dtype (float32 in the indexer), on row tiles if on."""
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(rows, norm.normalized_shape, norm.weight.to(rows.dtype), norm.bias.to(rows.dtype),
+                            norm.eps)
+
+    return on_row_tiles(fn, x) if enabled() else fn(x)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and names) that runs on fixed row tiles in batch-invariant mode."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
