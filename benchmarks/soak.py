@@ -199,7 +199,7 @@ def run_soak(count: int, concurrency: int, seed: int, context_length: int = 128,
     try:
         soak = Soak(server.url, server.headers, seed)
         # Warm-up (allocator pools, batch shapes, tokenizer workers), then the baseline RSS.
-        asyncio.run(soak.run(min(500, max(100, count // 10)), concurrency))
+        asyncio.run(soak.run(min(100, max(20, count // 10)), concurrency))
         wait_idle(server, 120)
         api_pid, engine_pid = server.proc.pid, server.engine_pid
         assert engine_pid is not None
@@ -255,6 +255,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     result = run_soak(args.count, args.concurrency, args.seed, max_seconds=args.max_seconds)
     problems = check(result)
     result["problems"] = problems
