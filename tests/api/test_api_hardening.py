@@ -241,3 +241,12 @@ def test_body_over_the_limit_is_413(dense_server: ServerProcess) -> None:
     r = httpx.post(dense_server.url + "/v1/completions", content=b" " * (MAX_BODY_BYTES + 1), timeout=60,
                    headers={**dense_server.headers, "content-type": "application/json"})  # fmt: skip
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
+def test_stream_content_type_is_documented_one(dense_server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", dense_server.url + "/v1/completions", json=body, headers=dense_server.headers,
+                      timeout=60) as r:  # fmt: skip
+        lines = [line for line in r.iter_lines() if line]
+    assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
+    assert lines[-1] == "data: [DONE]"
