@@ -48,6 +48,13 @@ class EngineNotRespondingError(EngineDeadError):
     """The engine process sends no heartbeat (stopped, or hung with every thread blocked)."""
 
 
+class EngineBusyError(DecodeServerError):
+    """The engine did not answer a stats query in time (it answers between steps, and one step is long)."""
+
+    status_code = 503
+    error_type = "engine_busy"
+
+
 class TokenizerUnavailableError(DecodeServerError):
     """A tokenizer worker process died while encoding; the pool is restarted and the client may retry."""
 

@@ -31,7 +31,7 @@ from decode_server.api.protocol import (
 from decode_server.api.serving import ModelInfo, OpenAIServing
 from decode_server.api.tokenization import TokenizerPool
 from decode_server.engine.sampling_params import SamplingParams
-from decode_server.errors import DecodeServerError, EngineDeadError, InvalidRequestError
+from decode_server.errors import DecodeServerError, EngineBusyError, EngineDeadError, InvalidRequestError
 
 BUSY_STEP_S = 1.0  # /health reports "busy" while one engine step has run this long
 
@@ -160,7 +160,11 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
-        stats = await ctx.client.get_stats(STATS_TIMEOUT_S)
+        try:
+            stats = await ctx.client.get_stats(STATS_TIMEOUT_S)
+        except TimeoutError:
+            raise EngineBusyError(f"the engine sent no stats within {STATS_TIMEOUT_S:.0f} s (a long step); "
+                                  "retry") from None
         return {
             "served_model_name": ctx.model.served_model_name,
             "context_length": ctx.model.context_length,

@@ -5,7 +5,8 @@
 - `RejectionCounterMiddleware`: every response with status >= 400 (validation errors, auth, unknown routes,
   refusals, disconnects, internal errors) increments `sglang:num_rejected_requests_total{status, reason}`, reason
   being the OpenAI error `type` of the body. Probes (`/health`, `/health_generate`) are not counted: a
-  liveness probe polling a dead engine is not a client being refused.
+  liveness probe polling a dead engine is not a client being refused; nor is 499 (the client disconnected and
+  sees no answer).
 Both are plain ASGI middlewares (Starlette's `BaseHTTPMiddleware` would buffer streams and hide disconnects).
 """
 
@@ -21,6 +22,7 @@ from decode_server.api.metrics import ServerMetrics
 
 MAX_BODY_BYTES = 32 << 20  # 32 MiB: a 1 MB prompt many times over, far below what would strain the api process
 UNCOUNTED_PATHS = frozenset({"/health", "/health_generate"})
+CLIENT_CLOSED = 499
 
 
 class _BodyTooLarge(Exception):
@@ -90,7 +92,7 @@ class RejectionCounterMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])
-            elif message["type"] == "http.response.body" and status >= 400:
+            elif message["type"] == "http.response.body" and status >= 400 and status != CLIENT_CLOSED:
                 body.extend(message.get("body", b"")[: 64 << 10])
                 if not message.get("more_body", False):
                     self.metrics.on_rejected(status, _error_type(bytes(body)))

@@ -260,6 +260,16 @@ class OpenAIServing:
 
     # -------------------------------------------------------------------------------------- completions
 
+    def _check_num_choices(self, num_choices: int, param: str) -> None:
+        """Every choice is an engine request: more than the engine's waiting queue holds could never be accepted
+        together, so that is a 400 (a 503 would invite a retry that can never succeed)."""
+        limit = self.client.engine_config.max_queued_requests
+        if num_choices > limit:
+            raise InvalidRequestError(
+                f"this request asks for {num_choices} completions (prompts × n); the server accepts at most "
+                f"{limit} at once", param=param,
+            )
+
     def _check_text_length(self, num_chars: int, param: str) -> None:
         """Refuse a text that surely has more tokens than the context holds, before tokenizing it."""
         pool = self.tokenizer_pool
@@ -293,6 +303,7 @@ class OpenAIServing:
             texts_or_ids = list(prompt)
         if not texts_or_ids:
             raise InvalidRequestError("the prompt list is empty", param="prompt")
+        self._check_num_choices(len(texts_or_ids) * req.n, "prompt")
         for item in texts_or_ids:
             if isinstance(item, str):
                 if not item:
