@@ -36,7 +36,10 @@ logger = logging.getLogger("soak")
 MODEL = "tiny-dsa"
 PAGE = 16
 HOST_PAGES = 48
-REQUEST_TIMEOUT_S = 300.0
+# A request is "hung" when no byte arrives for STALL_TIMEOUT_S (a long stream that keeps producing tokens is not);
+# REQUEST_TIMEOUT_S bounds each request's whole life.
+STALL_TIMEOUT_S = 120.0
+REQUEST_TIMEOUT_S = 1800.0
 BAD_BODIES = [(name, route, body) for name, route, body in HOSTILE_BODIES
               if name not in LEGAL and len(body) < 64 << 10]  # fmt: skip
 KINDS = {  # weight of each kind of request
@@ -155,7 +158,8 @@ class Soak:
         hung = 0
         limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
         t0 = time.monotonic()
-        async with httpx.AsyncClient(headers=self.headers, timeout=REQUEST_TIMEOUT_S, limits=limits) as http:
+        timeout = httpx.Timeout(STALL_TIMEOUT_S, connect=30.0)
+        async with httpx.AsyncClient(headers=self.headers, timeout=timeout, limits=limits) as http:
 
             async def guarded(kind: str) -> None:
                 nonlocal hung
@@ -165,9 +169,10 @@ class Soak:
                         return
                     try:
                         await asyncio.wait_for(self.one(http, kind), REQUEST_TIMEOUT_S)
-                    except TimeoutError:
+                    except (TimeoutError, httpx.TimeoutException) as exc:
                         hung += 1
-                        self.unexpected.append(f"{kind}: no answer within {REQUEST_TIMEOUT_S} s")
+                        self.unexpected.append(f"{kind}: hung ({type(exc).__name__}: no byte for {STALL_TIMEOUT_S} s "
+                                               f"or over {REQUEST_TIMEOUT_S} s in all)")
                     except httpx.HTTPError as exc:
                         self.expect(kind, -1, False, repr(exc))
 

@@ -53,7 +53,8 @@ def _param_of(loc: Sequence[Any]) -> str | None:
     return ".".join(parts) or None
 
 
-_TYPES = {"str", "int", "float", "bool", "dict", "list", "none", "constrained-int", "constrained-float"}
+_TYPES = {"str", "int", "float", "bool", "dict", "list", "none", "constrained-int", "constrained-float",
+          "constrained-str"}
 
 
 def validation_error_response(errors: Sequence[Any]) -> JSONResponse:

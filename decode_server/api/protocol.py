@@ -129,7 +129,10 @@ class _SamplingFields(_Strict):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. `prompt`: text, a list of texts, token ids, or a list of token-id lists."""
 
-    prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+    prompt: (
+        Annotated[str, Field(min_length=1)] | list[str] | list[Annotated[int, Field(ge=0)]]
+        | list[list[Annotated[int, Field(ge=0)]]]
+    ) = Field(description="text (not empty), texts, token ids, or lists of token ids")
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="top logprobs per token")
     echo: bool = Field(default=False, description="not supported")
     best_of: int | None = Field(default=None, ge=1, description="only 1 (or unset) is supported")
