@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import logging
 import socket
+from abc import ABC, abstractmethod
 from typing import Any
 
 from decode_server.config import DisaggregationConfig
@@ -63,7 +64,7 @@ class LatencyHistogram:
             self.count += 1
 
 
-class PDRole:
+class PDRole(ABC):
     """Base of both roles: owns the transport's lifetime and the PD part of the stats."""
 
     mode = "null"
@@ -76,19 +77,22 @@ class PDRole:
         self.layout: Any = None
 
     # -- called by the engine loop --
+    @abstractmethod
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                     bootstrap: BootstrapInfo | None) -> None:
-        raise NotImplementedError
+        """Implemented by PrefillRole and DecodeRole."""
 
+    @abstractmethod
     def abort(self, rid: str) -> None:
-        raise NotImplementedError
+        """Implemented by PrefillRole and DecodeRole."""
 
+    @abstractmethod
     def step(self) -> list[RequestDelta]:
-        raise NotImplementedError
+        """Implemented by PrefillRole and DecodeRole."""
 
+    @abstractmethod
     def has_pending(self) -> bool:
         """Rooms in flight: the loop must keep polling (briefly) even when the engine has nothing to compute."""
-        raise NotImplementedError
 
     def poll_timeout_ms(self, idle_ms: int) -> int:
         if self.engine.has_runnable_work():
@@ -100,8 +104,9 @@ class PDRole:
         stats.disagg = self._disagg_stats()
         return stats
 
+    @abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Implemented by PrefillRole and DecodeRole."""
 
     def describe(self) -> dict[str, Any]:
         """For the start-up log and /server_info."""
@@ -119,8 +124,9 @@ class PDRole:
             latency_count=self.latency.count, registered_bytes=registered,
         )
 
+    @abstractmethod
     def _disagg_stats(self) -> DisaggStats:
-        raise NotImplementedError
+        """Implemented by PrefillRole and DecodeRole."""
 
 
 def build_role(engine: Any, cfg: DisaggregationConfig) -> PDRole | None:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import itertools
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
 
 from decode_server.router.workers import Worker
 
 
-class Policy:
+class Policy(ABC):
     name = "base"
 
     def pick(self, workers: Sequence[Worker], exclude: Collection[Worker] = ()) -> Worker | None:
@@ -23,8 +24,9 @@ class Policy:
             candidates = [w for w in workers if w.healthy]
         return self._choose(candidates) if candidates else None
 
+    @abstractmethod
     def _choose(self, candidates: list[Worker]) -> Worker:
-        raise NotImplementedError
+        """The worker this policy picks among healthy candidates."""
 
 
 class RoundRobin(Policy):
