@@ -39,15 +39,37 @@ def swap_in(
     return swap_in_ref(*args)
 
 
+# Query rows per reference call: bounds the gathered rows (chunk × K × D fp32) so a long prefill's memory grows
+# with the prompt only through its outputs, not through K gathered rows per token (64 MiB per chunk at most).
+REF_GATHER_BUDGET_BYTES = 64 << 20
+
+
+def reference_chunk_rows(top_k: int, row_width: int) -> int:
+    """How many query rows one reference call takes so its float32 gather stays within the budget."""
+    return max(1, REF_GATHER_BUDGET_BYTES // max(1, top_k * row_width * 4))
+
+
 def sparse_mla_decode_rows_ref(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int = D_V
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference over either row format (float rows of any width; values = the first `d_v` entries). FP8 rows
-    are gathered first and only the selected ones unpacked, so the cost does not grow with the pool."""
+    are gathered first and only the selected ones unpacked, so the cost does not grow with the pool. Query rows
+    go through in chunks (`reference_chunk_rows`); each row's result depends only on its own q and selection."""
+    if kv.dtype == torch.uint8 and (kv.dim() != 2 or kv.shape[1] != FP8_ROW_BYTES):
+        raise ValueError(f"uint8 KV rows must be [N, {FP8_ROW_BYTES}], got {tuple(kv.shape)}")
+    chunk = reference_chunk_rows(indices.shape[-1], q.shape[-1])
+    if indices.dim() != 2 or indices.shape[0] <= chunk:
+        return _rows_ref_one_call(q, kv, indices, scale, d_v)
+    parts = [_rows_ref_one_call(q[i : i + chunk], kv, indices[i : i + chunk], scale, d_v)
+             for i in range(0, indices.shape[0], chunk)]
+    return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
+
+
+def _rows_ref_one_call(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     if kv.dtype != torch.uint8:
         return sparse_mla_decode_ref(q, kv, indices, scale, d_v)
-    if kv.dim() != 2 or kv.shape[1] != FP8_ROW_BYTES:
-        raise ValueError(f"uint8 KV rows must be [N, {FP8_ROW_BYTES}], got {tuple(kv.shape)}")
     batch, top_k = indices.shape
     valid = indices >= 0
     rows = unpack_fp8_rows(kv[torch.where(valid, indices, 0).reshape(-1).long()])
