@@ -104,8 +104,12 @@ def engine_runs(parallel: ParallelState | None) -> dict[str, dict]:
     tiny = (model, config, Tokenizer.from_dir(resolve_model_path("tiny-dsa")))
     out = {}
     for hisparse in (False, True):
-        result = run_script(make_engine(tiny, hisparse=hisparse), arrivals())
-        out["hisparse" if hisparse else "dense"] = {"tokens": result.tokens, "logits": result.logits}
+        engine = make_engine(tiny, hisparse=hisparse)
+        result = run_script(engine, arrivals())
+        out["hisparse" if hisparse else "dense"] = {
+            "tokens": result.tokens, "logits": result.logits,
+            "misses": engine.stats().hisparse_misses if hisparse else 0, "idle": engine.is_idle_and_empty(),
+        }
     return out
 
 
