@@ -66,16 +66,14 @@ def init_parallel(
     """Join the TP group: torch.distributed.init_process_group (nccl on CUDA, gloo on CPU; init_method
     "tcp://127.0.0.1:PORT"), plus a gloo `cpu_group` over the same ranks; on CUDA sets the current device."""
     device = torch.device(device)
-    if tp_size == 1:
-        return ParallelState(ep_size=ep_size)
     # Validate before any rendezvous, so a bad size fails here and not as a hang of the other ranks.
-    ParallelState(tp_rank=tp_rank, tp_size=tp_size, ep_size=ep_size)
-    timeout = timedelta(seconds=timeout_s)
+    state = ParallelState(tp_rank=tp_rank, tp_size=tp_size, ep_size=ep_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        backend = "gloo"
+    if tp_size == 1:
+        return state
+    timeout = timedelta(seconds=timeout_s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, world_size=tp_size, rank=tp_rank, timeout=timeout)
     group = dist.group.WORLD
     cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
