@@ -67,14 +67,17 @@ class _Uvicorn(uvicorn.Server):
 
 
 def make_client(config: RouterConfig) -> aiohttp.ClientSession:
-    """One connection pool for every worker: keep-alive connections, no cap on concurrent streams.
+    """One connection pool for every worker: keep-alive connections, no cap on concurrent streams (a cap would
+    queue the 65th stream behind the first 64; the workers bound their own load).
 
     aiohttp rather than httpx: httpcore's pool does work proportional to its connections on every request
     event, which at 64 concurrent streams per worker cost the router tens of milliseconds per request."""
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_secs,
                                     sock_read=config.request_timeout_secs)  # fmt: skip
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False)
+    # No cookie jar: a cookie one client's answer set must never go with another client's request.
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False,
+                                 cookie_jar=aiohttp.DummyCookieJar())  # fmt: skip
 
 
 async def serve(config: RouterConfig) -> int:
