@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import Generator
@@ -101,6 +102,9 @@ async def serve(config: RouterConfig) -> int:
             type(asyncio.get_running_loop()).__module__.split(".")[0], HTTP_IMPL,
         )
         logger.info("listening on http://%s:%d (OpenAI API under /v1)", config.host, config.port)
+        # Everything built so far lives as long as the process: keep it out of the cyclic GC's full collections,
+        # which otherwise walk every FastAPI, pydantic and prometheus object again and again under load.
+        gc.freeze()
         try:
             await server.serve()
         finally:
