@@ -377,10 +377,12 @@ class _ClientWatch:
         self.cancelled_target = False
         self.task.add_done_callback(self._on_done)
 
-    def arm(self) -> None:
-        self._target = asyncio.current_task()
+    def arm(self) -> bool:
+        """From now on a disconnect cancels the calling task; False (and nothing armed): the client already left."""
         if self.task.done():
-            self._on_done(self.task)
+            return False
+        self._target = asyncio.current_task()
+        return True
 
     def disarm(self) -> None:
         self._target = None
@@ -411,7 +413,9 @@ class _Relay:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         decode, rid = self.pair.decode, self.pair.rid
         finished = False  # decode's stream is over (complete, or failed and handled)
-        self.watch.arm()
+        if not self.watch.arm():
+            self._settle(False)
+            return
         try:
             try:
                 await send(_SSE_START)
