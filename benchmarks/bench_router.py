@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import platform
@@ -247,7 +248,7 @@ def main() -> None:
     print(f"\n{args.rounds} rounds per path and concurrency (alternating), {args.tokens} chunks per stream, target "
           f"interval {args.interval_ms:g} ms; machine: {platform.node()} ({os.cpu_count()} CPUs), load average "
           f"{os.getloadavg()[0]:.1f}; CPUs: router {args.router_cpus or 'any'}, targets {args.target_cpus or 'any'}, "
-          f"load generator {args.load_cpus or 'any'}\n")  # fmt: skip
+          f"load generator {args.load_cpus or 'any'}; uvloop + httptools installed: {_fast_stack()}\n")  # fmt: skip
     print("| streams | path | requests | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p90 ms | E2E p99 ms "
           "| added p50 TTFT / E2E ms | router CPU ms / request |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -267,7 +268,13 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"date": datetime.now(UTC).isoformat(), "args": vars(args) | {"json": str(args.json)},
                                          "rows": rows, "added_ms": added, "dispatch_mean_s": dispatch,
-                                         "load_average": os.getloadavg()}, indent=2))  # fmt: skip
+                                         "load_average": os.getloadavg(), "uvloop_httptools": _fast_stack(),
+                                         "python": platform.python_version()}, indent=2))  # fmt: skip
+
+
+def _fast_stack() -> bool:
+    """Whether the router can run on uvloop and httptools here (it falls back to asyncio and h11)."""
+    return all(importlib.util.find_spec(m) is not None for m in ("uvloop", "httptools"))
 
 
 async def _router_dispatch_mean(router_url: str) -> float:
