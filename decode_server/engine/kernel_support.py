@@ -24,8 +24,9 @@ HEAD_BLOCK = 64
 SMALL_HEAD_COUNTS = (16, 32, 64)
 
 
-def gpu_kernel_problems(model_config: Any, model_dtype: torch.dtype) -> list[str]:
-    """Every way `model_config` (run in `model_dtype`) falls outside what the GPU kernels support."""
+def gpu_kernel_problems(model_config: Any, model_dtype: torch.dtype, tp_size: int = 1) -> list[str]:
+    """Every way `model_config` (run in `model_dtype`) falls outside what the GPU kernels support. With tensor
+    parallelism a rank's kernels see `num_attention_heads / tp_size` heads: that is the count checked."""
     problems: list[str] = []
 
     def need(field: str, value: Any, ok: bool, supported: str) -> None:
@@ -36,12 +37,13 @@ def gpu_kernel_problems(model_config: Any, model_dtype: torch.dtype) -> list[str
     rope = int(model_config.qk_rope_head_dim)
     index_dim = int(model_config.index_head_dim)
     topk = int(model_config.index_topk)
-    heads = int(model_config.num_attention_heads)
+    heads = int(model_config.num_attention_heads) // max(1, tp_size)
+    heads_field = "num_attention_heads" if tp_size <= 1 else f"num_attention_heads / tp_size {tp_size}"
     need("kv_lora_rank", kv_lora, kv_lora == NOPE_DIM, f"{NOPE_DIM}")
     need("qk_rope_head_dim", rope, rope == ROPE_DIM, f"{ROPE_DIM}")
     need("index_head_dim", index_dim, index_dim == INDEX_HEAD_DIM, f"{INDEX_HEAD_DIM}")
     need("index_topk", topk, topk > 0 and topk % TOPK_TILE == 0, f"a positive multiple of {TOPK_TILE}")
-    need("num_attention_heads", heads, heads in SMALL_HEAD_COUNTS or heads % HEAD_BLOCK == 0,
+    need(heads_field, heads, heads in SMALL_HEAD_COUNTS or heads % HEAD_BLOCK == 0,
          f"{', '.join(map(str, SMALL_HEAD_COUNTS))} or a multiple of {HEAD_BLOCK}")
     need("dtype", str(model_dtype).removeprefix("torch."), model_dtype in (torch.bfloat16, torch.float16),
          "bfloat16, float16")
@@ -49,13 +51,13 @@ def gpu_kernel_problems(model_config: Any, model_dtype: torch.dtype) -> list[str
 
 
 def check_kernel_support(
-    model_config: Any, device: torch.device, model_dtype: torch.dtype, attention_backend: str
+    model_config: Any, device: torch.device, model_dtype: torch.dtype, attention_backend: str, tp_size: int = 1
 ) -> None:
     """Raise a ValueError naming each unsupported field, its value and what is supported (CUDA only; the
     reference backend and CPU run any valid size)."""
     if device.type != "cuda" or attention_backend == REFERENCE_BACKEND:
         return
-    problems = gpu_kernel_problems(model_config, model_dtype)
+    problems = gpu_kernel_problems(model_config, model_dtype, tp_size)
     if problems:
         raise ValueError(
             "the GPU attention and indexer kernels do not support this model: " + "; ".join(problems)

@@ -112,3 +112,14 @@ def test_cli_attention_backend_flag() -> None:
 
     args = build_parser().parse_args(["generate", "--attention-backend", "torch_native", "--prompt", "x"])
     assert engine_config_from_args(args).attention_backend == "torch_native"
+
+
+def test_cuda_head_check_counts_heads_per_tensor_parallel_rank() -> None:
+    """With TP a rank's kernels see num_attention_heads / tp_size heads: tiny-dsa's 16 heads run as one block at
+    TP=1 but as 8 per rank at TP=2, which the GPU kernels do not take; 128 heads (DeepSeek-V3.2) at TP=8 are 16."""
+    tiny = load_config("tiny-dsa")
+    assert not gpu_kernel_problems(tiny, torch.bfloat16)
+    assert any("num_attention_heads / tp_size 2" in p for p in gpu_kernel_problems(tiny, torch.bfloat16, 2))
+    with pytest.raises(ValueError, match=r"num_attention_heads / tp_size 2 = 8"):
+        check_kernel_support(tiny, CUDA, torch.bfloat16, "auto", tp_size=2)
+    assert not gpu_kernel_problems(load_config("deepseek-v3.2"), torch.bfloat16, 8)
