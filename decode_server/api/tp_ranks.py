@@ -89,7 +89,9 @@ def free_tcp_port() -> int:
 def init_rank(config: EngineConfig, rank: int, init_method: str) -> Any:
     """Join the tensor-parallel group; returns this rank's `ParallelState`."""
     device = rank_device(config, rank)
-    if device.type == "cpu":
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # kernels and NCCL of rank r run on GPU r
+    else:
         # Ranks share the host's cores: one rank's threads per core share, or their spin-waits starve each other.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
     try:
