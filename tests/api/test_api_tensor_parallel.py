@@ -1,6 +1,6 @@
 """`decode-server serve --tp-size 2` on CPU (gloo, tiny-dsa): real servers, the openai client.
 
-- greedy outputs of a batch equal the single-rank engine's, dense and HiSparse;
+- greedy outputs of a batch equal the single-rank engine's, dense (with `--ep-size 2`) and HiSparse (`--ep-size 1`);
 - sampled requests without a seed complete, and every rank produced the same tokens (per-rank digests);
 - aborted / disconnected requests free the pools of every rank;
 - the HiSparse host pool is one shared-memory region that both ranks map, unlinked from /dev/shm;
@@ -97,7 +97,7 @@ def tp1_outputs(offline_llm: LLM) -> list[str]:
 
 @pytest.fixture(scope="module")
 def dense_tp2() -> Iterator[ServerProcess]:
-    server = ServerProcess("--tp-size", "2").wait_ready()
+    server = ServerProcess("--tp-size", "2", "--ep-size", "2").wait_ready()  # experts split across the ranks
     pids = _rank_pids(server)
     try:
         yield server
@@ -130,7 +130,7 @@ def test_dense_tp2_greedy_equals_tp1(dense_tp2: ServerProcess, tp1_outputs: list
     assert [o.choices[0].text for o in outs] == tp1_outputs
     _wait_idle_everywhere(dense_tp2)
     info = httpx.get(dense_tp2.url + "/server_info", timeout=10).json()["engine"]
-    assert info["tp_size"] == 2 and info["mode"] == "dense"
+    assert info["tp_size"] == 2 and info["ep_size"] == 2 and info["mode"] == "dense"
 
 
 def test_unseeded_sampling_agrees_across_ranks(dense_tp2: ServerProcess) -> None:
