@@ -9,6 +9,8 @@ opening a stream.
 Started with multiprocessing's spawn method (a fresh interpreter: CUDA and forked torch threads do not mix).
 It must not outlive the api process: Linux's parent-death signal kills it if the parent dies abruptly, and
 the loop also exits when its parent pid changes.
+
+With `--tp-size N` this process is rank 0 of N engine processes; decode_server/api/tp_ranks.py runs it.
 """
 
 from __future__ import annotations

@@ -63,11 +63,13 @@ class Engine:
     """One model, one KV manager (dense or HiSparse), one scheduler.
 
     `model`, `model_config` and `tokenizer` may be passed in (tests, benchmarks); otherwise they are loaded
-    from `config.model_path`. `parallel` (a `decode_server.parallel.ParallelState`) makes this engine one
-    tensor-parallel rank: its model holds this rank's shard, its memory budgets are agreed with the other ranks,
-    the HiSparse host pool is the node's shared one, and every rank must be driven with the same calls in the same
-    order (decode_server/api/tp_ranks.py does that). `kv_manager` replaces the one sized from the config (benchmarks size pools
+    from `config.model_path`. `kv_manager` replaces the one sized from the config (benchmarks size pools
     for a known context length). `logits_hook(rids, logits)` sees every sampled logits batch (tests compare modes).
+
+    `parallel` (a `decode_server.parallel.ParallelState`) makes this engine one tensor-parallel rank: its model
+    holds this rank's shard, its memory budgets are agreed with the other ranks, the HiSparse host pool is the
+    node's shared one, and every rank must be driven with the same calls in the same order
+    (decode_server/api/tp_ranks.py does that).
     """
 
     def __init__(
@@ -267,11 +269,14 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestDelta]:
         deltas, self._pending_deltas = self._pending_deltas, []
+        shared_pool = self.tp_size > 1 and self.config.enable_hisparse
+        if shared_pool:
+            self._shared_pool_barrier()  # every rank is done with the pages freed before this step
         batch = self.scheduler.schedule()
         if batch is None or not batch.requests:
             return deltas
-        if self.tp_size > 1 and self.config.enable_hisparse:
-            self._barrier_before_forward()
+        if shared_pool:
+            self._shared_pool_barrier()  # ... and with the pages that scheduling retracted
         logits = self._forward(batch)
         self._num_steps += 1
         sampled = [r for r, s in zip(batch.requests, batch.sampled, strict=True) if s]
@@ -291,11 +296,12 @@ class Engine:
             deltas.append(self._append_token(req, tok, lp))
         return deltas
 
-    def _barrier_before_forward(self) -> None:
+    def _shared_pool_barrier(self) -> None:
         """The ranks share one host pool: a page freed by one request (finished, aborted, retracted) may be handed to
-        another in this step, and a rank must not write the new owner's rows while a slower rank still reads or
-        writes the old owner's (its last backup, a retraction's copy-out). Frees wait for their backup on the host
-        and retractions copy out on the host during `schedule()`, so one host barrier here orders them."""
+        another in the next scheduling or forward, and no rank may write the new owner's rows (a resume's copy-in
+        during `schedule()`, prefill rows and backups during the forward) while a slower rank still reads or writes
+        the old owner's (its last backup, a retraction's copy-out). Frees wait for their backup on the host and
+        retractions copy out on the host, so host barriers before `schedule()` and before the forward order them."""
         import torch.distributed as dist
 
         dist.barrier(group=self.parallel.cpu_group)

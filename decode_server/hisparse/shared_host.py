@@ -12,7 +12,7 @@ over UVA and its copies are asynchronous, as with the pinned pool of a single ra
 
 Every rank writes identical bytes to the same rows (its own backup of identical latent rows), so each rank's
 HiSparse coordinator behaves as if it owned the pool. Page reuse across ranks is ordered by the engine's
-per-step barrier (`Engine.step`).
+per-step barriers (`Engine.step`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 - greedy outputs of a batch equal the single-rank engine's, dense (with `--ep-size 2`) and HiSparse (`--ep-size 1`);
 - sampled requests without a seed complete, and every rank produced the same tokens (per-rank digests);
-- aborted / disconnected requests free the pools of every rank;
+- aborted / disconnected requests free the pools of every rank; retractions (a host pool of 8 pages) happen in step
+  on every rank (slow);
 - the HiSparse host pool is one shared-memory region that both ranks map, unlinked from /dev/shm;
 - a clean stop leaves no rank behind; killing rank 1 mid-stream ends the request with a clear error, /health
   answers 503, the server exits non-zero, and no rank process or shared-memory file is left.
@@ -178,10 +179,38 @@ def test_hisparse_host_pool_is_one_shared_region(hisparse_tp2: ServerProcess) ->
     assert _shm_files(pids[0]) == []
 
 
+@pytest.fixture(scope="module")
+def tight_tp2() -> Iterator[ServerProcess]:
+    """HiSparse with a host pool of 8 pages of 64 tokens: a burst of growing requests must retract some."""
+    page_bytes = 64 * 2304 * 3  # tokens x fp32 MLA row x tiny-dsa's layers
+    server = ServerProcess("--tp", "2", *HISPARSE_ARGS, "--host-kv-budget", str(8 * page_bytes)).wait_ready()
+    pids = _rank_pids(server)
+    try:
+        yield server
+    finally:
+        try:
+            code = server.stop(signal.SIGTERM)
+            assert_clean_exit(server, code)
+            _assert_gone(pids)
+        finally:
+            server.kill()
+
+
+@pytest.mark.slow  # about 400 steps of two ranks on CPU
+def test_retractions_stay_in_step_across_ranks(tight_tp2: ServerProcess) -> None:
+    # Admitted at about 2 expected pages each (SGLang's new-token ratio), they grow to 3: the pool's 8 run out.
+    prompts = [f"Tell me about w{i}" for i in range(6)]
+    outs = _completions(tight_tp2, prompts, max_tokens=140, temperature=0.8, extra_body={"ignore_eos": True})
+    assert all(o.choices[0].finish_reason == "length" and o.usage.completion_tokens == 140 for o in outs)
+    stats = _ranks_agree(tight_tp2)
+    assert stats["num_retractions"] > 0 and stats["host_pages"]["total"] == 8
+    _wait_idle_everywhere(tight_tp2)
+
+
 def test_killing_rank1_ends_the_server_cleanly(hisparse_tp2: ServerProcess) -> None:
     server = hisparse_tp2
     pids = _rank_pids(server)
-    body = {"model": MODEL, "prompt": PROMPTS[-1], "max_tokens": 120, "ignore_eos": True, "temperature": 0,
+    body = {"model": MODEL, "prompt": "Go on:", "max_tokens": 100, "ignore_eos": True, "temperature": 0,
             "stream": True}  # fmt: skip
     payloads: list[str] = []
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
