@@ -9,15 +9,25 @@ server does). `--prefill-url/--decode-url` point it at real
 servers instead (then `--interval-ms` is ignored).
 
 Per request: time to the first token chunk (TTFT) and to the end of the stream (E2E), direct vs routed, and the
-difference of the medians: the latency the router adds. Rounds alternate between the two paths.
+difference of the medians: the latency the router adds. Rounds alternate between the two paths. The router's
+CPU time per routed request (from /proc) does not depend on how busy the machine is.
+
+On a machine with many cores, give each process its own: `--router-cpus`, `--target-cpus` and `--load-cpus`
+(Linux CPU lists such as `2-3` or `0,4`) pin the router, the two targets and this load generator with
+sched_setaffinity, so that the router never waits for a core the load generator or a target holds.
 
     python benchmarks/bench_router.py --concurrency 1 64 --rounds 10 --tokens 16 --interval-ms 5
+    python benchmarks/bench_router.py --concurrency 1 8 64 --router-cpus 2 --target-cpus 4-7 --load-cpus 8-11
+
+Needs (beyond the standard library): aiohttp (the load generator; the router's client), and what the router and
+the targets import: fastapi (starlette), uvicorn, pydantic, prometheus_client, uvloop, httptools.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import platform
@@ -30,7 +40,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,7 +89,9 @@ def serve_target(port: int, tokens_default: int, interval_ms: float, fixed_token
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                             Route("/health", health), Route("/load", load),
                             Route("/abort_request", abort, methods=["POST"])])  # fmt: skip
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=4096)
+    # The servers' own uvicorn settings (asyncio loop, h11): the targets stand for our workers.
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=4096,
+                loop="asyncio", http="h11")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- the client
@@ -91,35 +103,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_cpus(text: str | None) -> set[int] | None:
+    """'2-3,6' -> {2, 3, 6} (the Linux CPU list syntax); None stays None (no pinning)."""
+    if not text:
+        return None
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pinned(cpus: set[int] | None):  # noqa: ANN201
+    """A Popen preexec_fn that pins the child to `cpus` (None: no pinning)."""
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
 def wait_healthy(url: str, timeout: float = 300) -> None:
+    async def probe() -> bool:
+        try:
+            async with aiohttp.ClientSession() as s, s.get(url + "/health", timeout=aiohttp.ClientTimeout(2)) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if asyncio.run(probe()):
+            return
         time.sleep(0.1)
     raise RuntimeError(f"{url} not healthy after {timeout} s")
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float, float]:
+async def one_stream(client: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, float]:
     start = time.perf_counter()
     ttft = None
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+    async with client.post(url + "/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if ttft is None and line.startswith("data: {") and '"text"' in line:
+        async for line in r.content:  # one SSE line at a time
+            if ttft is None and line.startswith(b"data: {") and b'"text"' in line:
                 ttft = time.perf_counter() - start
-            if line == "data: [DONE]":
+            if line.rstrip() == b"data: [DONE]":
                 break
     end = time.perf_counter() - start
     return (ttft if ttft is not None else end), end
 
 
 async def run_round(url: str, concurrency: int, body: dict) -> list[tuple[float, float]]:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=concurrency * 2)
-    async with httpx.AsyncClient(timeout=300, limits=limits, trust_env=False) as client:
+    """A fresh connection pool per round: min(C, 8) warm-up streams, then C streams at once."""
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as client:
         await asyncio.gather(*(one_stream(client, url, body) for _ in range(min(concurrency, 8))))  # warm
         return await asyncio.gather(*(one_stream(client, url, body) for _ in range(concurrency)))
 
@@ -145,6 +179,9 @@ def main() -> None:
     ap.add_argument("--decode-url", default=None, help="a real decode (or colocated) server instead of a target")
     ap.add_argument("--model", default="tiny-dsa", help="model name sent (real servers)")
     ap.add_argument("--json", type=Path, default=None, help="write the raw numbers here")
+    ap.add_argument("--router-cpus", default=None, metavar="LIST", help="pin the router to these CPUs (e.g. 2-3)")
+    ap.add_argument("--target-cpus", default=None, metavar="LIST", help="pin the two targets to these CPUs")
+    ap.add_argument("--load-cpus", default=None, metavar="LIST", help="pin this load generator to these CPUs")
     ap.add_argument("--serve-target", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--target-fixed-tokens", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -153,7 +190,9 @@ def main() -> None:
         return
 
     procs: list[subprocess.Popen[bytes]] = []
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    router_cpus, target_cpus, load_cpus = (parse_cpus(c) for c in (args.router_cpus, args.target_cpus,
+                                                                   args.load_cpus))  # fmt: skip
     try:
         urls = {}
         for role, given in (("prefill", args.prefill_url), ("decode", args.decode_url)):
@@ -164,15 +203,17 @@ def main() -> None:
             fixed = ["--target-fixed-tokens", "1"] if role == "prefill" else []  # PD prefill: one token
             procs.append(subprocess.Popen([sys.executable, __file__, "--serve-target", str(port), "--tokens",
                                            str(args.tokens), "--interval-ms", str(args.interval_ms), *fixed],
-                                          env=env))  # fmt: skip
+                                          env=env, preexec_fn=pinned(target_cpus)))  # fmt: skip
             urls[role] = f"http://127.0.0.1:{port}"
         router_port = free_port()
         router_url = f"http://127.0.0.1:{router_port}"
         router_proc = subprocess.Popen([sys.executable, "-m", "decode_server.cli", "router", "--prefill",
                                        urls["prefill"], "--decode", urls["decode"], "--port", str(router_port),
                                        "--log-level", "warning", "--health-check-interval-secs", "0.5"],
-                                      env=env, cwd=REPO)  # fmt: skip
+                                      env=env, cwd=REPO, preexec_fn=pinned(router_cpus))  # fmt: skip
         procs.append(router_proc)
+        if load_cpus is not None:
+            os.sched_setaffinity(0, load_cpus)
         for url in (*urls.values(), router_url):
             wait_healthy(url)
         body = {"model": args.model, "prompt": "Benchmark", "max_tokens": args.tokens, "temperature": 0,
@@ -187,7 +228,7 @@ def main() -> None:
                     if path == "router":  # its CPU time per request, warm-up requests included
                         router_cpu[c] = router_cpu.get(c, 0.0) + (cpu_seconds(router_proc.pid) - before) / (
                             c + min(c, 8)) / args.rounds
-        dispatch = _router_dispatch_mean(router_url)
+        dispatch = asyncio.run(_router_dispatch_mean(router_url))
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -206,7 +247,8 @@ def main() -> None:
                                "e2e_p99": pct(e2e, 99), "e2e_mean": statistics.fmean(e2e)}  # fmt: skip
     print(f"\n{args.rounds} rounds per path and concurrency (alternating), {args.tokens} chunks per stream, target "
           f"interval {args.interval_ms:g} ms; machine: {platform.node()} ({os.cpu_count()} CPUs), load average "
-          f"{os.getloadavg()[0]:.1f}\n")  # fmt: skip
+          f"{os.getloadavg()[0]:.1f}; CPUs: router {args.router_cpus or 'any'}, targets {args.target_cpus or 'any'}, "
+          f"load generator {args.load_cpus or 'any'}; uvloop + httptools installed: {_fast_stack()}\n")  # fmt: skip
     print("| streams | path | requests | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p90 ms | E2E p99 ms "
           "| added p50 TTFT / E2E ms | router CPU ms / request |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -226,11 +268,18 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"date": datetime.now(UTC).isoformat(), "args": vars(args) | {"json": str(args.json)},
                                          "rows": rows, "added_ms": added, "dispatch_mean_s": dispatch,
-                                         "load_average": os.getloadavg()}, indent=2))  # fmt: skip
+                                         "load_average": os.getloadavg(), "uvloop_httptools": _fast_stack(),
+                                         "python": platform.python_version()}, indent=2))  # fmt: skip
 
 
-def _router_dispatch_mean(router_url: str) -> float:
-    text = httpx.get(router_url + "/metrics", timeout=10).text
+def _fast_stack() -> bool:
+    """Whether the router can run on uvloop and httptools here (it falls back to asyncio and h11)."""
+    return all(importlib.util.find_spec(m) is not None for m in ("uvloop", "httptools"))
+
+
+async def _router_dispatch_mean(router_url: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(router_url + "/metrics", timeout=aiohttp.ClientTimeout(10)) as r:
+        text = await r.text()
     vals = {}
     for line in text.splitlines():
         if line.startswith("hisparse_router:dispatch_overhead_seconds_sum"):

@@ -13,7 +13,10 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HISPARSE_KERNEL_CACHE=${HISPARSE_KERNEL_CACHE:-/tmp/hisparse-kernels}
 contexts=("${@:-32768 65536 8192}")
 nvidia-smi -L
-timeout 200 python3 -m pytest -m gpu tests -p no:cacheprovider -o addopts="" -q --ignore=tests/api 2>&1 \
+# tests/api holds no GPU test; its schemathesis module needs a wheel the image lacks (collection would fail).
+# tests/disagg/test_pd_gpu.py needs the mooncake CUDA 13 wheel: run it in a call that carries that wheel.
+timeout 420 python3 -m pytest -m gpu tests -p no:cacheprovider -o addopts="" -q --ignore=tests/api \
+  --ignore=tests/disagg 2>&1 \
   | tee "$OUT/gpu_tests.log" | tail -8
 timeout 370 python3 benchmarks/bench_decode.py --contexts ${contexts[*]} --steps 20 --miss-rates 0.05 0.15 \
   --out "$OUT/bench_decode.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/bench_decode.log" | tail -25

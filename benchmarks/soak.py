@@ -199,8 +199,8 @@ def wait_idle(server: ServerProcess, timeout: float) -> dict:
 
 
 def run_soak(count: int, concurrency: int, seed: int, context_length: int = 128, max_running: int = 8,
-             max_seconds: float | None = None) -> dict:
-    server = ServerProcess(*server_args(context_length, max_running)).wait_ready()
+             max_seconds: float | None = None, device: str = "cpu") -> dict:
+    server = ServerProcess(*server_args(context_length, max_running), "--device", device).wait_ready()
     try:
         soak = Soak(server.url, server.headers, seed)
         # Warm-up (allocator pools, batch shapes, tokenizer workers), then the baseline RSS.
@@ -228,7 +228,8 @@ def run_soak(count: int, concurrency: int, seed: int, context_length: int = 128,
         "rss_growth": {k: round(v, 4) for k, v in growth.items()}, "final_stats": {
             k: stats[k] for k in ("num_running_reqs", "num_queue_reqs", "num_retracted_reqs", "num_retractions",
                                   "host_pages", "device_slots", "indexer_slots")},
-        "healthy_after": healthy,
+        "healthy_after": healthy, "server": {"device": device, "max_running_requests": max_running,
+                                             "context_length": context_length},
         "machine": f"{platform.node()} {platform.machine()}, {platform.processor() or 'cpu'}",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
@@ -257,11 +258,15 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-seconds", type=float, default=None, help="stop sending new requests after this")
+    parser.add_argument("--max-running-requests", type=int, default=8, help="the server's batch bound")
+    parser.add_argument("--context-length", type=int, default=128, help="the server's context (small: chats end)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the server's device")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    result = run_soak(args.count, args.concurrency, args.seed, max_seconds=args.max_seconds)
+    result = run_soak(args.count, args.concurrency, args.seed, args.context_length, args.max_running_requests,
+                      args.max_seconds, args.device)
     problems = check(result)
     result["problems"] = problems
     text = json.dumps(result, indent=2)

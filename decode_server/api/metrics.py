@@ -39,17 +39,28 @@ class ThroughputWindow:
         self._lock = threading.Lock()
 
     def add(self, num_tokens: int, now: float | None = None) -> None:
+        """Record tokens; events older than the window are dropped here too, not only when someone reads the
+        rate: a server nobody scrapes must not keep one entry per token batch forever (the 10,000-request soak
+        found the api process growing by 9 MB that way)."""
         if num_tokens <= 0:
             return
+        now = time.monotonic() if now is None else now
         with self._lock:
-            self._events.append((time.monotonic() if now is None else now, num_tokens))
+            self._events.append((now, num_tokens))
+            self._drop_older_than(now - self.window_s)
 
     def rate(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         with self._lock:
-            while self._events and self._events[0][0] < now - self.window_s:
-                self._events.popleft()
+            self._drop_older_than(now - self.window_s)
             return sum(n for _, n in self._events) / self.window_s
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def _drop_older_than(self, cutoff: float) -> None:
+        while self._events and self._events[0][0] < cutoff:
+            self._events.popleft()
 
 
 class _EngineStatsCollector(Collector):

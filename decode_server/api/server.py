@@ -151,6 +151,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         access_log=server_config.log_level == "debug",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         lifespan="off",
+        # h11, as tested (uvicorn would pick httptools, a dependency of the PD router, when it is installed)
+        http="h11",
     )
     server = _Uvicorn(uv_config, drain, abort_all)
     state["server"] = server

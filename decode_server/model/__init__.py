@@ -2,8 +2,10 @@
 (the default) and `tiny-glm5`.
 
 Public API (see docs/architecture.md):
-  `resolve_model_path(name_or_path) -> Path`, `load_model(name_or_path, device, dtype) -> (model, config)`,
-  `build_random_model(config, device, dtype, seed)` (benchmarks; no checkpoint), `Tokenizer.from_dir(path)`.
+  `resolve_model_path(name_or_path) -> Path`, `load_model(name_or_path, device, dtype, parallel) -> (model, config)`,
+  `build_random_model(config, device, dtype, seed, parallel)` (benchmarks; no checkpoint), `Tokenizer.from_dir(path)`.
+  `parallel` (a `decode_server.parallel.state.ParallelState`, None = one device) builds one tensor-parallel rank's
+  shard (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
     from decode_server.model.loader import CheckpointError
     from decode_server.model.model import DSAForCausalLM
     from decode_server.model.tokenizer import Tokenizer
+    from decode_server.parallel.state import ParallelState
 
 # Names resolved on first use (PEP 562), so that the api process, which only needs the tokenizer, never
 # imports torch through this package (seconds of start-up and hundreds of MB).
@@ -87,9 +90,11 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
 
 
 def load_model(
-    name_or_path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None
+    name_or_path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None,
+    parallel: ParallelState | None = None,
 ) -> tuple[DSAForCausalLM, ModelConfig]:
-    """Load a checkpoint (or `tiny-dsa` / `tiny-glm5`) onto `device`; dtype None/"auto" = bf16 on CUDA, fp32 on CPU."""
+    """Load a checkpoint (or `tiny-dsa` / `tiny-glm5`) onto `device`; dtype None/"auto" = bf16 on CUDA, fp32 on CPU.
+    With `parallel`, this tensor-parallel rank's shard, reading only its slice of each tensor."""
     from decode_server.model.loader import load_checkpoint
 
-    return load_checkpoint(resolve_model_path(name_or_path), device, dtype)
+    return load_checkpoint(resolve_model_path(name_or_path), device, dtype, parallel)

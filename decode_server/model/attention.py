@@ -26,6 +26,8 @@ from decode_server.model.config import ModelConfig
 from decode_server.model.indexer import Indexer
 from decode_server.model.layers import RMSNorm
 from decode_server.model.rope import apply_rope_interleaved
+from decode_server.parallel.layers import column_linear, row_linear, split_size
+from decode_server.parallel.state import ParallelState, resolve
 
 # Tokens per step of the query absorption (bounds its temporary to this many tokens × H × 512).
 _ABSORB_CHUNK_TOKENS = 1024
@@ -33,10 +35,15 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    """With tensor parallelism each rank holds `num_attention_heads / tp_size` heads (q_b_proj and kv_b_proj
+    column-parallel by heads, o_proj row-parallel + all-reduce); the latent KV projection, the norms and the
+    indexer are replicated, so every rank writes the same latent rows and selects the same top-k."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, parallel: ParallelState | None = None) -> None:
         super().__init__()
+        parallel = resolve(parallel)
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
+        self.num_heads = split_size(config.num_attention_heads, parallel.tp_size, "num_attention_heads")
         self.nope_dim = config.qk_nope_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.v_dim = config.v_head_dim
@@ -46,11 +53,12 @@ class MLAAttention(nn.Module):
         bias = config.attention_bias
         self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank, bias=bias)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
-        self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * config.qk_head_dim, bias=False)
+        heads = config.num_attention_heads  # all ranks' heads; the parallel linears keep this rank's share
+        self.q_b_proj = column_linear(config.q_lora_rank, heads * config.qk_head_dim, False, parallel)
         self.kv_a_proj_with_mqa = Linear(config.hidden_size, config.kv_row_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = Linear(self.num_heads * self.v_dim, config.hidden_size, bias=bias)
+        self.kv_b_proj = column_linear(config.kv_lora_rank, heads * (self.nope_dim + self.v_dim), False, parallel)
+        self.o_proj = row_linear(heads * self.v_dim, config.hidden_size, bias, parallel)
         self.indexer = Indexer(config) if config.is_index_layer(layer_id) else None
         # Absorbed up-projections, [H, nope, 512] and [H, v, 512]: filled from kv_b_proj by `absorb_weights`.
         self.register_buffer("w_uk", torch.empty(0), persistent=False)

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from decode_server.model import batch_invariant
-from decode_server.model.batch_invariant import Linear
+from decode_server.parallel.layers import column_linear, row_linear
+from decode_server.parallel.state import ParallelState, resolve
 
 
 class RMSNorm(nn.Module):
@@ -30,13 +31,19 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). Used for dense layers, experts and shared experts."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). Used for dense layers, experts and shared experts.
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    With tensor parallelism the intermediate dimension is split: gate/up column-parallel, down row-parallel,
+    whose partial sums are all-reduced here, or by the caller when `reduce` is False (the MoE reduces its
+    routed and shared experts' partials at once)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, parallel: ParallelState | None = None,
+                 reduce: bool = True, what: str = "intermediate_size") -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        parallel = resolve(parallel)
+        self.gate_proj = column_linear(hidden_size, intermediate_size, False, parallel, what)
+        self.up_proj = column_linear(hidden_size, intermediate_size, False, parallel, what)
+        self.down_proj = row_linear(intermediate_size, hidden_size, False, parallel, reduce, what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

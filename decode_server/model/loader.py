@@ -6,6 +6,11 @@ the model dtype). The multi-token-prediction layer (`model.layers.{num_hidden_la
 indexer weights a checkpoint may carry for GLM-5 "shared" layers (they never run an indexer). Every
 problem (missing, unexpected, mis-shaped tensor) is collected from the checkpoint's metadata before any data is
 read and reported in one `CheckpointError` naming the tensors and shapes.
+
+With tensor parallelism each rank reads only its piece of every sharded tensor (safetensors `get_slice`, which
+reads just the requested bytes) and, for an FP8 piece, only the rows/columns of `weight_scale_inv` its blocks
+touch (a piece's edge need not fall on a 128-block edge); with expert parallelism it skips other ranks' experts.
+Replicated tensors are read whole. The checkpoint is checked against the full model's shapes either way.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ import torch
 from safetensors import safe_open
 
 from decode_server.model.config import ModelConfig
-from decode_server.model.construct import build_empty_model
-from decode_server.model.fp8 import dequantize_block_fp8, scale_shape
+from decode_server.model.construct import build_empty_model, full_state_shapes
+from decode_server.model.fp8 import dequantize_block_fp8, scale_shape, scale_window
 from decode_server.model.model import DSAForCausalLM
+from decode_server.parallel.layers import Shard, parameter_shards
+from decode_server.parallel.state import ParallelState
 
 logger = logging.getLogger(__name__)
 
@@ -117,43 +124,76 @@ def _check(
 
 
 @torch.no_grad()
-def load_weights(model: DSAForCausalLM, path: str | Path) -> None:
-    """Fill every tensor of `model` from the checkpoint directory `path`, then refresh derived weights."""
+def load_weights(model: DSAForCausalLM, path: str | Path) -> int:
+    """Fill every tensor of `model` (one rank's shard with tensor parallelism) from the checkpoint directory
+    `path`, then refresh derived weights. Returns the bytes read from the checkpoint."""
     path = Path(path)
     config = model.config
     targets = model.state_dict(keep_vars=True)
+    sharded = model.parallel.tp_size > 1
+    expected = full_state_shapes(config) if sharded else {name: t.shape for name, t in targets.items()}
     if config.tie_word_embeddings:
         targets.pop("lm_head.weight", None)
-    expected = {name: t.shape for name, t in targets.items()}
+        expected.pop("lm_head.weight", None)
+    shards = parameter_shards(model)
     files = checkpoint_files(path)
     catalog = _catalog(files)
     _check(expected, catalog, config)
     block = config.weight_block_size
+    bytes_read = 0
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 if name not in targets:
-                    continue
-                tensor = handle.get_tensor(name)
+                    continue  # skipped tensors, and other ranks' experts with expert parallelism
+                shard = shards.get(name)
+                window = _window(catalog[name][1], shard)
+                tensor = handle.get_slice(name)[window] if shard is not None else handle.get_tensor(name)
+                bytes_read += tensor.nbytes
                 if tensor.dtype == torch.float8_e4m3fn:
-                    scale = _read_tensor(catalog, name + SCALE_SUFFIX)
-                    tensor = dequantize_block_fp8(tensor, scale, block)
+                    scale, origin = _read_scale(catalog, name + SCALE_SUFFIX, window, block)
+                    bytes_read += scale.nbytes
+                    tensor = dequantize_block_fp8(tensor, scale, block, origin)
                 targets[name].data.copy_(tensor.to(targets[name].dtype))
     model.finalize_weights()
-    logger.info("loaded %d tensors from %d file(s) in %s", len(targets), len(files), path)
+    logger.info("loaded %d tensors (%.1f MiB read) from %d file(s) in %s%s", len(targets), bytes_read / 2**20,
+                len(files), path, _rank_note(model.parallel))
+    return bytes_read
 
 
-def _read_tensor(catalog: dict[str, tuple[Path, tuple[int, ...], str]], name: str) -> torch.Tensor:
-    """Read one (small) tensor from whichever shard holds it (a scale may sit in another shard)."""
+def _rank_note(parallel: ParallelState) -> str:
+    if parallel.tp_size == 1:
+        return ""
+    return f" (tensor-parallel rank {parallel.tp_rank}/{parallel.tp_size}, ep_size {parallel.ep_size})"
+
+
+def _window(full_shape: tuple[int, ...], shard: Shard | None) -> tuple[slice, ...]:
+    """Index of this rank's piece of a tensor of `full_shape` (everything when replicated)."""
+    window = [slice(0, size) for size in full_shape]
+    if shard is not None:
+        window[shard.dim] = slice(*shard.bounds(full_shape[shard.dim]))
+    return tuple(window)
+
+
+def _read_scale(
+    catalog: dict[str, tuple[Path, tuple[int, ...], str]], name: str, window: tuple[slice, ...],
+    block: tuple[int, int],
+) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The rows/cols of a (small) block-scale tensor that a piece `window` of its weight touches, and the
+    piece's origin; from whichever shard file holds the scale (it may sit in another file)."""
+    rows = scale_window(window[0].start, window[0].stop, block[0])
+    cols = scale_window(window[1].start, window[1].stop, block[1])
     with safe_open(str(catalog[name][0]), framework="pt") as handle:
-        return handle.get_tensor(name)
+        scale = handle.get_slice(name)[rows[0] : rows[1], cols[0] : cols[1]]
+    return scale, (window[0].start, window[1].start)
 
 
 def load_checkpoint(
-    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None,
+    parallel: ParallelState | None = None,
 ) -> tuple[DSAForCausalLM, ModelConfig]:
     path = Path(path)
     config = ModelConfig.from_json(path / "config.json")
-    model = build_empty_model(config, device, dtype)
+    model = build_empty_model(config, device, dtype, parallel)
     load_weights(model, path)
     return model, config

@@ -16,14 +16,17 @@ from decode_server.model.config import ModelConfig
 from decode_server.model.layers import MLP, RMSNorm
 from decode_server.model.moe import MoE
 from decode_server.model.rope import RotaryEmbedding
+from decode_server.parallel import layers as parallel_layers
+from decode_server.parallel.state import ParallelState, resolve
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, parallel: ParallelState) -> None:
         super().__init__()
-        self.self_attn = MLAAttention(config, layer_id)
+        self.self_attn = MLAAttention(config, layer_id, parallel)
         self.mlp: nn.Module = (
-            MoE(config) if config.is_moe_layer(layer_id) else MLP(config.hidden_size, config.intermediate_size)
+            MoE(config, parallel) if config.is_moe_layer(layer_id)
+            else MLP(config.hidden_size, config.intermediate_size, parallel)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -37,10 +40,10 @@ class DecoderLayer(nn.Module):
 
 
 class DSAModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelState) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = parallel_layers.embedding(config.vocab_size, config.hidden_size, parallel)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, parallel) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rope, config.qk_rope_head_dim)
 
@@ -56,13 +59,17 @@ class DSAModel(nn.Module):
 
 class DSAForCausalLM(nn.Module):
     """`forward(input_ids[T], positions[T]) -> hidden[T, hidden]` inside a forward context (it reads
-    `get_forward_context()` in every attention layer); `compute_logits(hidden[B, hidden]) -> [B, vocab] f32`."""
+    `get_forward_context()` in every attention layer); `compute_logits(hidden[B, hidden]) -> [B, vocab] f32`.
 
-    def __init__(self, config: ModelConfig) -> None:
+    `parallel` (None = one device) makes this one tensor-parallel rank's shard (docs/parallelism.md): `forward`
+    is called identically on every rank, and `compute_logits` returns the full vocabulary on every rank."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DSAModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.parallel = resolve(parallel)
+        self.model = DSAModel(config, self.parallel)
+        self.lm_head: Linear = parallel_layers.lm_head(config.hidden_size, config.vocab_size, self.parallel)
 
     @property
     def num_layers(self) -> int:

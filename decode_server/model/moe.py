@@ -5,6 +5,14 @@ experts are split into `n_group` groups, each group is rated by the sum of its t
 `topk_group` groups survive, and the `num_experts_per_tok` best biased scores among their experts are chosen.
 The mixing weights are the *unbiased* scores of the chosen experts, renormalized to sum to 1 when
 `norm_topk_prob`, then multiplied by `routed_scaling_factor`. Shared experts see every token.
+
+With tensor parallelism the gate is replicated (every rank routes every token identically) and the shared
+experts are tensor-sharded. Routed experts are either tensor-sharded too (ep_size 1: every rank holds a slice of
+every expert) or split whole across the ranks (ep_size == tp_size: rank r holds experts [r·E/N, (r+1)·E/N) and
+computes only the choices that fall on them, for all tokens). Either way every rank ends with a partial sum of
+the layer's output and one all-reduce of [T, hidden] combines them: since attention is tensor-parallel, every
+rank already has every token, so expert parallelism needs no token dispatch (all-to-all pays off only when each
+rank owns different tokens, as with DP attention).
 """
 
 from __future__ import annotations
@@ -16,6 +24,9 @@ from torch import nn
 from decode_server.model import batch_invariant
 from decode_server.model.config import ModelConfig
 from decode_server.model.layers import MLP
+from decode_server.parallel.comm import all_reduce
+from decode_server.parallel.layers import split_size
+from decode_server.parallel.state import ParallelState, resolve
 
 
 def route_tokens(
@@ -82,40 +93,79 @@ class MoE(nn.Module):
     Elsewhere (CPU) a loop over the experts that received tokens, with one host sync per call.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None) -> None:
         super().__init__()
+        parallel = resolve(parallel)
+        self.parallel = parallel
         self.num_experts = config.n_routed_experts
         self.gate = MoEGate(config)
-        self.experts = nn.ModuleList(
-            MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts)
-        )
-        self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+        self.experts: nn.ModuleList | nn.ModuleDict
+        if parallel.expert_parallel:
+            # This rank's experts, whole, under their global ids (checkpoint names `experts.E.*`).
+            per_rank = split_size(config.n_routed_experts, parallel.ep_size, "n_routed_experts (expert parallel)")
+            self.first_expert = parallel.ep_rank * per_rank
+            self.num_local_experts = per_rank
+            self.experts = nn.ModuleDict(
+                (str(e), MLP(config.hidden_size, config.moe_intermediate_size))
+                for e in range(self.first_expert, self.first_expert + per_rank)
+            )
+        else:
+            self.first_expert = 0
+            self.num_local_experts = config.n_routed_experts
+            self.experts = nn.ModuleList(
+                MLP(config.hidden_size, config.moe_intermediate_size, parallel, reduce=False,
+                    what="moe_intermediate_size")
+                for _ in range(config.n_routed_experts)
+            )
+        self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
+                                  parallel, reduce=False, what="moe_intermediate_size × n_shared_experts")
         self._stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # Plain tuple (not registered twice): the modules stay the same objects through .to() / to_empty().
+        self._local_experts = tuple(
+            self.experts.values() if isinstance(self.experts, nn.ModuleDict) else self.experts
+        )
+
+    def local_experts(self) -> tuple[nn.Module, ...]:
+        """This rank's experts in id order (all of them unless experts are split across ranks)."""
+        return self._local_experts
+
+    def local_choices(self, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallel: (ids relative to this rank's first expert, with `num_local_experts` — a sentinel
+        that sorts last and that no loop or grouped GEMM reaches — for other ranks' experts; owned mask)."""
+        local = expert_ids - self.first_expert
+        owned = (local >= 0) & (local < self.num_local_experts)
+        return torch.where(owned, local, self.num_local_experts), owned
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.gate(x)
+        owned: torch.Tensor | None = None
+        if self.parallel.expert_parallel:
+            expert_ids, owned = self.local_choices(expert_ids)
         # Batch-invariant mode runs the experts one by one on fixed row tiles (decode_server/model/batch_invariant.py).
         grouped_ok = not batch_invariant.enabled() and hasattr(torch, "_grouped_mm")
         if x.is_cuda and x.dtype == torch.bfloat16 and grouped_ok:
-            routed = self.routed_grouped(x, weights, expert_ids)
+            routed = self.routed_grouped(x, weights, expert_ids, owned)
         else:
             routed = self.routed_loop(x, weights, expert_ids)
-        return routed + self.shared_experts(x)
+        # Partial sums on every rank with tensor/expert parallelism: one all-reduce (a no-op on one device).
+        return all_reduce(routed + self.shared_experts(x), self.parallel)
 
     def routed_loop(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         top_k = expert_ids.shape[1]
         flat_ids = expert_ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        # Expert parallel: other ranks' choices carry the sentinel id num_local_experts, sorted last, never run.
+        counts = torch.bincount(flat_ids, minlength=self.num_local_experts).tolist()[: self.num_local_experts]
         token_of = order // top_k
         weight_of = weights.flatten()[order]
         routed = torch.zeros_like(x)
+        experts = self.local_experts()
         start = 0
         for expert_id, count in enumerate(counts):
             if count == 0:
                 continue
             tokens = token_of[start : start + count]
-            out = self.experts[expert_id](x[tokens]) * weight_of[start : start + count, None]
+            out = experts[expert_id](x[tokens]) * weight_of[start : start + count, None]
             routed.index_add_(0, tokens, out.to(routed.dtype))
             start += count
         return routed
@@ -123,22 +173,26 @@ class MoE(nn.Module):
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expert weights as [E, I, H] gate/up and [E, H, I] down, stacked once on first use; each expert's
         parameters then become views into them, so memory is not doubled."""
-        device = self.experts[0].gate_proj.weight.device
+        experts = self.local_experts()
+        device = experts[0].gate_proj.weight.device
         if self._stacked is None or self._stacked[0].device != device:
             stacks = []
             for name in ("gate_proj", "up_proj", "down_proj"):
-                stacked = torch.stack([getattr(e, name).weight.detach() for e in self.experts])
-                for i, expert in enumerate(self.experts):
+                stacked = torch.stack([getattr(e, name).weight.detach() for e in experts])
+                for i, expert in enumerate(experts):
                     getattr(expert, name).weight.data = stacked[i]
                 stacks.append(stacked)
             self._stacked = (stacks[0], stacks[1], stacks[2])
         return self._stacked
 
-    def routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    def routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                       owned: torch.Tensor | None = None) -> torch.Tensor:
+        """`owned` (expert parallel): which choices fall on this rank; the others (sentinel ids, past the last
+        offset, so their rows of the grouped GEMM output are undefined) are zeroed before the weighted sum."""
         gate_w, up_w, down_w = self.stacked_weights()
         num_tokens, top_k = expert_ids.shape
         sorted_ids, order = torch.sort(expert_ids.flatten(), stable=True)
-        offsets = expert_end_offsets(sorted_ids, self.num_experts)
+        offsets = expert_end_offsets(sorted_ids, self.num_local_experts)
         xs = x[order // top_k]
         # grouped_mm(a [M, K], b [E, K, N]): the transposed views make each expert's weight column-major.
         hidden = F.silu(torch._grouped_mm(xs, gate_w.transpose(1, 2), offs=offsets))
@@ -146,5 +200,8 @@ class MoE(nn.Module):
         out_sorted = torch._grouped_mm(hidden, down_w.transpose(1, 2), offs=offsets)
         per_choice = torch.empty_like(out_sorted)
         per_choice[order] = out_sorted
-        per_choice = per_choice.view(num_tokens, top_k, -1).float() * weights.unsqueeze(-1)
+        per_choice = per_choice.view(num_tokens, top_k, -1).float()
+        if owned is not None:
+            per_choice = torch.where(owned.unsqueeze(-1), per_choice, 0.0)
+        per_choice = per_choice * weights.unsqueeze(-1)
         return per_choice.sum(dim=1).to(x.dtype)

@@ -1,4 +1,9 @@
-"""The router's HTTP surface: the OpenAI routes proxied to a worker pair, plus /health, /metrics, /v1/models."""
+"""The router's HTTP surface: the OpenAI routes proxied to a worker pair, plus /health, /metrics, /v1/models.
+
+POSTs to /v1/completions and /v1/chat/completions (the traffic) go straight from the ASGI entry to the
+dispatcher, which validates the body with the servers' own request models; every other request (probes,
+metrics, the model list, unknown routes) goes through a FastAPI app and its OpenAI-style error handlers.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,13 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from decode_server.api.auth import ApiKeyMiddleware
 from decode_server.api.errors import error_body, install_error_handlers
 from decode_server.router.config import RouterConfig
 from decode_server.router.metrics import RouterMetrics
-from decode_server.router.proxy import CHAT, COMPLETIONS, Dispatcher
+from decode_server.router.proxy import CHAT, COMPLETIONS, Dispatcher, Route
 from decode_server.router.workers import WORKER_ERRORS, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -31,25 +37,33 @@ def _worker_info(w: Worker) -> dict[str, Any]:
     return info
 
 
-def create_app(config: RouterConfig, pool: WorkerPool, dispatcher: Dispatcher, metrics: RouterMetrics) -> FastAPI:
+class RouterApp:
+    """The ASGI entry: the two generation routes to the dispatcher, the rest to the FastAPI app."""
+
+    def __init__(self, api: FastAPI, dispatcher: Dispatcher) -> None:
+        self.api = api
+        self.dispatcher = dispatcher
+        self.routes: dict[str, Route] = {COMPLETIONS.path: COMPLETIONS, CHAT.path: CHAT}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (route := self.routes.get(scope["path"])) is not None:
+            if scope["method"] == "POST":
+                await self.dispatcher.handle(scope, receive, send, route)
+            else:
+                response = JSONResponse(error_body("Method Not Allowed", "invalid_request_error", 405),
+                                        status_code=405, headers={"Allow": "POST"})  # fmt: skip
+                await response(scope, receive, send)
+            return
+        await self.api(scope, receive, send)
+
+
+def create_app(config: RouterConfig, pool: WorkerPool, dispatcher: Dispatcher, metrics: RouterMetrics) -> ASGIApp:
     app = FastAPI(
         title="HiSparse Decode Server PD router",
         description="OpenAI front door of a prefill/decode deployment",
         version="0.1.0",
     )
     install_error_handlers(app)
-    if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
-
-    # The body is read and validated by the dispatcher (with the servers' own request models), so that it is
-    # parsed once and forwarded as it came; the OpenAPI schema therefore shows these routes without a body model.
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await dispatcher.handle(request, COMPLETIONS)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await dispatcher.handle(request, CHAT)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -82,4 +96,7 @@ def create_app(config: RouterConfig, pool: WorkerPool, dispatcher: Dispatcher, m
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    entry: ASGIApp = RouterApp(app, dispatcher)
+    if config.api_key:
+        entry = ApiKeyMiddleware(entry, api_key=config.api_key)
+    return entry

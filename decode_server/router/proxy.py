@@ -11,6 +11,10 @@ Failure behaviour:
 
 The router sets the engine-visible request id (`rid` in the body, e.g. `cmpl-<hex>`), so it can abort the request
 on both workers by name; the response the client gets carries that id.
+
+This is the router's hot path, so it is plain ASGI (no FastAPI routing, dependency or response machinery, no
+task group per stream): decode's SSE bytes are relayed as they arrive, unparsed, one `send` per read; one task
+per request watches for the client leaving, and when it leaves mid-stream that task cancels the relay.
 """
 
 from __future__ import annotations
@@ -22,14 +26,14 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.responses import JSONResponse, Response
+from starlette.types import Message, Receive, Scope, Send
 
 from decode_server.api.errors import error_body, validation_error_response
 from decode_server.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -41,9 +45,13 @@ from decode_server.router.workers import WORKER_ERRORS, Worker, WorkerPool
 logger = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 5.0
-FORWARDED_HEADERS = ("authorization", "x-api-key")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+FORWARDED_HEADERS = (b"authorization", b"x-api-key")
 RETRY_AFTER = {"Retry-After": "1"}
+# The relay's ASGI messages that never change (uvicorn only reads them).
+_SSE_START: Message = {"type": "http.response.start", "status": 200, "headers": [
+    (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no")]}  # fmt: skip
+_BODY_END: Message = {"type": "http.response.body", "body": b"", "more_body": False}
 
 
 @dataclass(frozen=True)
@@ -100,15 +108,15 @@ class Dispatcher:
             await asyncio.wait(set(self._background), timeout=timeout)
 
     def _count(self, worker: Worker, outcome: str) -> None:
-        self.metrics.requests.labels(worker.role, worker.url, outcome).inc()
+        self.metrics.count_request(worker.role, worker.url, outcome)
 
     def _begin(self, worker: Worker) -> None:
         worker.inflight += 1
-        self.metrics.inflight.labels(worker.role, worker.url).set(worker.inflight)
+        self.metrics.set_inflight(worker.role, worker.url, worker.inflight)
 
     def _end(self, worker: Worker) -> None:
         worker.inflight -= 1
-        self.metrics.inflight.labels(worker.role, worker.url).set(worker.inflight)
+        self.metrics.set_inflight(worker.role, worker.url, worker.inflight)
 
     async def _abort(self, worker: Worker, rid: str, headers: dict[str, str]) -> None:
         self.metrics.aborts.labels(worker.role, worker.url).inc()
@@ -145,28 +153,46 @@ class Dispatcher:
         finally:
             self._end(worker)
 
-    def _forwarded(self, request: Request) -> dict[str, str]:
-        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
+    @staticmethod
+    def _forwarded(scope: Scope) -> dict[str, str]:
+        """The client's credentials go on to the workers (they may have an API key of their own)."""
+        headers: dict[str, str] = {}
+        for name, value in scope["headers"]:
+            if name in FORWARDED_HEADERS and value:
+                headers.setdefault(name.decode(), value.decode("latin-1"))
         headers["content-type"] = "application/json"
         return headers
 
     # -------------------------------------------------------------------------------------- entry
 
-    async def handle(self, request: Request, route: Route) -> Response:
+    async def handle(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+        """The ASGI handler of one POST to `route`."""
         arrival = time.perf_counter()
-        response = await self._handle(request, route, arrival)
-        self.metrics.client_requests.labels(route.path, str(response.status_code)).inc()
-        if not isinstance(response, StreamingResponse):
-            self.metrics.latency.labels(route.path).observe(time.perf_counter() - arrival)
-        return response
+        raw = await _read_body(receive)
+        if raw is None:  # the client left before its body arrived: nothing to answer, nothing sent anywhere
+            self.metrics.count_client(route.path, 499)
+            return
+        watch = _ClientWatch(receive)
+        try:
+            try:
+                response = await self._handle(scope, raw, route, arrival, watch)
+            except Exception:
+                logger.exception("unexpected error while routing a request")
+                response = _error("internal error of the router", "internal_error", 500)
+            self.metrics.count_client(route.path, response.status_code)
+            await response(scope, receive, send)
+            if not isinstance(response, _Relay):
+                self.metrics.observe_latency(route.path, time.perf_counter() - arrival)
+        finally:
+            watch.close()
 
-    async def _handle(self, request: Request, route: Route, arrival: float) -> Response:
-        raw = await request.body()
+    async def _handle(self, scope: Scope, raw: bytes, route: Route, arrival: float,
+                      watch: _ClientWatch) -> Response | _Relay:  # fmt: skip
         parsed = self._validate(raw, route)
         if isinstance(parsed, Response):
             return parsed
         body = parsed
-        headers = self._forwarded(request)
+        headers = self._forwarded(scope)
         tried: set[Worker] = set()
         last_reason = "no attempt made"
         for attempt in range(self.config.retry_max_retries + 1):
@@ -184,7 +210,7 @@ class Dispatcher:
             else:
                 self.metrics.dispatch.observe(time.perf_counter() - arrival)
             try:
-                return await self._attempt(request, route, body, headers, prefill, decode, arrival)
+                return await self._attempt(watch, route, body, headers, prefill, decode, arrival)
             except _Retry as retry:
                 tried.add(retry.worker)
                 last_reason = retry.reason
@@ -217,25 +243,25 @@ class Dispatcher:
 
     async def _attempt(
         self,
-        request: Request,
+        watch: _ClientWatch,
         route: Route,
         body: dict[str, Any],
         headers: dict[str, str],
         prefill: Worker,
         decode: Worker,
         arrival: float,
-    ) -> Response:
+    ) -> Response | _Relay:
         rid = f"{route.id_prefix}-{uuid.uuid4().hex}"
         payload = dict(body, rid=rid, bootstrap_host=prefill.bootstrap_host, bootstrap_port=prefill.bootstrap_port,
                        bootstrap_room=_rooms(body))  # fmt: skip
         content = json.dumps(payload, separators=(",", ":")).encode()
         pair = _Pair(self, rid, headers, prefill, decode)
+        # Both requests go out at once: prefill's answer never delays decode's first byte.
         pair.prefill_task = asyncio.create_task(self._send(prefill, route.path, content, headers))
         pair.decode_task = asyncio.create_task(self._send(decode, route.path, content, headers))
-        disconnect = asyncio.create_task(_wait_for_disconnect(request))
         deadline = time.monotonic() + self.config.request_timeout_secs
         try:
-            pending: set[asyncio.Task[Any]] = {pair.prefill_task, pair.decode_task, disconnect}
+            pending: set[asyncio.Future[Any]] = {pair.prefill_task, pair.decode_task, watch.task}
             while not pair.decode_task.done():
                 remaining = max(deadline - time.monotonic(), 0.0)
                 done, pending = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
@@ -246,7 +272,7 @@ class Dispatcher:
                     pair.give_up()
                     return _error(f"no answer from decode worker {decode.url} within "
                                   f"{self.config.request_timeout_secs:g} s", "worker_timeout", 504)  # fmt: skip
-                if disconnect in done:
+                if watch.task in done:
                     logger.info("client of %s disconnected before the answer; aborting on both workers", rid)
                     self._count(decode, "aborted")
                     pair.give_up()
@@ -255,20 +281,18 @@ class Dispatcher:
                     refusal = await self._prefill_answered(pair)
                     if refusal is not None:
                         return refusal
-            disconnect.cancel()
-            return await self._decode_answered(route, pair, arrival)
+            return await self._decode_answered(route, pair, arrival, watch)
         except BaseException:
             pair.give_up()
             raise
         finally:
-            disconnect.cancel()
             pair.settle_prefill()
 
     async def _send(
         self, worker: Worker, path: str, content: bytes, headers: dict[str, str]
     ) -> aiohttp.ClientResponse:
         """POST; returns once the response headers came (the body is read by the caller)."""
-        return await self.client.post(worker.url + path, data=content, headers=headers)
+        return await self.client.post(worker.endpoint(path), data=content, headers=headers)
 
     async def _prefill_answered(self, pair: _Pair) -> Response | None:
         """Prefill's headers came before decode's: None if it accepted (then it is drained in the background);
@@ -301,7 +325,8 @@ class Dispatcher:
         self.pool.record_failure(worker, f"{type(exc).__name__}: {exc}", at_once=_refused(exc))
         return _Retry(worker, f"{worker.role} worker {worker.url} unreachable ({type(exc).__name__}: {exc})")
 
-    async def _decode_answered(self, route: Route, pair: _Pair, arrival: float) -> Response:
+    async def _decode_answered(self, route: Route, pair: _Pair, arrival: float,
+                               watch: _ClientWatch) -> Response | _Relay:  # fmt: skip
         decode, task = pair.decode, pair.decode_task
         exc = task.exception()
         if exc is not None:
@@ -319,10 +344,10 @@ class Dispatcher:
             if resp.status == 503:
                 raise _Retry(decode, f"decode worker {decode.url} refused with 503: {body[:200]!r}")
             return Response(body, status_code=resp.status, media_type=resp.headers.get("content-type"))
-        self.metrics.ttfb.labels(route.path).observe(time.perf_counter() - arrival)
+        self.metrics.observe_ttfb(route.path, time.perf_counter() - arrival)
         pair.decode_owned = False  # from here on the relay (or the code below) settles decode
         if resp.headers.get("content-type", "").startswith("text/event-stream"):
-            return self._relay(route, pair, resp, arrival)
+            return _Relay(self, route, pair, resp, arrival, watch)
         try:
             body = await resp.read()
         except WORKER_ERRORS as e:
@@ -336,67 +361,104 @@ class Dispatcher:
         self._count(decode, "success")
         return Response(body, status_code=200, media_type=resp.headers.get("content-type"))
 
-    def _relay(self, route: Route, pair: _Pair, resp: aiohttp.ClientResponse, arrival: float) -> StreamingResponse:
-        """decode's SSE bytes, chunk by chunk, unchanged; an error event if decode fails mid-stream."""
-        decode, rid = pair.decode, pair.rid
-        state = {"settled": False}
 
-        def settle(finished: bool) -> None:
-            # Runs once, with no await: when the client left, this runs inside a cancelled scope.
-            if state["settled"]:
-                return
-            state["settled"] = True
-            if finished:
-                resp.release()  # the connection goes back to the pool
-            else:
-                resp.close()  # decode sees the connection drop (and gets the abort)
-            self._end(decode)
-            self.metrics.latency.labels(route.path).observe(time.perf_counter() - arrival)
-            if not finished:
-                logger.info("client of %s disconnected mid-stream; aborting on both workers", rid)
-                self._count(decode, "aborted")
-                pair.abort_decode()
-                pair.abort_prefill()
+class _ClientWatch:
+    """One task per request that returns when the client goes away (ASGI `http.disconnect`).
 
-        async def chunks() -> AsyncIterator[bytes]:
-            finished = False
-            last = b"\n\n"
+    Before decode answers, `_attempt` waits on `task` next to the worker requests. While a relay runs it is
+    `arm`ed: a disconnect then cancels the relaying task (which stops reading from decode at once, even when
+    decode is silent), and `cancelled_target` tells the relay that the cancellation was this one."""
+
+    __slots__ = ("task", "_target", "cancelled_target")
+
+    def __init__(self, receive: Receive) -> None:
+        self.task: asyncio.Task[None] = asyncio.get_running_loop().create_task(_wait_for_disconnect(receive))
+        self._target: asyncio.Task[Any] | None = None
+        self.cancelled_target = False
+        self.task.add_done_callback(self._on_done)
+
+    def arm(self) -> bool:
+        """From now on a disconnect cancels the calling task; False (and nothing armed): the client already left."""
+        if self.task.done():
+            return False
+        self._target = asyncio.current_task()
+        return True
+
+    def disarm(self) -> None:
+        self._target = None
+
+    def _on_done(self, task: asyncio.Task[None]) -> None:
+        target, self._target = self._target, None
+        if target is not None and not task.cancelled() and task.exception() is None:
+            self.cancelled_target = True
+            target.cancel()
+
+    def close(self) -> None:
+        self._target = None
+        self.task.cancel()
+
+
+class _Relay:
+    """decode's SSE bytes to the client, as they arrive, unchanged; an error event if decode fails mid-stream.
+
+    An ASGI response: `Dispatcher.handle` calls it. It settles decode (count, release or close, and abort on both
+    workers when the client left before the end) exactly once, whichever way it ends."""
+
+    status_code = 200
+
+    def __init__(self, d: Dispatcher, route: Route, pair: _Pair, resp: aiohttp.ClientResponse, arrival: float,
+                 watch: _ClientWatch) -> None:  # fmt: skip
+        self.d, self.route, self.pair, self.resp, self.arrival, self.watch = d, route, pair, resp, arrival, watch
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        decode, rid = self.pair.decode, self.pair.rid
+        finished = False  # decode's stream is over (complete, or failed and handled)
+        if not self.watch.arm():
+            self._settle(False)
+            return
+        try:
             try:
-                async for chunk in resp.content.iter_any():
-                    if chunk:
-                        last = chunk
-                        yield chunk
+                await send(_SSE_START)
+                read = self.resp.content.readany
+                last = b"\n\n"
+                while chunk := await read():
+                    last = chunk
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 finished = True
-                self._count(decode, "success")
+                self.d._count(decode, "success")
             except WORKER_ERRORS as exc:
                 finished = True
                 logger.warning("decode worker %s failed mid-stream of %s: %s", decode.url, rid, exc)
-                self._count(decode, "stream_error")
-                pair.abort_prefill()
-                pair.abort_decode()  # it may only be slow: free the request there too
+                self.d._count(decode, "stream_error")
+                self.pair.abort_prefill()
+                self.pair.abort_decode()  # it may only be slow: free the request there too
                 prefix = b"" if last.endswith(b"\n\n") else b"\n\n"  # end a frame cut in the middle first
                 kind = "timed out" if isinstance(exc, asyncio.TimeoutError) else "failed"
-                yield prefix + _sse_error(f"decode worker {decode.url} {kind} mid-stream ({type(exc).__name__})",
-                                          "worker_failed", 502)  # fmt: skip
-            finally:
-                settle(finished)
-
-        return _RelayResponse(chunks(), settle)
-
-
-class _RelayResponse(StreamingResponse):
-    """A StreamingResponse that settles its relay even when the body iterator never started (the client left
-    before the first chunk: Starlette then cancels the response without running the generator's `finally`)."""
-
-    def __init__(self, content: AsyncIterator[bytes], settle: Any) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
-        self._settle = settle
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
+                error = _sse_error(f"decode worker {decode.url} {kind} mid-stream ({type(exc).__name__})",
+                                   "worker_failed", 502)  # fmt: skip
+                await send({"type": "http.response.body", "body": prefix + error, "more_body": True})
+            await send(_BODY_END)
+        except asyncio.CancelledError:
+            if not self.watch.cancelled_target:
+                raise  # not the client leaving (e.g. shutdown): settled below, then passed on
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # ours: the client left
         finally:
-            self._settle(False)  # a no-op when the generator settled already
+            self.watch.disarm()
+            self._settle(finished)
+
+    def _settle(self, finished: bool) -> None:
+        decode = self.pair.decode
+        if finished:
+            self.resp.release()  # the connection goes back to the pool
+        else:
+            self.resp.close()  # decode sees the connection drop (and gets the abort)
+        self.d._end(decode)
+        self.d.metrics.observe_latency(self.route.path, time.perf_counter() - self.arrival)
+        if not finished:
+            logger.info("client of %s disconnected mid-stream; aborting on both workers", self.pair.rid)
+            self.d._count(decode, "aborted")
+            self.pair.abort_decode()
+            self.pair.abort_prefill()
 
 
 class _Pair:
@@ -469,9 +531,25 @@ def _refused(exc: BaseException) -> bool:
     return isinstance(exc, aiohttp.ClientConnectorError)
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    """Returns when the client goes away. Only used after the body was read and before a response starts."""
+async def _read_body(receive: Receive) -> bytes | None:
+    """The whole request body; None if the client went away before it ended."""
+    message = await receive()
+    if message["type"] != "http.request":
+        return None
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body", False):
+        return body
+    parts = [body]
     while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    """Returns when the client goes away (or, at the latest, once the response is complete)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

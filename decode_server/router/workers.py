@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import aiohttp
+from yarl import URL
 
 from decode_server.router.config import RouterConfig
 from decode_server.router.metrics import RouterMetrics
@@ -42,6 +43,14 @@ class Worker:
     load_time: float = 0.0
     last_error: str = ""
     load: dict = field(default_factory=dict)
+    _endpoints: dict[str, URL] = field(default_factory=dict, repr=False)
+
+    def endpoint(self, path: str) -> URL:
+        """The worker's URL for `path`, parsed once (the client would parse the string on every request)."""
+        url = self._endpoints.get(path)
+        if url is None:
+            url = self._endpoints[path] = URL(self.url + path)
+        return url
 
     def load_score(self) -> tuple[int, int]:
         """Lower is lighter. The worker's own count can be up to one poll old: between polls the router's own

@@ -180,6 +180,15 @@ def test_throughput_window() -> None:
     assert w.rate(now=200.0) == 0.0
 
 
+def test_throughput_window_stays_bounded_when_nobody_reads_it() -> None:
+    """A server that is never scraped adds token batches for days: the window keeps only its last seconds."""
+    w = ThroughputWindow(window_s=10.0)
+    for i in range(100_000):
+        w.add(1, now=i * 0.01)  # 1000 s of traffic, 100 batches a second
+    assert len(w) <= 10.0 / 0.01 + 1
+    assert w.rate(now=1000.0) == pytest.approx(100.0, rel=0.02)
+
+
 def test_metrics_render_engine_stats_and_latencies() -> None:
     m = ServerMetrics("tiny-dsa")
     m.latest_stats = EngineStats(
