@@ -14,7 +14,7 @@ GPU:   python benchmarks/bench_decode.py --contexts 8192 32768 65536 --device-kv
 CPU:   python benchmarks/bench_decode.py --smoke      (tiny-dsa, tiny contexts; checks the script end to end)
 
 Tensor parallelism (`--tp-size N`): N rank processes (GPU r for rank r), each with the same engine over its model
-shard (the whole model where the model package cannot shard), the device budget per GPU, and one HiSparse host
+shard (decode_server/parallel/), the device budget per GPU, and one HiSparse host
 pool for all of them in shared memory (decode_server/hisparse/shared_host.py). Every rank runs the same steps;
 rank 0 times them and reports, besides tokens/s, the host pool's size and the node's shared memory it really
 took (`Shmem` of /proc/meminfo before and after the KV was injected): one copy per node, not one per rank.
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import logging
 import math
@@ -466,10 +465,7 @@ def run_rank(args, parallel=None) -> int:
     reporting = parallel is None or parallel.tp_rank == 0
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_config = load_config(args.config)
-    if parallel is not None and "parallel" in inspect.signature(build_random_model).parameters:
-        model = build_random_model(model_config, device, dtype, seed=args.seed, parallel=parallel)  # this shard
-    else:
-        model = build_random_model(model_config, device, dtype, seed=args.seed)
+    model = build_random_model(model_config, device, dtype, seed=args.seed, parallel=parallel)  # TP: this shard
     runs: list[tuple[str, float | None, int | None]] = [(m, None, None) for m in args.modes]
     if "hisparse" in args.modes:
         runs += [("hisparse", r, None) for r in args.miss_rates]

@@ -35,7 +35,6 @@ import subprocess
 import sys
 import threading
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -53,6 +52,7 @@ from decode_server.api.messages import FatalMsg, GenerateMsg, ReadyMsg, ToEngine
 from decode_server.config import EngineConfig
 from decode_server.engine.sampler import is_greedy
 from decode_server.engine.types import TPRankStats
+from decode_server.parallel.state import ParallelState, destroy_parallel, init_parallel
 
 logger = logging.getLogger("decode_server.tp_ranks")
 
@@ -86,23 +86,12 @@ def free_tcp_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_rank(config: EngineConfig, rank: int, init_method: str) -> Any:
+def init_rank(config: EngineConfig, rank: int, init_method: str) -> ParallelState:
     """Join the tensor-parallel group; returns this rank's `ParallelState`."""
-    device = rank_device(config, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # kernels and NCCL of rank r run on GPU r
-    else:
+    device = rank_device(config, rank)  # init_parallel makes it the current CUDA device
+    if device.type == "cpu":
         # Ranks share the host's cores: one rank's threads per core share, or their spin-waits starve each other.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
-    try:
-        from decode_server.parallel.state import init_parallel
-    except ImportError:  # the model-sharding package is not in this tree: a replicated model needs only gloo
-        from datetime import timedelta
-
-        dist.init_process_group("gloo", init_method=init_method, world_size=config.tp_size, rank=rank,
-                                timeout=timedelta(seconds=config.watchdog_timeout))  # fmt: skip
-        return SimpleNamespace(tp_rank=rank, tp_size=config.tp_size, ep_size=config.ep_size,
-                               group=dist.group.WORLD, cpu_group=dist.group.WORLD)  # fmt: skip
     return init_parallel(rank, config.tp_size, config.ep_size, init_method, device,
                          timeout_s=config.watchdog_timeout)  # fmt: skip
 
@@ -344,14 +333,9 @@ def run_driver_process(config: EngineConfig, ctx: zmq.Context, pull: zmq.Socket,
     return exit_code
 
 
-def _leave_group(parallel: Any) -> None:
+def _leave_group(parallel: ParallelState) -> None:
     with contextlib.suppress(Exception):
-        try:
-            from decode_server.parallel.state import destroy_parallel
-        except ImportError:
-            dist.destroy_process_group()
-        else:
-            destroy_parallel(parallel)
+        destroy_parallel(parallel)
 
 
 # ---------------------------------------------------------------------------------------------- ranks 1..N-1

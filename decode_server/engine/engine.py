@@ -6,7 +6,6 @@ on the caller's thread; `step()` runs exactly one forward pass (a prefill chunk 
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from decode_server.errors import (
 )
 from decode_server.hisparse.coordinator import HiSparseCoordinator
 from decode_server.model.batch_invariant import batch_invariant_mode
+from decode_server.parallel.state import ParallelState
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Engine:
         model_config: Any = None,
         tokenizer: Any = None,
         kv_manager: KVManager | None = None,
-        parallel: Any = None,
+        parallel: ParallelState | None = None,
     ) -> None:
         self.config = config
         self.parallel = parallel
@@ -401,14 +401,10 @@ def resolve_attention_kernel(name: str, device: torch.device, deterministic: boo
 
 
 def _load(model_path: str, device: torch.device, dtype: torch.dtype, tokenizer: Any,
-          parallel: Any = None) -> tuple[Any, Any, Any]:  # fmt: skip
+          parallel: ParallelState | None = None) -> tuple[Any, Any, Any]:  # fmt: skip
     from decode_server.model import Tokenizer, load_model, resolve_model_path
 
-    if parallel is not None and parallel.tp_size > 1 and "parallel" in inspect.signature(load_model).parameters:
-        model, model_config = load_model(model_path, device, dtype, parallel=parallel)  # this rank's shard
-    else:
-        # tp_size 1, or a model package without sharding: every rank holds the whole (replicated) model.
-        model, model_config = load_model(model_path, device, dtype)
+    model, model_config = load_model(model_path, device, dtype, parallel=parallel)  # with TP: this rank's shard
     if tokenizer is None:
         tokenizer = Tokenizer.from_dir(resolve_model_path(model_path))
     return model, model_config, tokenizer
