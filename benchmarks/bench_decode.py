@@ -12,6 +12,13 @@ Reports batch, tokens/s, step time, hit rate and PCIe bytes per step; writes JSO
 
 GPU:   python benchmarks/bench_decode.py --contexts 8192 32768 65536 --device-kv-budget-gib 8
 CPU:   python benchmarks/bench_decode.py --smoke      (tiny-dsa, tiny contexts; checks the script end to end)
+
+Tensor parallelism (`--tp-size N`): N rank processes (GPU r for rank r), each with the same engine over its model
+shard (decode_server/parallel/), the device budget per GPU, and one HiSparse host
+pool for all of them in shared memory (decode_server/hisparse/shared_host.py). Every rank runs the same steps;
+rank 0 times them and reports, besides tokens/s, the host pool's size and the node's shared memory it really
+took (`Shmem` of /proc/meminfo before and after the KV was injected): one copy per node, not one per rank.
+GPU:   python benchmarks/bench_decode.py --tp-size 2 --contexts 32768 --device-kv-budget-gib 8
 """
 
 from __future__ import annotations
@@ -68,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sparse MLA kernel (auto: FlashMLA on Hopper when installed, else Triton)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel ranks (processes; one GPU each on CUDA); budgets are per GPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="batch-invariant mode (docs/models.md): measure its cost against a run without it")
@@ -147,8 +156,9 @@ def hisparse_layout(args, model_config, kv_dtype, context: int, max_len: int, ba
                           max_reqs=n, max_ctx=max_len, geometry=geometry)
 
 
-def build_engine(args, model, model_config, mode: str, context: int, max_len: int, batch_cap: int) -> Engine:
-    device = torch.device(args.device)
+def build_engine(args, model, model_config, mode: str, context: int, max_len: int, batch_cap: int,
+                 parallel=None) -> Engine:  # fmt: skip
+    device = rank_device(args, parallel)
     hisparse = mode.startswith("hisparse")
     cfg = EngineConfig(
         device=args.device, enable_hisparse=hisparse, page_size=args.page_size, context_length=max_len,
@@ -157,15 +167,30 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
         host_kv_budget_bytes=int(args.host_kv_budget_gib * GIB), max_running_requests=batch_cap,
         max_queued_requests=batch_cap + 1, chunked_prefill_size=max(2048, args.page_size),
         hisparse=HiSparseConfig(device_buffer_size=args.buffer_size, num_recent_slots=args.num_recent),
-        enable_deterministic_inference=args.enable_deterministic_inference,
+        enable_deterministic_inference=args.enable_deterministic_inference, tp_size=args.tp_size,
     )
     kv = None
     if hisparse:
         kv_dtype = resolve_kv_dtype(cfg, resolve_model_dtype(cfg, device))
         layout = hisparse_layout(args, model_config, kv_dtype, context, max_len, batch_cap)
-        kv = HiSparseCoordinator(layout, kv_dtype, device)
+        kv = HiSparseCoordinator(layout, kv_dtype, device, parallel=parallel)  # shared host pool with TP
         cfg = cfg.model_copy(update={"max_running_requests": layout.max_reqs})
-    return Engine(cfg, model=model, model_config=model_config, tokenizer=None, kv_manager=kv)
+    return Engine(cfg, model=model, model_config=model_config, tokenizer=None, kv_manager=kv, parallel=parallel)
+
+
+def rank_device(args, parallel) -> torch.device:
+    device = torch.device(args.device)
+    if parallel is not None and device.type == "cuda":
+        return torch.device("cuda", parallel.tp_rank)
+    return device
+
+
+def shmem_bytes() -> int:
+    """The node's shared memory in use (`Shmem` of /proc/meminfo: tmpfs pages, the TP host pool among them)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 class SyntheticKV:
@@ -295,15 +320,22 @@ def sync(device: torch.device) -> None:
 
 
 def run_one(args, model, model_config, mode: str, context: int, miss_rate: float | None,
-            fixed_batch: int | None) -> dict:
-    device = torch.device(args.device)
+            fixed_batch: int | None, parallel=None) -> dict:
+    device = rank_device(args, parallel)
     max_len = context + args.warmup + args.steps + 4  # room for every step; nothing finishes while timed
     cap = fixed_batch or args.max_batch
-    engine = build_engine(args, model, model_config, mode, context, max_len, cap)
+    shmem_before = shmem_bytes()
+    engine = build_engine(args, model, model_config, mode, context, max_len, cap, parallel)
     kv_dtype = engine.kv_dtype
     name = mode if miss_rate is None else f"hisparse-m{round(miss_rate * 100)}"
     synthetic = SyntheticKV(context, kv_dtype, device, args.seed)
     batch = fill(engine, synthetic, context, max_len, cap, args.seed)
+    host_pool = getattr(getattr(engine.kv, "host", None), "nbytes", 0)
+    if parallel is not None:
+        import torch.distributed as dist
+
+        dist.barrier(group=parallel.cpu_group)  # every rank has written its (identical) rows
+    shmem_used = shmem_bytes() - shmem_before
     if fixed_batch is not None and batch < fixed_batch:
         raise RuntimeError(f"{name} at {context}: only {batch} of {fixed_batch} requests fit")
     if miss_rate is not None:
@@ -328,7 +360,7 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
     finally:
         breakdown.close()
     if args.profile_dir:
-        label = name + (f"_B{fixed_batch}" if fixed_batch else "")
+        label = name + (f"_B{fixed_batch}" if fixed_batch else "") + (f"_rank{parallel.tp_rank}" if parallel else "")
         profile_steps(engine, device, Path(args.profile_dir) / f"profile_{label}_{context}.txt")
     selected = (h1 - h0) + (m1 - m0)
     result = {
@@ -337,6 +369,8 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
         "hit_rate": (h1 - h0) / selected if selected else None,
         "pcie_bytes_per_step": ((up1 - up0) + (down1 - down0)) / args.steps,
         "h2d_bytes_per_step": (up1 - up0) / args.steps, "d2h_bytes_per_step": (down1 - down0) / args.steps,
+        "tp_size": args.tp_size, "host_pool_bytes": host_pool,
+        "host_pool_shmem_bytes": shmem_used if parallel is not None and host_pool else None,
         **spans,
     }
     del engine, synthetic
@@ -390,10 +424,48 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(args.device)
+    if args.tp_size > 1:
+        return launch_ranks(args)
+    return run_rank(args)
+
+
+def launch_ranks(args) -> int:
+    """One process per rank (torch.multiprocessing, spawn); rank 0 reports. Non-zero if any rank fails."""
+    import torch.multiprocessing as mp
+
+    from decode_server.api.tp_ranks import free_tcp_port
+
+    if args.device == "cuda" and torch.cuda.device_count() < args.tp_size:
+        raise SystemExit(f"--tp-size {args.tp_size} needs {args.tp_size} GPUs; {torch.cuda.device_count()} visible")
+    init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+    try:
+        mp.spawn(_rank_entry, args=(args, init_method), nprocs=args.tp_size, join=True)
+    except mp.ProcessRaisedException as exc:
+        logger.error("a rank failed: %s", exc)
+        return 1
+    except mp.ProcessExitedException as exc:
+        return 1 if exc.exit_code else 0
+    return 0
+
+
+def _rank_entry(rank: int, args, init_method: str) -> None:
+    from decode_server.api.tp_ranks import init_rank
+
+    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
+    config = EngineConfig(device=args.device, tp_size=args.tp_size)
+    parallel = init_rank(config, rank, init_method)
+    code = run_rank(args, parallel)
+    if code:
+        sys.exit(code)
+
+
+def run_rank(args, parallel=None) -> int:
+    """The whole benchmark on one rank (every rank runs it; only rank 0, or a single process, reports)."""
+    device = rank_device(args, parallel)
+    reporting = parallel is None or parallel.tp_rank == 0
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_config = load_config(args.config)
-    model = build_random_model(model_config, device, dtype, seed=args.seed)
+    model = build_random_model(model_config, device, dtype, seed=args.seed, parallel=parallel)  # TP: this shard
     runs: list[tuple[str, float | None, int | None]] = [(m, None, None) for m in args.modes]
     if "hisparse" in args.modes:
         runs += [("hisparse", r, None) for r in args.miss_rates]
@@ -402,17 +474,19 @@ def main(argv: list[str] | None = None) -> int:
     for context in args.contexts:
         for mode, miss, fixed in runs:
             try:
-                results.append(run_one(args, model, model_config, mode, context, miss, fixed))
+                results.append(run_one(args, model, model_config, mode, context, miss, fixed, parallel))
             except (ValueError, RuntimeError, torch.OutOfMemoryError, DecodeServerError) as exc:
                 logger.warning("skipped %s (miss %s, batch %s) at context %d: %s", mode, miss, fixed, context, exc)
                 results.append({"mode": mode if miss is None else f"hisparse-m{round(miss * 100)}",
                                 "context": context, "fixed_batch": fixed, "error": str(exc)})
     ok = [r for r in results if "error" not in r]
+    if not reporting:
+        return 0 if ok else 1
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     header = (f"{'mode':<14}{'context':>8}{'batch':>7}{'tok/s':>11}{'step ms':>10}{'hit rate':>10}"
               f"{'PCIe MB/step':>14}{'fwd ms':>9}{'idx ms':>9}{'attn ms':>9}{'swap ms':>9}")
     print(f"device: {device_name}; config: {args.config}; budget: {args.device_kv_budget_gib:g} GiB device, "
-          f"{args.host_kv_budget_gib:g} GiB host; steps: {args.steps}; KV {args.kv_cache_dtype}; attention "
+          f"{args.host_kv_budget_gib:g} GiB host; tp_size {args.tp_size}; steps: {args.steps}; KV {args.kv_cache_dtype}; attention "
           f"{resolve_attention_kernel(args.attention_backend, device, args.enable_deterministic_inference)}"
           + ("; deterministic inference" if args.enable_deterministic_inference else ""))
     print(header)
@@ -425,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:<14}{r['context']:>8}{r['batch']:>7}{r['tokens_per_s']:>11.1f}{r['step_ms']:>10.2f}"
               f"{hit:>10}{r['pcie_bytes_per_step'] / 1e6:>14.2f}{r['forward_ms']:>9.2f}{r['indexer_ms']:>9.2f}"
               f"{r['attention_ms']:>9.2f}{r['swap_in_ms']:>9.2f}")
+        if r["host_pool_bytes"]:
+            shm = r["host_pool_shmem_bytes"]
+            print(f"{'':<14}host pool {r['host_pool_bytes'] / GIB:.3f} GiB, one copy for {args.tp_size} rank(s)"
+                  + (f"; node shared memory taken: {shm / GIB:.3f} GiB" if shm is not None else ""))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_name,

@@ -108,6 +108,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)  # fmt: skip
     g.add_argument(
+        "--tp-size", "--tp", dest="tp_size", type=int, default=d.tp_size,
+        help="tensor-parallel ranks: one engine process per rank (one GPU each on CUDA, gloo on CPU)",
+    )
+    g.add_argument(
+        "--ep-size", type=int, default=d.ep_size,
+        help="expert parallelism: 1 (experts tensor-sharded) or --tp-size (experts split across the ranks)",
+    )
+    g.add_argument(
         "--watchdog-timeout",
         type=float,
         default=d.watchdog_timeout,
@@ -178,6 +186,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_queued_requests=args.max_queued_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         watchdog_timeout=args.watchdog_timeout,
+        tp_size=args.tp_size,
+        ep_size=args.ep_size,
     )
 
 
@@ -373,6 +383,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine_config = engine_config_from_args(args)
         if args.command == "serve":
             server_config_from_args(args)  # validate before starting anything
+            if engine_config.tp_size > 1:
+                from decode_server.api.tp_ranks import check_tp_devices
+
+                check_tp_devices(engine_config)
+        elif engine_config.tp_size > 1:
+            raise ValueError("--tp-size > 1 runs one engine process per rank: use `decode-server serve`")
     except (ValidationError, ValueError) as exc:
         parser.error(str(exc))
     _setup_logging(args.log_level)

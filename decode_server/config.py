@@ -110,6 +110,11 @@ class EngineConfig(BaseModel):
 
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
 
+    # Tensor parallelism (SGLang's --tp-size / --ep-size): one engine process per rank on one node; rank 0 talks to
+    # the api and broadcasts its messages to the others every loop iteration (docs/parallelism.md "Runtime").
+    tp_size: int = Field(default=1, ge=1, description="tensor-parallel ranks (one GPU each on CUDA)")
+    ep_size: int = Field(default=1, ge=1, description="1: experts tensor-sharded; tp_size: experts split across ranks")
+
     @field_validator("model_path")
     @classmethod
     def _non_empty(cls, v: str) -> str:
@@ -128,6 +133,20 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 "--disaggregation-mode prefill keeps the prompt's KV dense on its device; drop --enable-hisparse "
                 "(HiSparse is a decode-side mode)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_parallel(self) -> EngineConfig:
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(
+                f"--ep-size {self.ep_size} must be 1 (experts tensor-sharded) or equal to --tp-size {self.tp_size} "
+                "(experts split across the tensor-parallel ranks)"
+            )
+        if self.tp_size > 1 and self.disaggregation.enabled:
+            raise ValueError(
+                f"--tp-size {self.tp_size} with --disaggregation-mode {self.disaggregation.mode} is not supported: "
+                "PD transfers register one rank's memory (docs/parallelism.md); run PD servers with --tp-size 1"
             )
         return self
 

@@ -9,6 +9,8 @@ opening a stream.
 Started with multiprocessing's spawn method (a fresh interpreter: CUDA and forked torch threads do not mix).
 It must not outlive the api process: Linux's parent-death signal kills it if the parent dies abruptly, and
 the loop also exits when its parent pid changes.
+
+With `--tp-size N` this process is rank 0 of N engine processes; decode_server/api/tp_ranks.py runs it.
 """
 
 from __future__ import annotations
@@ -146,12 +148,7 @@ class EngineLoop:
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 logger.warning("api process %d is gone; engine exiting", self.parent_pid)
                 return
-            if self.role is not None:
-                timeout = self.role.poll_timeout_ms(IDLE_POLL_MS)
-            else:
-                timeout = 0 if self.engine.has_unfinished_requests() else IDLE_POLL_MS
-            if self.pull.poll(timeout):
-                self._drain()
+            self._receive()
             if self.stopping:
                 break
             if self.role is not None or self.engine.has_unfinished_requests():
@@ -161,10 +158,23 @@ class EngineLoop:
                 finally:
                     self.step_started = None
                 if deltas:
-                    for delta in deltas:
-                        if delta.finished:
-                            self.active.discard(delta.rid)
-                    self.push.send(encode(DeltasMsg(list(deltas))))
+                    self._on_deltas(deltas)
+
+    def _poll_timeout_ms(self) -> int:
+        if self.role is not None:
+            return self.role.poll_timeout_ms(IDLE_POLL_MS)
+        return 0 if self.engine.has_unfinished_requests() else IDLE_POLL_MS
+
+    def _receive(self) -> None:
+        """Take every waiting api message (blocking up to the poll timeout while idle) and apply it."""
+        if self.pull.poll(self._poll_timeout_ms()):
+            self._drain()
+
+    def _on_deltas(self, deltas: list[Any]) -> None:
+        for delta in deltas:
+            if delta.finished:
+                self.active.discard(delta.rid)
+        self.push.send(encode(DeltasMsg(list(deltas))))
 
     def _drain(self) -> None:
         while True:
@@ -193,14 +203,16 @@ class EngineLoop:
                 self._abort(rid)
                 self.active.discard(rid)
         elif isinstance(msg, StatsQueryMsg):
-            stats = self.role.stats() if self.role is not None else self.engine.stats()
-            self.push.send(encode(StatsMsg(msg.query_id, stats)))
+            self.push.send(encode(StatsMsg(msg.query_id, self._stats())))
         elif isinstance(msg, ShutdownMsg):
             logger.info("engine shutting down (%s); aborting %d request(s)", msg.reason, len(self.active))
             for rid in list(self.active):
                 self._abort(rid)
             self.active.clear()
             self.stopping = True
+
+    def _stats(self) -> Any:
+        return self.role.stats() if self.role is not None else self.engine.stats()
 
     def _abort(self, rid: str) -> None:
         if self.role is not None:
@@ -266,6 +278,13 @@ def run_engine_process(
     push = ctx.socket(zmq.PUSH)
     pull.connect(to_engine_addr)
     push.connect(from_engine_addr)
+    if config.tp_size > 1:
+        from decode_server.api.tp_ranks import run_driver_process
+
+        # Rank 0 of a tensor-parallel group: launches and supervises the other ranks (decode_server/api/tp_ranks.py).
+        exit_code = run_driver_process(config, ctx, pull, push, from_engine_addr, parent_pid, log_level,
+                                       engine_factory)
+        sys.exit(exit_code)
     exit_code = 0
     role = None
     try:

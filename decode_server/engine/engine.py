@@ -40,6 +40,7 @@ from decode_server.errors import (
 )
 from decode_server.hisparse.coordinator import HiSparseCoordinator
 from decode_server.model.batch_invariant import batch_invariant_mode
+from decode_server.parallel.state import ParallelState
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,11 @@ class Engine:
     `model`, `model_config` and `tokenizer` may be passed in (tests, benchmarks); otherwise they are loaded
     from `config.model_path`. `kv_manager` replaces the one sized from the config (benchmarks size pools
     for a known context length). `logits_hook(rids, logits)` sees every sampled logits batch (tests compare modes).
+
+    `parallel` (a `decode_server.parallel.ParallelState`) makes this engine one tensor-parallel rank: its model
+    holds this rank's shard, its memory budgets are agreed with the other ranks, the HiSparse host pool is the
+    node's shared one, and every rank must be driven with the same calls in the same order
+    (decode_server/api/tp_ranks.py does that).
     """
 
     def __init__(
@@ -74,16 +80,25 @@ class Engine:
         model_config: Any = None,
         tokenizer: Any = None,
         kv_manager: KVManager | None = None,
+        parallel: ParallelState | None = None,
     ) -> None:
         self.config = config
+        self.parallel = parallel
+        self.tp_size = int(getattr(parallel, "tp_size", 1))
+        if self.tp_size != config.tp_size:
+            raise ValueError(f"tp_size {config.tp_size} needs one engine per rank, each given its parallel state "
+                             "(decode-server serve --tp-size launches them); the offline engine runs one rank")
         self.device = resolve_device(config)
+        if self.tp_size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", parallel.tp_rank)  # rank r drives GPU r
         self.model_dtype = resolve_model_dtype(config, self.device)
         self.kv_dtype = resolve_kv_dtype(config, self.model_dtype)
         if model is None:
             from decode_server.model import load_config
 
             self._check_model_sizes(load_config(config.model_path))  # refuse before reading any weight
-            model, model_config, tokenizer = _load(config.model_path, self.device, self.model_dtype, tokenizer)
+            model, model_config, tokenizer = _load(config.model_path, self.device, self.model_dtype, tokenizer,
+                                                   parallel)
         self._check_model_sizes(model_config)
         self.model = model
         self.model_config = model_config
@@ -116,8 +131,25 @@ class Engine:
         check_fp8_row_format(self.kv_dtype, CacheGeometry.from_model_config(model_config))
         check_kernel_support(model_config, self.device, self.model_dtype, self.config.attention_backend)
 
-    def _build_kv_manager(self) -> KVManager:
+    def _agreed_budgets(self) -> EngineConfig:
+        """The config with explicit device and host KV budgets that every rank shares: the smallest device budget
+        of any rank (free GPU memory differs a little between GPUs) and the smallest derived host budget. Pool sizes
+        decide admission and retraction, so ranks with different sizes would schedule differently and diverge."""
+        import torch.distributed as dist
+
+        from decode_server.engine.memory import device_kv_budget, host_kv_budget
+
         cfg = self.config
+        device_budget = device_kv_budget(cfg, self.device)
+        local = torch.tensor([device_budget, host_kv_budget(cfg, device_budget)], dtype=torch.int64)
+        dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.parallel.cpu_group)
+        agreed_device, agreed_host = (int(x) for x in local.tolist())
+        logger.info("tensor-parallel KV budgets agreed by %d ranks: device %.1f MiB, host %.1f MiB", self.tp_size,
+                    agreed_device / 2**20, agreed_host / 2**20)  # fmt: skip
+        return cfg.model_copy(update={"device_kv_budget_bytes": agreed_device, "host_kv_budget_bytes": agreed_host})
+
+    def _build_kv_manager(self) -> KVManager:
+        cfg = self._agreed_budgets() if self.tp_size > 1 else self.config
         num_layers = int(self.model_config.num_hidden_layers)
         geometry = self.cache_geometry
         reference = cfg.attention_backend == REFERENCE_BACKEND
@@ -130,7 +162,7 @@ class Engine:
                 )
             layout = plan_hisparse(cfg, self.device, num_layers, index_topk, self.kv_dtype, self.context_length,
                                    geometry)
-            return HiSparseCoordinator(layout, self.kv_dtype, self.device, reference)
+            return HiSparseCoordinator(layout, self.kv_dtype, self.device, reference, parallel=self.parallel)
         slots = plan_dense_slots(cfg, self.device, num_layers, self.kv_dtype, geometry)
         return DenseKVManager(num_layers, slots, cfg.max_running_requests, self.context_length, self.kv_dtype,
                               self.device, cfg.page_size, geometry, reference)
@@ -237,9 +269,14 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestDelta]:
         deltas, self._pending_deltas = self._pending_deltas, []
+        shared_pool = self.tp_size > 1 and self.config.enable_hisparse
+        if shared_pool:
+            self._shared_pool_barrier()  # every rank is done with the pages freed before this step
         batch = self.scheduler.schedule()
         if batch is None or not batch.requests:
             return deltas
+        if shared_pool:
+            self._shared_pool_barrier()  # ... and with the pages that scheduling retracted
         logits = self._forward(batch)
         self._num_steps += 1
         sampled = [r for r, s in zip(batch.requests, batch.sampled, strict=True) if s]
@@ -258,6 +295,16 @@ class Engine:
         for req, tok, lp in zip(sampled, tokens, logprobs, strict=True):
             deltas.append(self._append_token(req, tok, lp))
         return deltas
+
+    def _shared_pool_barrier(self) -> None:
+        """The ranks share one host pool: a page freed by one request (finished, aborted, retracted) may be handed to
+        another in the next scheduling or forward, and no rank may write the new owner's rows (a resume's copy-in
+        during `schedule()`, prefill rows and backups during the forward) while a slower rank still reads or writes
+        the old owner's (its last backup, a retraction's copy-out). Frees wait for their backup on the host and
+        retractions copy out on the host, so host barriers before `schedule()` and before the forward order them."""
+        import torch.distributed as dist
+
+        dist.barrier(group=self.parallel.cpu_group)
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         rows = [r.row for r in batch.requests]
@@ -353,10 +400,11 @@ def resolve_attention_kernel(name: str, device: torch.device, deterministic: boo
     return name
 
 
-def _load(model_path: str, device: torch.device, dtype: torch.dtype, tokenizer: Any) -> tuple[Any, Any, Any]:
+def _load(model_path: str, device: torch.device, dtype: torch.dtype, tokenizer: Any,
+          parallel: ParallelState | None = None) -> tuple[Any, Any, Any]:  # fmt: skip
     from decode_server.model import Tokenizer, load_model, resolve_model_path
 
-    model, model_config = load_model(model_path, device, dtype)
+    model, model_config = load_model(model_path, device, dtype, parallel=parallel)  # with TP: this rank's shard
     if tokenizer is None:
         tokenizer = Tokenizer.from_dir(resolve_model_path(model_path))
     return model, model_config, tokenizer

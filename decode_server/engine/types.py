@@ -91,6 +91,21 @@ class DisaggStats(BaseModel):
     registered_bytes: int = Field(default=0, description="memory registered with the transfer engine")
 
 
+class TPRankStats(BaseModel):
+    """One tensor-parallel rank's view, gathered by rank 0 at each stats query: every rank runs the same scheduler
+    on the same messages, so all of them must match rank 0's (tests compare them)."""
+
+    tp_rank: int
+    pid: int
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    token_digest: str = Field(default="", description="running hash of every (rid, tokens) delta this rank produced")
+    host_pages_used: int = 0
+    device_slots_used: int = 0
+    indexer_slots_used: int = 0
+    dense_kv_slots_used: int = 0
+
+
 class EngineStats(BaseModel):
     """A snapshot for the metrics layer (names follow SGLang where one exists)."""
 
@@ -109,6 +124,7 @@ class EngineStats(BaseModel):
     indexer_slots: PoolUsage = Field(default_factory=PoolUsage)
     dense_kv_slots: PoolUsage = Field(default_factory=PoolUsage)
     disagg: DisaggStats | None = None
+    tp_ranks: list[TPRankStats] = Field(default_factory=list, description="per rank with --tp-size > 1; else empty")
 
     @property
     def hisparse_hits(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -79,7 +80,8 @@ class HiSparseCoordinator(KVManager):
     supports_retraction = True
 
     def __init__(
-        self, layout: HiSparseLayout, kv_dtype: torch.dtype, device: torch.device, reference_kernels: bool = False
+        self, layout: HiSparseLayout, kv_dtype: torch.dtype, device: torch.device, reference_kernels: bool = False,
+        parallel: Any = None,
     ) -> None:
         self.layout = layout
         self.kv_dtype = kv_dtype
@@ -89,7 +91,9 @@ class HiSparseCoordinator(KVManager):
         self.index_slot = geometry.index_slots()
         self.kv_lora_rank = geometry.kv_lora_rank
         L, ps = layout.num_layers, layout.page_size
-        self.host = HostKVPool(L, layout.host_pages, ps, layout.row_bytes, layout.max_reqs, layout.max_ctx, device)
+        # With tensor parallelism one host pool per node, shared by the ranks (decode_server/hisparse/shared_host.py).
+        self.host = HostKVPool(L, layout.host_pages, ps, layout.row_bytes, layout.max_reqs, layout.max_ctx, device,
+                               parallel=parallel)
         self.buffers = DeviceBufferPool(
             L, layout.num_buffers, layout.buffer_size, layout.num_recent, layout.row_bytes, layout.max_reqs, device
         )

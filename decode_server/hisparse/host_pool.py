@@ -3,15 +3,21 @@
 One uint8 tensor `[L, N_host, row_bytes]` (pinned on CUDA so kernels can read it over UVA and the backup can
 write it asynchronously), rows handed out in pages; `rows.table[req_row, p]` (a `RequestTokenTable`) is the host
 row of token p in every layer.
+
+With tensor parallelism (`parallel.tp_size > 1`) the tensor is one shared-memory region of the node that every
+rank maps (decode_server/hisparse/shared_host.py); each rank keeps its own page table, identical on every rank
+because every rank schedules the same requests in the same order.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
 from decode_server.engine.kv_alloc import PagedAllocator, RequestTokenTable
+from decode_server.hisparse.shared_host import allocate_shared_host
 
 logger = logging.getLogger(__name__)
 
@@ -26,18 +32,24 @@ class HostKVPool:
         max_reqs: int,
         max_ctx: int,
         device: torch.device,
+        parallel: Any = None,
     ) -> None:
         pin = device.type == "cuda" and torch.cuda.is_available()
         num_rows = num_pages * page_size
+        self.shared = parallel is not None and parallel.tp_size > 1
         # Not zero-filled (tens of GiB take seconds to touch): every row is written (prefill or backup) before
         # anything reads it.
-        self.kv = torch.empty((num_layers, num_rows, row_bytes), dtype=torch.uint8, pin_memory=pin)
+        if self.shared:
+            self.kv = allocate_shared_host((num_layers, num_rows, row_bytes), parallel, device)
+        else:
+            self.kv = torch.empty((num_layers, num_rows, row_bytes), dtype=torch.uint8, pin_memory=pin)
         self.rows = RequestTokenTable(PagedAllocator(num_rows, page_size, name="host KV"), max_reqs, max_ctx, device)
         self.row_bytes = row_bytes
         self.pinned = pin
         logger.info(
             "host KV pool: %d layers x %d rows x %d B = %.1f MiB (%s)",
-            num_layers, num_rows, row_bytes, self.kv.numel() / 2**20, "pinned" if pin else "pageable",
+            num_layers, num_rows, row_bytes, self.kv.numel() / 2**20,
+            ("shared by the node's ranks, " if self.shared else "") + ("pinned" if pin else "pageable"),
         )
 
     @property

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,23 @@ def test_bench_decode_smoke(tmp_path):
         assert 0.0 < sparse["hit_rate"] < 1.0 and sparse["pcie_bytes_per_step"] > 0
         assert ("hisparse-m15", ctx, None) in by_mode
     assert png.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bench_decode_smoke_tp2(tmp_path):
+    """`--tp-size 2` on CPU: two rank processes over gloo, one shared host pool; rank 0 reports."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "r.json"
+    # A subprocess: the rank processes are spawned and must import the script as a module.
+    proc = subprocess.run([sys.executable, "benchmarks/bench_decode.py", "--smoke", "--tp-size", "2", "--miss-rates",
+                           "--batch-sizes", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT)))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "one copy for 2 rank(s)" in proc.stdout
+    results = json.loads(out.read_text())["results"]
+    assert all("error" not in r and r["tp_size"] == 2 for r in results), results
+    sparse = [r for r in results if r["mode"] == "hisparse"]
+    assert sparse and all(r["host_pool_bytes"] > 0 and r["host_pool_shmem_bytes"] is not None for r in sparse)
 
 
 @pytest.mark.gpu
