@@ -129,7 +129,8 @@ class Engine:
     def _check_model_sizes(self, model_config: Any) -> None:
         """MLA / indexer sizes the chosen kernels and KV format cannot run are refused here, at load."""
         check_fp8_row_format(self.kv_dtype, CacheGeometry.from_model_config(model_config))
-        check_kernel_support(model_config, self.device, self.model_dtype, self.config.attention_backend)
+        check_kernel_support(model_config, self.device, self.model_dtype, self.config.attention_backend,
+                             self.config.tp_size)
 
     def _agreed_budgets(self) -> EngineConfig:
         """The config with explicit device and host KV budgets that every rank shares: the smallest device budget
