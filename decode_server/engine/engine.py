@@ -28,7 +28,7 @@ from decode_server.engine.memory import (
     resolve_model_dtype,
 )
 from decode_server.engine.request import Request, RequestStatus
-from decode_server.engine.sampler import Sampler, is_greedy, make_generator
+from decode_server.engine.sampler import Sampler, is_greedy, make_generator, token_seed
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.engine.scheduler import ScheduledBatch, Scheduler
 from decode_server.engine.types import EngineStats, RequestDelta, TokenLogprob
@@ -190,6 +190,7 @@ class Engine:
         req.remote_prefill, req.hold_kv = remote_prefill, hold_kv
         if not is_greedy(params):
             seed = params.seed if params.seed is not None else hash((self.config.seed, req.arrival))
+            req.sampling_seed = seed
             req.generator = make_generator(seed, self.device)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
@@ -292,6 +293,9 @@ class Engine:
             return deltas
         if self.logits_hook is not None:
             self.logits_hook([r.rid for r in sampled], logits)
+        for req in sampled:
+            if req.generator is not None and req.sampling_seed is not None:
+                req.generator.manual_seed(token_seed(req.sampling_seed, len(req.output_ids)))
         tokens, logprobs = self.sampler.sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
         for req, tok, lp in zip(sampled, tokens, logprobs, strict=True):
             deltas.append(self._append_token(req, tok, lp))

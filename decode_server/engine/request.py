@@ -28,6 +28,7 @@ class Request:
     params: SamplingParams
     arrival: int  # admission order; retraction picks the newest
     generator: torch.Generator | None = None
+    sampling_seed: int | None = None  # re-seeds `generator` before each token (engine/sampler.py token_seed)
     eos_token_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)

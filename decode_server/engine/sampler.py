@@ -1,7 +1,11 @@
 """Token sampling: greedy, temperature, top-k, top-p, each request with its own seeded generator.
 
 Per-request generators make a request's tokens depend only on its own seed and logits, never on which other
-requests share the batch, so results are reproducible under continuous batching.
+requests share the batch, so results are reproducible under continuous batching. The generator is re-seeded
+before every token from (request seed, index of the token in the output) — counter-based, as JAX's and
+Philox's keyed streams are — so token i does not depend on how many random draws came before it in this
+process: a PD decode server, which starts at output token 1 (the prefill server sampled token 0), samples what a
+colocated server would, and a retracted-and-resumed request cannot drift.
 """
 
 from __future__ import annotations
@@ -23,6 +27,18 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
     return gen
+
+
+_MASK64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
+def token_seed(seed: int, index: int) -> int:
+    """A 64-bit seed for output token `index` of a request seeded with `seed` (splitmix64 of the pair: nearby
+    seeds and indices give unrelated streams)."""
+    z = (seed * 0x9E37_79B9_7F4A_7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58_476D_1CE4_E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D0_49BB_1331_11EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

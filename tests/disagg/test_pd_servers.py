@@ -101,6 +101,24 @@ def test_pd_greedy_equals_colocated(servers, mode):
     assert disagg_stats(decode)["transfer_bytes"] > 0
 
 
+def test_pd_seeded_sampling_equals_colocated(servers):
+    """Sampling with a seed: every output token is drawn from (seed, its index), so the decode server, which starts
+    at token 1, continues exactly as a colocated server does (HiSparse decode; logits are bit-identical)."""
+    prefill, decode = servers["prefill"], servers["hisparse"]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.3, top_p=0.95, seed=1234, ignore_eos=True)
+    llm = _colocated(hisparse=True)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    differs_from_greedy = 0
+    for prompt in PROMPTS:
+        (expected,) = llm.generate([prompt], params)
+        _, d = asyncio.run(_pd_request(prefill, decode, prompt, temperature=1.3, top_p=0.95, seed=1234))
+        assert d.choices[0].text == expected.text
+        differs_from_greedy += expected.token_ids != llm.generate([prompt], greedy)[0].token_ids
+    assert differs_from_greedy  # it really sampled
+    for server in (prefill, decode):
+        wait_pd_idle(server)
+
+
 def test_pd_streaming_chat_and_16_concurrent(servers):
     prefill, decode = servers["prefill"], servers["hisparse"]
     llm = _colocated(hisparse=True)
