@@ -13,10 +13,8 @@ Shutdown paths:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
-from collections.abc import Generator
 from typing import Any
 
 import uvicorn
@@ -26,6 +24,7 @@ from decode_server.api.engine_client import EngineClient
 from decode_server.api.metrics import ServerMetrics
 from decode_server.api.serving import ModelInfo
 from decode_server.api.tokenization import TokenizerPool
+from decode_server.api.uvicorn_server import SignalHandlingServer
 from decode_server.config import EngineConfig, ServerConfig
 from decode_server.errors import EngineDeadError, ServerShuttingDownError
 
@@ -36,7 +35,7 @@ GRACEFUL_SHUTDOWN_S = 5
 DRAIN_POLL_S = 0.05
 
 
-class _Uvicorn(uvicorn.Server):
+class _Uvicorn(SignalHandlingServer):
     """uvicorn, with our signal handling: drain (or abort) in-flight requests first, and no re-raise of the
     signal after `serve()` returns (uvicorn re-raises it, which would turn a clean stop into death by signal).
 
@@ -48,18 +47,7 @@ class _Uvicorn(uvicorn.Server):
         self._abort_all = abort_all
         self._draining: asyncio.Task[None] | None = None
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._stop, sig)
-        try:
-            yield
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
-
-    def _stop(self, sig: int) -> None:
+    def on_signal(self, sig: int) -> None:
         if self.should_exit or self._draining is not None:
             logger.warning("second %s: aborting what is left and forcing exit", signal.Signals(sig).name)
             self._abort_all()

@@ -11,14 +11,13 @@ running at the workers are aborted (the relays send `/abort_request` when they a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
-import signal
-from collections.abc import Generator
 
 import aiohttp
 import uvicorn
+
+from decode_server.api.uvicorn_server import SignalHandlingServer
 
 try:
     import uvloop
@@ -41,30 +40,6 @@ logger = logging.getLogger("decode_server.router")
 
 GRACEFUL_SHUTDOWN_S = 5
 ABORT_DRAIN_S = 3.0
-
-
-class _Uvicorn(uvicorn.Server):
-    """uvicorn without its re-raise of the stop signal after `serve()` (that would turn a clean stop into death
-    by signal, exit code 143); a second signal forces the exit without waiting for open streams."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._stop, sig)
-        try:
-            yield
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
-
-    def _stop(self, sig: int) -> None:
-        if self.should_exit:
-            logger.warning("second %s: forcing exit", signal.Signals(sig).name)
-            self.force_exit = True
-            return
-        logger.info("%s received: shutting down", signal.Signals(sig).name)
-        self.should_exit = True
 
 
 def make_client(config: RouterConfig) -> aiohttp.ClientSession:
@@ -93,7 +68,7 @@ async def serve(config: RouterConfig) -> int:
             access_log=config.log_level == "debug", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
             lifespan="off", backlog=4096, http=HTTP_IMPL, proxy_headers=False,
         )  # fmt: skip
-        server = _Uvicorn(uv_config)
+        server = SignalHandlingServer(uv_config)
         logger.info(
             "PD router: policy %s, prefill %s, decode %s (event loop %s, HTTP %s)",
             config.policy,
