@@ -125,6 +125,16 @@ class MooncakeTransport:
             if ret != 0:
                 raise TransferError(f"mooncake unregister_memory(0x{ptr:x}) returned {ret}")
 
+    def unregister_all(self, ptrs: list[int]) -> None:
+        """Unregister each of `ptrs` (then empty the list); a failure is logged, not raised: this runs while an
+        owner shuts down or unwinds a failed start, when the remaining buffers must still be released."""
+        for ptr in ptrs:
+            try:
+                self.unregister(ptr)
+            except TransferError as exc:
+                logger.warning("%s", exc)
+        ptrs.clear()
+
     def batch_write(
         self, peer_session_id: str, src_ptrs: Sequence[int], dst_ptrs: Sequence[int], lengths: Sequence[int]
     ) -> int:

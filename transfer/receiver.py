@@ -24,12 +24,11 @@ import numpy as np
 
 from transfer.bootstrap import BootstrapClient, BootstrapUnavailable
 from transfer.channel import ControlChannel
-from transfer.errors import TransferError
 from transfer.layout import TransferLayout
 from transfer.messages import Abort, AbortAck, ProtocolError, Register, RegisterReply, RoomRequest, Status
 from transfer.mooncake_transport import MooncakeTransport
 from transfer.regions import MemoryRegion
-from transfer.rooms import FailureCause, RoomBase, RoomState, TransferStats
+from transfer.rooms import FailureCause, RoomBase, RoomState, TransferStats, count_by_state
 
 logger = logging.getLogger(__name__)
 
@@ -216,10 +215,7 @@ class KVReceiver:
 
     def num_rooms_by_state(self) -> dict[str, int]:
         with self._lock:
-            out: dict[str, int] = {}
-            for r in self._rooms.values():
-                out[r.state.name] = out.get(r.state.name, 0) + 1
-            return out
+            return count_by_state(self._rooms.values())
 
     def close(self) -> None:
         """Abort rooms in flight (best effort), stop the threads, unregister our regions."""
@@ -429,9 +425,4 @@ class KVReceiver:
                     self._end(r, r.abort_state, r.abort_reason, r.abort_cause)
 
     def _unregister_all(self) -> None:
-        for ptr in self._registered:
-            try:
-                self.transport.unregister(ptr)
-            except TransferError as exc:
-                logger.warning("%s", exc)
-        self._registered.clear()
+        self.transport.unregister_all(self._registered)

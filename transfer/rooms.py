@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 
@@ -111,3 +112,8 @@ class RoomBase:
             return False
         self.state, self.reason, self.cause, self.state_since = state, reason, cause, time.monotonic()
         return True
+
+
+def count_by_state(rooms: Iterable[RoomBase]) -> dict[str, int]:
+    """How many rooms are in each state, by state name (both sides' `num_rooms_by_state`)."""
+    return dict(Counter(r.state.name for r in rooms))

@@ -29,7 +29,7 @@ from transfer.layout import TransferLayout
 from transfer.messages import ALL_REGIONS, Abort, AbortAck, Register, RegisterReply, RoomRequest, Status
 from transfer.mooncake_transport import MooncakeTransport
 from transfer.regions import MemoryRegion, coalesce_runs, run_entries
-from transfer.rooms import FailureCause, RoomBase, RoomState, TransferStats
+from transfer.rooms import FailureCause, RoomBase, RoomState, TransferStats, count_by_state
 
 logger = logging.getLogger(__name__)
 
@@ -219,10 +219,7 @@ class KVSender:
 
     def num_rooms_by_state(self) -> dict[str, int]:
         with self._lock:
-            out: dict[str, int] = {}
-            for r in self._rooms.values():
-                out[r.state.name] = out.get(r.state.name, 0) + 1
-            return out
+            return count_by_state(self._rooms.values())
 
     def close(self) -> None:
         """Fail rooms in flight, stop the threads, leave the bootstrap table, unregister our buffers."""
@@ -242,12 +239,7 @@ class KVSender:
     # ---- internals ----------------------------------------------------------------------------------------------
 
     def _unregister_all(self) -> None:
-        for ptr in self._registered:
-            try:
-                self.transport.unregister(ptr)
-            except TransferError as exc:
-                logger.warning("%s", exc)
-        self._registered.clear()
+        self.transport.unregister_all(self._registered)
 
     def _register_with_bootstrap(self) -> None:
         info = {"rank": self.rank, "zmq_endpoint": self.endpoint, "session_id": self.transport.session_id,
