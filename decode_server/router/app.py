@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -57,6 +58,32 @@ class RouterApp:
         await self.api(scope, receive, send)
 
 
+def _schema_only(model: type[Any]) -> Any:
+    async def relay(body: Any) -> None:
+        raise AssertionError("served by RouterApp, never by FastAPI")
+
+    relay.__annotations__ = {"body": model, "return": None}  # the model object itself, not a string to resolve
+    return relay
+
+
+def _document_generation_routes(app: FastAPI) -> None:
+    """List the two generation routes in /openapi.json with the servers' request models. `RouterApp` answers
+    them before FastAPI sees the request, so these routes exist only in the schema (`app.openapi` reads the
+    routes it is given, not the ones served)."""
+    docs = FastAPI()
+    for route in (COMPLETIONS, CHAT):
+        docs.post(route.path, summary="Relayed to a prefill/decode pair: decode's answer (JSON, or SSE with "
+                  "`stream: true`)")(_schema_only(route.model))
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                             routes=[*docs.routes, *app.routes])
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(config: RouterConfig, pool: WorkerPool, dispatcher: Dispatcher, metrics: RouterMetrics) -> ASGIApp:
     app = FastAPI(
         title="HiSparse Decode Server PD router",
@@ -96,6 +123,7 @@ def create_app(config: RouterConfig, pool: WorkerPool, dispatcher: Dispatcher, m
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    _document_generation_routes(app)
     entry: ASGIApp = RouterApp(app, dispatcher)
     if config.api_key:
         entry = ApiKeyMiddleware(entry, api_key=config.api_key)

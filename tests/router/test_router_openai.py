@@ -137,6 +137,16 @@ def test_unknown_route_and_method(router: RouterProcess) -> None:
     assert r.status_code == 405 and r.json()["error"]["code"] == 405
 
 
+def test_openapi_lists_the_generation_routes(router: RouterProcess) -> None:
+    """The generation routes are served outside FastAPI (the fast path) but still documented, with the servers'
+    request models as their bodies."""
+    spec = httpx.get(router.url + "/openapi.json", timeout=10).json()
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest")):
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body["$ref"].endswith("/" + model)
+    assert model in spec["components"]["schemas"] and "/health" in spec["paths"]
+
+
 def test_models_health_metrics(router: RouterProcess, workers: tuple) -> None:
     prefill, decode = workers
     models = httpx.get(router.url + "/v1/models", timeout=10).json()
