@@ -68,6 +68,7 @@ class _Peer:
     replied: threading.Event = field(default_factory=threading.Event)
     rooms: set[int] = field(default_factory=set)
     unsent_aborts: list[int] = field(default_factory=list)  # aborted before prefill heard of them
+    aborts_since: float | None = None  # when the oldest unsent abort was queued (given up after the bootstrap timeout)
 
     @property
     def address(self) -> str:
@@ -170,16 +171,26 @@ class KVReceiver:
             r = _Room(room, request=request, nbytes=num_tokens * self._bytes_per_token + self.layout.aux_bytes)
             self._rooms[room] = r
             self.stats.started()
-            peer = self._peers.get((bootstrap_host, bootstrap_port))
-            if peer is None or peer.state == _PeerState.GONE:
-                peer = _Peer(bootstrap_host, bootstrap_port)
-                self._peers[(bootstrap_host, bootstrap_port)] = peer
-                threading.Thread(target=self._connect, args=(peer,), name=f"kv-connect-{peer.address}",
-                                 daemon=True).start()
+            peer = self._peer(bootstrap_host, bootstrap_port)
             r.peer = peer
             peer.rooms.add(room)
             if peer.state == _PeerState.READY:
                 self._send_room(r)
+
+    def abort_unsent(self, room: int, bootstrap_host: str, bootstrap_port: int,
+                     reason: str = "aborted by decode") -> None:
+        """Tell the prefill behind (bootstrap_host, bootstrap_port) that `room` will never be added here (its
+        request ended on decode before decode had memory for it), so prefill frees the room's KV now instead of
+        at its bootstrap timeout. Best effort: delivered once connected, given up after the bootstrap timeout."""
+        with self._lock:
+            if room in self._rooms:
+                raise ValueError(f"room {room} is in flight on this receiver: use abort()")
+            peer = self._peer(bootstrap_host, bootstrap_port)
+            if peer.state == _PeerState.READY:
+                self._channel.send(peer.endpoint, Abort(room, reason, self.transport.session_id))
+            else:
+                peer.unsent_aborts.append(room)
+                peer.aborts_since = peer.aborts_since or time.monotonic()
 
     def abort(self, room: int, reason: str = "aborted by decode") -> None:
         """Give the room up. It reports (ok=False) once prefill can no longer write into its pages."""
@@ -251,10 +262,21 @@ class KVReceiver:
             self._end(r, final, reason, cause)
             if r.peer is not None:  # prefill may be waiting for it: tell it once connected, so it frees early
                 r.peer.unsent_aborts.append(r.room)
+                r.peer.aborts_since = r.peer.aborts_since or time.monotonic()
             return
         r.abort_reason, r.abort_state, r.abort_cause = reason, final, cause
         r.advance(RoomState.ABORTING)
         self._channel.send(r.peer.endpoint, Abort(r.room, reason, self.transport.session_id))
+
+    def _peer(self, host: str, port: int) -> _Peer:
+        """The peer record of a prefill bootstrap address; a new one (and its connector thread) if none is alive."""
+        peer = self._peers.get((host, port))
+        if peer is None or peer.state == _PeerState.GONE:
+            peer = _Peer(host, port)
+            self._peers[(host, port)] = peer
+            threading.Thread(target=self._connect, args=(peer,), name=f"kv-connect-{peer.address}",
+                             daemon=True).start()
+        return peer
 
     def _forget(self, r: _Room) -> None:
         del self._rooms[r.room]
@@ -284,8 +306,11 @@ class KVReceiver:
         client = BootstrapClient(peer.host, peer.port, timeout_s=min(2.0, self.timeouts.bootstrap_s))
         while not self._stop.is_set():
             with self._lock:
-                if peer.state == _PeerState.GONE or not any(
-                        self._rooms.get(x) is not None and not self._rooms[x].state.terminal for x in peer.rooms):
+                live_rooms = any(self._rooms.get(x) is not None and not self._rooms[x].state.terminal
+                                 for x in peer.rooms)
+                aborts_wait = bool(peer.unsent_aborts) and (
+                    time.monotonic() - (peer.aborts_since or 0.0) < self.timeouts.bootstrap_s)
+                if peer.state == _PeerState.GONE or not (live_rooms or aborts_wait):
                     peer.state = _PeerState.GONE
                     return
             try:
@@ -327,6 +352,7 @@ class KVReceiver:
             for room in peer.unsent_aborts:
                 self._channel.send(peer.endpoint, Abort(room, "aborted by decode", self.transport.session_id))
             peer.unsent_aborts.clear()
+            peer.aborts_since = None
 
     # ---- heartbeat thread ---------------------------------------------------------------------------------------
 

@@ -15,6 +15,8 @@ Request flow (room = the router's `bootstrap_room`):
 5. Room FAILED: the request ends with `KVTransferError` (503, the transfer layer's reason) and frees everything.
 A client abort of a TRANSFERRING request sends ABORT to prefill; its pages stay allocated until the room ends
 (prefill acknowledged, or died), since prefill might otherwise still write into pages handed to someone else.
+A client abort before decode had memory for the request (no room sent yet) tells prefill too
+(`KVReceiver.abort_unsent`), so prefill frees the prompt's KV at once instead of at its bootstrap timeout.
 """
 
 from __future__ import annotations
@@ -93,6 +95,9 @@ class DecodeRole(PDRole):
         if entry is None or req is None or req.status is not RequestStatus.TRANSFERRING or not entry.room_added:
             self.engine.abort_request(rid)
             if entry is not None:
+                if not entry.room_added:  # prefill may hold the prompt's KV waiting for us: let it go now
+                    self.receiver.abort_unsent(entry.info.room, entry.info.host, entry.info.port,
+                                               "the request was aborted on the decode server before admission")
                 self._forget(entry)
             return
         entry.aborted = True

@@ -45,11 +45,13 @@ def servers() -> Iterator[dict]:
     # The dense decode has a short waiting timeout (its test); its other requests go one at a time.
     decodes = {"hisparse": decode_server(hisparse=True), "dense": decode_server(hisparse=False, waiting_timeout_s=10)}
     mismatched = decode_server("--kv-cache-dtype", "bfloat16", hisparse=True)
-    everyone = [prefill, *decodes.values(), mismatched]
+    single = decode_server("--max-running-requests", "1", hisparse=True)  # a second request waits for admission
+    everyone = [prefill, *decodes.values(), mismatched, single]
     start_all(*everyone)
     registered = {s.url: disagg_stats(s)["registered_bytes"] for s in everyone}
     try:
-        yield {"prefill": prefill, **decodes, "mismatched": mismatched, "registered_at_start": registered}
+        yield {"prefill": prefill, **decodes, "mismatched": mismatched, "single": single,
+               "registered_at_start": registered}
     finally:
         for s in everyone:
             s.kill()
@@ -286,6 +288,44 @@ def test_abort_on_decode_reaches_prefill(servers):
     assert r.status_code == 503 and "aborted by decode" in r.json()["error"]["message"]
     d = wait_pd_idle(prefill)
     assert d["failures_by_cause"].get("peer", 0) == before + 1
+
+
+def test_abort_before_decode_admission_frees_prefill_at_once(servers):
+    """The decode request waits for a running slot (max 1, taken by a long stream) and its client leaves before
+    decode ever sent the room: decode still tells prefill, whose request for that room ends with 'aborted by
+    decode' instead of waiting for its bootstrap timeout (4 s here, which ends it with 'bootstrap timeout')."""
+    prefill, decode = servers["prefill"], servers["single"]
+    long_route = prefill.route(next(_rooms))
+    long_body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True,
+                 **long_route}
+    route = prefill.route(next(_rooms))
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, **route}
+
+    async def run() -> tuple[float, httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as c:
+            first = asyncio.create_task(c.post(prefill.url + "/v1/completions", json=long_body))
+            async with c.stream("POST", decode.url + "/v1/completions", json=long_body) as long_stream:
+                assert long_stream.status_code == 200
+                lines = long_stream.aiter_lines()
+                while not (await anext(lines)).startswith("data:"):  # the long request is decoding
+                    pass
+                waiting = asyncio.create_task(c.post(decode.url + "/v1/completions", json=body))
+                await asyncio.to_thread(wait_for, lambda: decode.stats()["num_queue_reqs"] == 1,
+                                        what="the second request queued on decode")
+                prefill_answer = asyncio.create_task(c.post(prefill.url + "/v1/completions", json=body))
+                await asyncio.to_thread(wait_for, lambda: disagg_stats(prefill)["num_bootstrapping_reqs"] == 1,
+                                        what="prefill holding the second room for decode")
+                waiting.cancel()  # its client leaves while it waits for admission on decode
+                start = asyncio.get_running_loop().time()
+                answer = await prefill_answer
+                elapsed = asyncio.get_running_loop().time() - start
+            await first  # leaving the long stream aborted it on decode
+            return elapsed, answer
+
+    elapsed, answer = asyncio.run(run())
+    assert answer.status_code == 503 and "aborted by decode" in answer.json()["error"]["message"], elapsed
+    wait_pd_idle(decode)
+    wait_pd_idle(prefill)
 
 
 def test_abort_on_prefill_frees_the_room(servers):
