@@ -102,7 +102,7 @@ def test_cuda_refuses_sizes_the_gpu_kernels_lack() -> None:
     check_kernel_support(odd, torch.device("cpu"), torch.float32, "auto")
 
 
-@pytest.mark.parametrize("name", ["tiny-dsa", "deepseek-v3.2", "dsv32-bench"])
+@pytest.mark.parametrize("name", ["tiny-dsa", "deepseek-v3.2", "dsv32-bench", "dsv32-bench-16l"])
 def test_real_checkpoint_sizes_pass_the_gpu_check(name: str) -> None:
     assert gpu_kernel_problems(load_config(name), torch.bfloat16) == []
 
