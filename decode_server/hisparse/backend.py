@@ -174,7 +174,7 @@ class HiSparseBackend(AttentionBackend):
         co = self.co
         staging = co.staging
         if staging is not None and staging.fits(batch):
-            staging.begin(batch, co.host.kv, co.host.rows.table, host_rows)
+            staging.begin(batch, co.host.kv, co.host.rows, host_rows)
             self._staging_active = True
             self.staged_prefill_forwards += 1
             return

@@ -14,6 +14,7 @@ from harness import Arrival, assert_identical, make_engine, random_prompt, run_s
 import kernels
 from decode_server.config import EngineConfig, HiSparseConfig
 from decode_server.engine import memory
+from decode_server.engine.kv_alloc import PagedAllocator, RequestTokenTable
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.hisparse.prefill_staging import staging_bytes
 
@@ -70,6 +71,11 @@ def test_staged_prefill_equals_gather_path_and_overflow_falls_back(tiny_cpu):
     gathered = run_script(gather_engine, arrivals)
     assert_identical(staged, gathered)
     assert gather_engine.kv.backend.gathered_prefill_forwards > 0
+    kernel = make_engine(tiny_cpu, hisparse=True)
+    kernel.kv.staging.max_copy_runs = 0  # every copy through kernels.copy_rows (the gather launch on CUDA)
+    poison(kernel)
+    assert_identical(staged, run_script(kernel, arrivals))
+    check_staged(kernel, staged)
     small = make_engine(tiny_cpu, hisparse=True, prefill_staging_tokens=100)
     poison(small)
     mixed = run_script(small, arrivals)
@@ -98,6 +104,18 @@ def test_staging_area_is_budgeted():
     assert lay.prefill_staging_rows == 1000
 
 
+def test_request_runs_follow_the_pages():
+    table = RequestTokenTable(PagedAllocator(16 * 8, 4), max_requests=2, max_context=32, device="cpu")
+    table.ensure(0, 8)  # pages 0, 1
+    table.ensure(1, 4)  # page 2
+    table.ensure(0, 16)  # pages 3, 4: row 0 is pages 0 1 3 4
+    assert table.runs(0, 0, 16) == [(0, 8), (12, 8)]
+    assert table.runs(0, 5, 14) == [(5, 3), (12, 6)]
+    assert table.runs(1, 1, 3) == [(9, 2)] and table.runs(0, 3, 3) == []
+    rows = table.slots(0, 16).tolist()
+    assert [r for start, n in table.runs(0, 2, 15) for r in range(start, start + n)] == rows[2:15]
+
+
 def test_copy_rows_reference():
     src = torch.arange(2 * 6 * 4, dtype=torch.uint8).view(2, 6, 4)
     dst = torch.zeros((2, 5, 4), dtype=torch.uint8)
@@ -111,9 +129,11 @@ def test_copy_rows_reference():
 # -- GPU --
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("copies", ["bulk", "kernel"])
 @pytest.mark.parametrize("kv_dtype", ["auto", FP8])
-def test_staged_prefill_matches_dense_on_cuda(tiny_cuda, kv_dtype):
-    """tiny-dsa in bf16, Triton attention; bf16 and FP8 rows; pinned host pool, side-stream staging."""
+def test_staged_prefill_matches_dense_on_cuda(tiny_cuda, kv_dtype, copies):
+    """tiny-dsa in bf16, Triton attention; bf16 and FP8 rows; pinned host pool, side-stream staging by bulk
+    copies of page runs or by the UVA row-copy kernel."""
     tiny = tiny_cuda
     arrivals = long_prompts()
     dense = run_script(make_engine(tiny, hisparse=False, device="cuda", kv_cache_dtype=kv_dtype), arrivals)
@@ -121,6 +141,8 @@ def test_staged_prefill_matches_dense_on_cuda(tiny_cuda, kv_dtype):
     assert_identical(dense, again)  # else the model is not run-to-run deterministic here and nothing below can be
     engine = make_engine(tiny, hisparse=True, device="cuda", kv_cache_dtype=kv_dtype)
     assert engine.kv.host.pinned and engine.kv.staging is not None
+    if copies == "kernel":
+        engine.kv.staging.max_copy_runs = 0
     poison(engine)
     sparse = run_script(engine, arrivals)
     assert_identical(dense, sparse)
