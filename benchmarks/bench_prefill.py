@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed prefills per mode and length (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed prefills of the same prompt first")
     p.add_argument("--device-kv-budget-gib", type=float, default=4.0)
-    p.add_argument("--host-kv-budget-gib", type=float, default=2.0)
+    p.add_argument("--host-kv-budget-gib", type=float, default=1.0)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e4m3"])
     p.add_argument("--attention-backend", default="auto", choices=["auto", "flashmla", "triton"])
     p.add_argument("--page-size", type=int, default=64)
