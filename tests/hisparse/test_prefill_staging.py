@@ -28,6 +28,20 @@ def long_prompts(seed: int = 0) -> list[Arrival]:
     return [Arrival(step, f"p{i}", random_prompt(gen, n), m) for i, (step, n, m) in enumerate(spec)]
 
 
+def assert_same(expected, actual, what: str = "dense vs HiSparse") -> None:
+    """`harness.assert_identical`, after a first check that says where and by how much the runs differ."""
+    for rid, logits in expected.logits.items():
+        got = actual.logits.get(rid, [])
+        for i, (a, b) in enumerate(zip(logits, got, strict=False)):
+            if not torch.equal(a, b):
+                diff = (a.float() - b.float()).abs()
+                raise AssertionError(
+                    f"{what}: {rid} logits of token {i} differ: max |diff| {diff.nan_to_num(nan=float('inf')).max():.3g}, "
+                    f"NaN {int(b.isnan().sum())} of {b.numel()} (NaN means a staging row was read before it was "
+                    f"written); tokens {expected.tokens.get(rid)} vs {actual.tokens.get(rid)}")
+    assert_identical(expected, actual)
+
+
 def poison(engine) -> None:
     """0xFF is NaN in fp32, bf16, e4m3 and the FP8 rows' scales: a row read before it was written shows up."""
     co = engine.kv
@@ -54,7 +68,7 @@ def test_staged_prefill_matches_dense(tiny_cpu, kv_dtype):
     engine = make_engine(tiny_cpu, hisparse=True, kv_cache_dtype=kv_dtype)
     poison(engine)
     sparse = run_script(engine, arrivals)
-    assert_identical(dense, sparse)
+    assert_same(dense, sparse)
     check_staged(engine, sparse)
     # The first chunk's staging copies nothing; later chunks copy their prefix once per layer.
     stats = engine.stats().hisparse_layers
@@ -69,17 +83,18 @@ def test_staged_prefill_equals_gather_path_and_overflow_falls_back(tiny_cpu):
     gather_engine = make_engine(tiny_cpu, hisparse=True, prefill_staging_tokens=0)
     assert gather_engine.kv.staging is None
     gathered = run_script(gather_engine, arrivals)
-    assert_identical(staged, gathered)
+    assert_same(staged, gathered, "staging area vs reference gather path")
     assert gather_engine.kv.backend.gathered_prefill_forwards > 0
     kernel = make_engine(tiny_cpu, hisparse=True)
     kernel.kv.staging.max_copy_runs = 0  # every copy through kernels.copy_rows (the gather launch on CUDA)
     poison(kernel)
-    assert_identical(staged, run_script(kernel, arrivals))
-    check_staged(kernel, staged)
+    by_kernel = run_script(kernel, arrivals)
+    assert_same(staged, by_kernel, "bulk copies vs row-copy kernel")
+    check_staged(kernel, by_kernel)
     small = make_engine(tiny_cpu, hisparse=True, prefill_staging_tokens=100)
     poison(small)
     mixed = run_script(small, arrivals)
-    assert_identical(staged, mixed)
+    assert_same(staged, mixed, "staging area vs staging area too small for some batches")
     backend = small.kv.backend
     assert backend.staged_prefill_forwards > 0 and backend.gathered_prefill_forwards > 0
     assert small.is_idle_and_empty()
@@ -138,18 +153,18 @@ def test_staged_prefill_matches_dense_on_cuda(tiny_cuda, kv_dtype, copies):
     arrivals = long_prompts()
     dense = run_script(make_engine(tiny, hisparse=False, device="cuda", kv_cache_dtype=kv_dtype), arrivals)
     again = run_script(make_engine(tiny, hisparse=False, device="cuda", kv_cache_dtype=kv_dtype), arrivals)
-    assert_identical(dense, again)  # else the model is not run-to-run deterministic here and nothing below can be
+    assert_same(dense, again, "dense vs dense rerun (the model is not run-to-run deterministic here)")
     engine = make_engine(tiny, hisparse=True, device="cuda", kv_cache_dtype=kv_dtype)
     assert engine.kv.host.pinned and engine.kv.staging is not None
     if copies == "kernel":
         engine.kv.staging.max_copy_runs = 0
     poison(engine)
     sparse = run_script(engine, arrivals)
-    assert_identical(dense, sparse)
+    assert_same(dense, sparse)
     check_staged(engine, sparse)
     gathered = run_script(make_engine(tiny, hisparse=True, device="cuda", kv_cache_dtype=kv_dtype,
                                       prefill_staging_tokens=0), arrivals)
-    assert_identical(dense, gathered)
+    assert_same(dense, gathered, "dense vs HiSparse on the reference gather path")
 
 
 @pytest.mark.gpu
@@ -169,7 +184,7 @@ def test_staged_prefill_matches_dense_wide_on_cuda(wide_cuda, backend, kv_dtype)
     engine = make_engine(wide_cuda, hisparse=True, **kw)
     poison(engine)
     sparse = run_script(engine, arrivals)
-    assert_identical(dense, sparse)
+    assert_same(dense, sparse)
     check_staged(engine, sparse)
 
 
