@@ -24,6 +24,12 @@ class HiSparseConfig(BaseModel):
     num_recent_slots: int = Field(
         default=4, ge=1, description="device slots per request that keep its newest tokens (always hits)"
     )
+    prefill_staging_tokens: int | None = Field(
+        default=None, ge=0,
+        description="rows of the device area colocated prefill attends over (two layers of it, out of the device "
+                    "KV budget); default: the longest request plus a prefill chunk, at most 1/8 of the budget; "
+                    "0: none (prefill gathers from the host pool, slower)",
+    )
 
     @classmethod
     def from_json(cls, text: str | None) -> HiSparseConfig:

@@ -153,3 +153,25 @@ def backup_rows(
     if src_slots.numel():
         host_pool[:, dst_rows.long()] = device_pool[:, src_slots.long()].to(host_pool.device)
     return None
+
+
+def copy_rows(src_pool: torch.Tensor, dst_pool: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """`dst_pool[:, dst_rows[i]] = src_pool[:, src_rows[i]]` for every layer; pools [L, N, row_bytes] uint8.
+
+    When either pool is on a GPU: one asynchronous kernel launch on the current stream (the other pool on that
+    GPU or pinned host memory, kernels/copy_rows_cuda.py). Otherwise a synchronous PyTorch copy (the reference).
+    """
+    if src_pool.dim() != 3 or dst_pool.dim() != 3 or src_pool.shape[0] != dst_pool.shape[0] or (
+        src_pool.shape[2] != dst_pool.shape[2]
+    ):
+        raise ValueError(f"expected pools [L, N_src, B] and [L, N_dst, B], got {tuple(src_pool.shape)}, "
+                         f"{tuple(dst_pool.shape)}")
+    if src_rows.shape != dst_rows.shape or src_rows.dim() != 1:
+        raise ValueError("src_rows and dst_rows must be equal-length 1-D tensors")
+    if src_pool.is_cuda or dst_pool.is_cuda:
+        from kernels.copy_rows_cuda import copy_rows_cuda
+
+        copy_rows_cuda(src_pool, dst_pool, src_rows, dst_rows)
+        return
+    if src_rows.numel():
+        dst_pool[:, dst_rows.long()] = src_pool[:, src_rows.long()]

@@ -109,6 +109,25 @@ class RequestTokenTable:
     def slots(self, req_row: int, num_tokens: int) -> torch.Tensor:
         return self.table[req_row, :num_tokens]
 
+    def runs(self, req_row: int, start: int, end: int) -> list[tuple[int, int]]:
+        """Positions [start, end) of `req_row` as runs of consecutive slots: [(first slot, length)], from the
+        page lists on the CPU (no device read). Pages handed out together are usually consecutive, so a
+        request's rows are a few runs that bulk copies can move at once."""
+        pages = self._pages.get(req_row, [])
+        ps = self.allocator.page_size
+        runs: list[tuple[int, int]] = []
+        pos = start
+        while pos < end:
+            page_index, offset = divmod(pos, ps)
+            length = min(ps - offset, end - pos)
+            slot = pages[page_index] * ps + offset
+            if runs and runs[-1][0] + runs[-1][1] == slot:
+                runs[-1] = (runs[-1][0], runs[-1][1] + length)
+            else:
+                runs.append((slot, length))
+            pos += length
+        return runs
+
     @property
     def num_requests(self) -> int:
         return len(self._pages)

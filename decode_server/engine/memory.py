@@ -17,6 +17,7 @@ import torch
 from decode_server.config import EngineConfig
 from decode_server.engine.kv_rows import FP8_KV_DTYPE, CacheGeometry, row_bytes
 from decode_server.hisparse.coordinator import HiSparseLayout
+from decode_server.hisparse.prefill_staging import STAGING_ROW_ALIGN, staging_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,25 @@ def plan_dense_slots(
     return slots
 
 
+# Share of the device KV budget the default prefill staging area may take.
+STAGING_BUDGET_FRACTION = 1 / 8
+
+
+def prefill_staging_rows(config: EngineConfig, device_budget: int, row_bytes: int, max_request_tokens: int) -> int:
+    """Rows per buffer of HiSparse's prefill staging area (decode_server/hisparse/prefill_staging.py).
+
+    Explicit `hisparse.prefill_staging_tokens` wins. Default: what the scheduler's largest prefill batch needs (one
+    request's prefix up to the longest request, plus a chunk of new tokens), rounded up to the row alignment, but
+    at most `STAGING_BUDGET_FRACTION` of the device budget (a batch that does not fit takes the slower gather path).
+    """
+    if config.hisparse.prefill_staging_tokens is not None:
+        return config.hisparse.prefill_staging_tokens
+    align = STAGING_ROW_ALIGN
+    need = -(-(max_request_tokens + config.chunked_prefill_size) // align) * align
+    cap = int(device_budget * STAGING_BUDGET_FRACTION) // staging_bytes(align, row_bytes) * align
+    return min(need, cap)
+
+
 def plan_hisparse(
     config: EngineConfig, device: torch.device, num_layers: int, index_topk: int, kv_dtype: torch.dtype,
     max_ctx: int, geometry: CacheGeometry | None = None,
@@ -130,6 +150,8 @@ def plan_hisparse(
     host_pages = host_budget // (rb * num_layers * ps)
     if host_pages < 1:
         raise ValueError(f"the host KV budget ({host_budget} B) holds less than one page of {ps} tokens")
+    staging_rows = prefill_staging_rows(config, device_budget, rb, min(max_ctx, host_pages * ps))
+    device_budget -= staging_bytes(staging_rows, rb)
     buffer_bytes = (buffer_size + hs.num_recent_slots) * rb * num_layers
     idx_page_bytes = geometry.index_key_bytes * geometry.num_index_layers * ps
     indexer_pages = min(host_pages, device_budget // idx_page_bytes)
@@ -145,7 +167,7 @@ def plan_hisparse(
     layout = HiSparseLayout(
         num_layers=num_layers, top_k=top_k, buffer_size=buffer_size, num_recent=hs.num_recent_slots,
         num_buffers=num_buffers, host_pages=host_pages, indexer_pages=indexer_pages, page_size=ps, row_bytes=rb,
-        max_reqs=config.max_running_requests, max_ctx=max_ctx, geometry=geometry,
+        max_reqs=config.max_running_requests, max_ctx=max_ctx, geometry=geometry, prefill_staging_rows=staging_rows,
     )
     logger.info("hisparse layout: %s", layout)
     return layout

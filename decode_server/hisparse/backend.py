@@ -9,13 +9,18 @@ Decode (every request extends by one token):
   sparse_attention   → swap-in maps top-k positions to device slots, loading misses from the host pool, then
                        sparse MLA over the device pool; identical rows in identical order as dense;
   end_forward        → eager backup of the new rows (all layers) to the host pool on a side stream.
-Prefill (colocated; any extend length): rows go straight to the host pool and each chunk's attention gathers its
-selected rows from there, so a prompt never needs device memory for its whole length. After the last chunk the
-coordinator preloads the buffer.
+Prefill (colocated; any extend length), on the device (decode_server/hisparse/prefill_staging.py): per layer,
+the requests' prefix rows are staged host pool → a two-layer device staging area on a side stream (overlapping
+the previous layer's compute), the chunk's new rows are written there too, the attention runs over the staging
+area with positions mapped to its rows on the device, and the new rows then go to the host pool, their home. No
+host sync beyond dense prefill's. A batch larger than the staging area (or no staging area) takes the reference
+path: new rows written to the host pool synchronously, each chunk's selected rows gathered from it on the CPU.
+After the last chunk the coordinator preloads the buffer.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +33,8 @@ from decode_server.hisparse import ops
 if TYPE_CHECKING:
     from decode_server.hisparse.coordinator import HiSparseCoordinator
 
+logger = logging.getLogger(__name__)
+
 
 class HiSparseBackend(AttentionBackend):
     def __init__(self, coordinator: HiSparseCoordinator) -> None:
@@ -39,6 +46,10 @@ class HiSparseBackend(AttentionBackend):
         self._new_host_rows: torch.Tensor | None = None  # decode: host row of each new token
         self._extend_host_rows_cpu: torch.Tensor | None = None  # prefill: host rows of the new tokens
         self._seq_lens: torch.Tensor | None = None  # decode: seq_lens of the batch, made once per forward
+        self._staging_active = False  # prefill: this forward runs on the device staging area
+        self._warned_staging = False
+        self.staged_prefill_forwards = 0  # prefill forwards on the staging area / on the reference gather path
+        self.gathered_prefill_forwards = 0
         # Per-layer views of the pools and tables, made once: indexing them per call costs host time in the
         # swap-in's critical path (one call per layer per step).
         bufs = coordinator.buffers
@@ -69,12 +80,15 @@ class HiSparseBackend(AttentionBackend):
             self._new_host_rows = host_rows
             self._seq_lens = batch.seq_lens
         else:
-            self._extend_host_rows_cpu = host_rows.cpu()
+            self._begin_prefill(batch, host_rows)
 
     def end_forward(self, batch: ForwardBatch) -> None:
         try:
             if batch.is_decode and self._new_slots is not None and self._new_host_rows is not None:
                 self._backup(self._new_slots, self._new_host_rows)
+            elif self._staging_active:
+                self._staging_active = False
+                self.co.set_pending_backup(self.co.staging.finish())
         finally:
             self._batch = None
             self._query_rows = self._index_rows = None
@@ -104,6 +118,9 @@ class HiSparseBackend(AttentionBackend):
         data = self._as_row_bytes(kv_rows)
         if batch.is_decode:
             self.co.buffers.kv[layer_id, self._new_slots] = data
+        elif self._staging_active:
+            self.co.staging.write(layer_id, data)
+            self.co.counters.rows_d2h[layer_id] += int(data.shape[0])
         else:
             assert self._extend_host_rows_cpu is not None
             self.co.host.kv[layer_id].index_copy_(0, self._extend_host_rows_cpu, data.cpu())
@@ -152,10 +169,43 @@ class HiSparseBackend(AttentionBackend):
         return ops.sparse_attention(q, rows, slots, softmax_scale, co.kv_lora_rank, co.reference_kernels,
                                     kernel=self.attention_kernel)
 
+    # -- prefill --
+    def _begin_prefill(self, batch: ForwardBatch, host_rows: torch.Tensor) -> None:
+        co = self.co
+        staging = co.staging
+        if staging is not None and staging.fits(batch):
+            staging.begin(batch, co.host.kv, co.host.rows, host_rows)
+            self._staging_active = True
+            self.staged_prefill_forwards += 1
+            return
+        if staging is not None and not self._warned_staging:
+            self._warned_staging = True
+            logger.warning("a prefill batch of %d tokens (prefixes included) exceeds the prefill staging area "
+                           "(%d rows): such batches gather their rows from the host pool (slower)",
+                           sum(batch.seq_lens_cpu), staging.capacity)
+        self._extend_host_rows_cpu = host_rows.cpu()
+        self.gathered_prefill_forwards += 1
+
     def _extend_attention(
         self, layer_id: int, q: torch.Tensor, topk_positions: torch.Tensor, softmax_scale: float
     ) -> torch.Tensor:
-        """Prefill: gather each distinct selected row once from the host pool into a dense scratch tensor."""
+        """Prefill: attention over the device staging area (or the reference gather path)."""
+        if not self._staging_active:
+            return self._extend_attention_gather(layer_id, q, topk_positions, softmax_scale)
+        co = self.co
+        staging = co.staging
+        rows = staging.rows(layer_id)
+        out = ops.sparse_attention(q, attention_rows(rows, co.kv_dtype), staging.indices(topk_positions),
+                                   softmax_scale, co.kv_lora_rank, co.reference_kernels, kernel=self.attention_kernel)
+        staging.done(layer_id)
+        co.counters.add_h2d(layer_id, staging.prefix_rows)
+        return out
+
+    def _extend_attention_gather(
+        self, layer_id: int, q: torch.Tensor, topk_positions: torch.Tensor, softmax_scale: float
+    ) -> torch.Tensor:
+        """Reference prefill: gather each distinct selected row once from the host pool into a dense scratch
+        tensor (a device sync and a CPU gather per layer; used when the batch does not fit the staging area)."""
         co = self.co
         valid = topk_positions >= 0
         safe = topk_positions.clamp(min=0).long()

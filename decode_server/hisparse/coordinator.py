@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+import kernels
 from decode_server.engine.kv_manager import KVManager
 from decode_server.engine.kv_rows import CacheGeometry
 from decode_server.engine.types import HiSparseLayerStats, PoolUsage
@@ -30,6 +31,7 @@ from decode_server.hisparse.counters import HiSparseCounters
 from decode_server.hisparse.device_buffer import DeviceBufferPool
 from decode_server.hisparse.host_pool import HostKVPool
 from decode_server.hisparse.indexer_pool import IndexerKeyPool
+from decode_server.hisparse.prefill_staging import PrefillStaging, staging_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class HiSparseLayout:
     max_reqs: int
     max_ctx: int
     geometry: CacheGeometry | None = None  # MLA / indexer sizes; None: DeepSeek-V3.2's, every layer indexed
+    prefill_staging_rows: int = 0  # rows per buffer of the device prefill staging area; 0: none (reference path)
 
     def __post_init__(self) -> None:
         if self.buffer_size < self.top_k:
@@ -67,6 +70,10 @@ class HiSparseLayout:
     @property
     def buffer_bytes(self) -> int:
         return (self.buffer_size + self.num_recent) * self.row_bytes * self.num_layers
+
+    @property
+    def staging_bytes(self) -> int:
+        return staging_bytes(self.prefill_staging_rows, self.row_bytes)
 
     @property
     def indexer_bytes_per_token(self) -> int:
@@ -101,6 +108,10 @@ class HiSparseCoordinator(KVManager):
                                       layout.max_ctx, device, geometry.index_head_dim)
         self.counters = HiSparseCounters(L, layout.row_bytes, device)
         self.backup_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Colocated prefill's device staging area (decode_server/hisparse/prefill_staging.py); its host copies run
+        # on the backup stream, so the pending-backup event orders them like the decode backup.
+        self.staging = (PrefillStaging(layout.prefill_staging_rows, layout.row_bytes, L, device, self.backup_stream)
+                        if layout.prefill_staging_rows > 0 else None)
         self._pending_backup: torch.cuda.Event | None = None
         self._saved_index_keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._spilled_rows: dict[int, torch.Tensor] = {}  # retracted requests' host rows, out of the pool
@@ -199,10 +210,11 @@ class HiSparseCoordinator(KVManager):
         self.buffers.lru_order[:, req_row] = torch.arange(D, dtype=torch.int32, device=self.device)
         if not slots:
             return
-        src = self.host.rows.slots(req_row, num_tokens)[torch.tensor(tokens + ring_tokens, device=self.device)]
-        src_cpu = src.cpu().long()
-        dst = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        self.buffers.kv[:, dst] = self.host.kv[:, src_cpu].to(self.device, non_blocking=True)
+        positions = torch.tensor(tokens + ring_tokens, dtype=torch.int64).to(self.device, non_blocking=True)
+        src = self.host.rows.slots(req_row, num_tokens)[positions]
+        dst = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        # One launch for all layers on the GPU, reading the pinned host rows through UVA: no host sync.
+        kernels.copy_rows(self.host.kv, self.buffers.kv, src, dst)
         for layer in range(lay.num_layers):
             self.counters.add_h2d(layer, len(slots))
 

@@ -1,5 +1,6 @@
 """Per-layer swap-in counters. Hits/misses are counted on the device by the swap-in kernel (no sync per step);
-bytes are derived from them and from the rows copied by the backup and by prefill gathers."""
+bytes are derived from them and from the rows copied by the backup, by prefill (prefix staging or gathers, rows
+written back) and by preloads."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ class HiSparseCounters:
         self.row_bytes = row_bytes
         self.swap = torch.zeros((num_layers, 2), dtype=torch.int64, device=device)  # [hits, misses]
         self.rows_d2h = [0] * num_layers  # backup + prompt staging
-        self.rows_h2d_extra = [0] * num_layers  # prefill gathers and buffer preloads (not swap-in misses)
+        self.rows_h2d_extra = [0] * num_layers  # prefill prefix staging or gathers, buffer preloads (not swap-in misses)
 
     def add_d2h_all_layers(self, rows: int) -> None:
         for i in range(len(self.rows_d2h)):

@@ -10,6 +10,8 @@
 //     pinned host memory through its device-visible UVA address), so that a batch of one request still
 //     keeps hundreds of rows in flight over PCIe.
 //   * backup kernel: newest token's rows of all layers, device -> pinned host, one launch.
+//   * copy_rows: the same row-copy kernel between any two pools, each on the device or in pinned host memory
+//     (prefill staging: host -> device scratch and back, buffer preload), one launch per call.
 
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -636,7 +638,40 @@ void backup(torch::Tensor device_pool, torch::Tensor host_pool, torch::Tensor sr
   HS_CUDA_CHECK(cudaGetLastError());
 }
 
+// dst_pool[l, dst_rows[i]] = src_pool[l, src_rows[i]] for every layer l; each pool is a CUDA tensor or pinned
+// host memory (read or written through its UVA address). The backup kernel's loop is direction-agnostic.
+void copy_rows(torch::Tensor src_pool, torch::Tensor dst_pool, torch::Tensor src_rows, torch::Tensor dst_rows) {
+  TORCH_CHECK(src_pool.is_cuda() || dst_pool.is_cuda(), "copy_rows: one pool must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(src_pool.is_cuda() ? src_pool.device() : dst_pool.device());
+  TORCH_CHECK(src_pool.dim() == 3 && dst_pool.dim() == 3, "pools must be [L, N, row_bytes]");
+  TORCH_CHECK(src_pool.size(0) == dst_pool.size(0) && src_pool.size(2) == dst_pool.size(2),
+              "pools must have the same layers and row bytes");
+  TORCH_CHECK(src_pool.scalar_type() == torch::kByte && dst_pool.scalar_type() == torch::kByte,
+              "pools must be uint8");
+  TORCH_CHECK(src_pool.stride(2) == 1 && dst_pool.stride(2) == 1, "pool rows must be contiguous");
+  TORCH_CHECK(src_rows.is_cuda() && dst_rows.is_cuda() && src_rows.scalar_type() == torch::kLong &&
+                  dst_rows.scalar_type() == torch::kLong && src_rows.is_contiguous() && dst_rows.is_contiguous() &&
+                  src_rows.dim() == 1 && src_rows.sizes() == dst_rows.sizes(),
+              "src_rows and dst_rows must be equal-length contiguous 1-D int64 CUDA tensors");
+  const int n = static_cast<int>(src_rows.size(0));
+  const int layers = static_cast<int>(src_pool.size(0));
+  if (n == 0 || layers == 0) return;
+  const uint8_t* src_base = device_visible(src_pool);
+  uint8_t* dst_base = const_cast<uint8_t*>(device_visible(dst_pool));
+  const int64_t row_bytes = src_pool.size(2);
+  const bool vec16 = vec16_ok(src_base, dst_base, row_bytes, src_pool.stride(1), dst_pool.stride(1)) &&
+                     src_pool.stride(0) % 16 == 0 && dst_pool.stride(0) % 16 == 0;
+  const int64_t rows = static_cast<int64_t>(n) * layers;
+  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(4 * sm_count(), (rows + 7) / 8)));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  backup_kernel<<<blocks, kCopyThreads, 0, stream>>>(
+      src_base, src_pool.stride(0), src_pool.stride(1), dst_base, dst_pool.stride(0), dst_pool.stride(1),
+      src_rows.data_ptr<int64_t>(), dst_rows.data_ptr<int64_t>(), n, layers, row_bytes, vec16);
+  HS_CUDA_CHECK(cudaGetLastError());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swap_in", &swap_in, "HiSparse swap-in: plan kernel + copy kernel (one layer, one batch)");
   m.def("backup", &backup, "Copy rows of all layers device -> pinned host in one launch");
+  m.def("copy_rows", &copy_rows, "Copy rows of all layers between device / pinned host pools in one launch");
 }

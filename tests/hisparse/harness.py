@@ -38,14 +38,15 @@ def make_engine(
     tiny, *, hisparse: bool, device: str = "cpu", device_budget: int | None = 64 << 20,
     host_budget: int | None = None, buffer_size: int = TOP_K, num_recent: int = 2, max_running: int = 8,
     chunk: int = 64, max_queued: int = 1024, kv_cache_dtype: str = "auto", attention_backend: str = "auto",
-    optimistic: bool = False,
+    optimistic: bool = False, prefill_staging_tokens: int | None = None,
 ) -> Engine:
     """`optimistic`: admission expects no request to grow past its prompt (new-token ratios 0), so that tight
     budgets force retractions."""
     model, model_config, tokenizer = tiny
     cfg = EngineConfig(
         device=device, enable_hisparse=hisparse, page_size=PAGE, chunked_prefill_size=chunk,
-        hisparse=HiSparseConfig(device_buffer_size=buffer_size, num_recent_slots=num_recent),
+        hisparse=HiSparseConfig(device_buffer_size=buffer_size, num_recent_slots=num_recent,
+                                prefill_staging_tokens=prefill_staging_tokens),
         device_kv_budget_bytes=device_budget, host_kv_budget_bytes=host_budget,
         max_running_requests=max_running, max_queued_requests=max_queued, kv_cache_dtype=kv_cache_dtype,
         attention_backend=attention_backend,

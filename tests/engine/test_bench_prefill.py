@@ -1,0 +1,29 @@
+"""The prefill benchmark runs end to end on CPU at tiny sizes (a few seconds): every mode, the ratio to dense,
+HiSparse on its staging area and the gather mode on the reference path."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_prefill_smoke(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_prefill", ROOT / "benchmarks" / "bench_prefill.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    by_mode = {(r["mode"], r["prompt_len"]): r for r in results}
+    for length in (96, 200):
+        dense, staged, gathered = (by_mode[(m, length)] for m in ("dense", "hisparse", "hisparse-gather"))
+        assert dense["time_vs_dense"] == 1.0 and dense["h2d_bytes"] == 0
+        assert staged["ms"] > 0 and staged["tokens_per_s"] > 0 and staged["time_vs_dense"] > 0
+        assert staged["staged_forwards"] > 0 and staged["gathered_forwards"] == 0 and staged["staging_rows"] > 0
+        assert gathered["gathered_forwards"] > 0 and gathered["staging_rows"] == 0
+        assert staged["d2h_bytes"] > 0 and staged["h2d_bytes"] > 0
+    table = capsys.readouterr().out.strip().splitlines()
+    assert table[-1].startswith("hisparse-gather") and "vs dense" in table[-7]
