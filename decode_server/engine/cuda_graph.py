@@ -77,6 +77,8 @@ def graphs_off_reason(config: EngineConfig, device: torch.device, model_dtype: t
         return "--disable-cuda-graph"
     if device.type != "cuda":
         return f"device {device.type} (CUDA graphs exist on CUDA only)"
+    if config.disaggregation.mode == "prefill":
+        return "--disaggregation-mode prefill (no decode steps)"
     if config.enable_deterministic_inference:
         return "--enable-deterministic-inference (its MoE loops over experts with counts read on the host)"
     if tp_size > 1:

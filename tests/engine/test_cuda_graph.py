@@ -73,6 +73,8 @@ def test_graphs_off_reasons(make_engine) -> None:
     assert "torch_native" in graphs_off_reason(EngineConfig(attention_backend="torch_native"), cuda, bf16, 1,
                                                backend)
     assert "dtype" in graphs_off_reason(EngineConfig(), cuda, torch.float32, 1, backend)
+    cfg = EngineConfig(disaggregation={"mode": "prefill"})
+    assert "prefill" in graphs_off_reason(cfg, cuda, bf16, 1, backend)
 
 
 @pytest.mark.parametrize("hisparse", [False, True])
