@@ -325,7 +325,8 @@ class Engine:
         if fb.is_decode and self.graph_runner is not None and all(batch.sampled):
             logits = self.graph_runner.run(fb, input_ids)  # padded to a bucket; None: larger than every bucket
             if logits is not None:
-                return logits
+                # A view of the graph's static output, overwritten by the next replay: a hook may keep it longer.
+                return logits.clone() if self.logits_hook is not None else logits
         with batch_invariant_mode(self.config.enable_deterministic_inference):
             with forward_context(fb, self.kv.backend):
                 hidden = self.model.forward(input_ids, fb.positions)
