@@ -220,17 +220,23 @@ class DecodeGraphRunner:
                     len(todo), sorted(todo), self.capture_seconds, self.capture_bytes / 2**20)
 
 
-def build_graph_runner(engine: Any) -> DecodeGraphRunner | None:
-    """The engine's decode graph runner, captured, or None (with the reason logged) when graphs are off."""
+def build_graph_runner(engine: Any) -> tuple[DecodeGraphRunner | None, str | None]:
+    """The engine's decode graph runner, captured, or (None, why) when graphs are off. A capture that fails is
+    logged as an error and leaves every decode step eager (correct, only slower) rather than failing the engine;
+    the reason is returned for `Engine.cuda_graph_error` (tests assert on it)."""
     config = engine.config
     backend = engine.kv.backend
     reason = graphs_off_reason(config, engine.device, engine.model_dtype, engine.tp_size, backend)
     if reason is not None:
         logger.info("CUDA graphs off: %s", reason)
-        return None
+        return None, None
     buckets = resolve_batch_sizes(config.cuda_graph_bs, config.cuda_graph_max_bs,
                                   min(config.max_running_requests, backend.scratch_row))
     runner = DecodeGraphRunner(engine.model, backend, engine.device, buckets, engine.context_length)
-    with torch.inference_mode():
-        runner.capture()
-    return runner
+    try:
+        with torch.inference_mode():
+            runner.capture()
+    except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly, say why
+        logger.exception("CUDA graph capture failed; every decode step runs eagerly")
+        return None, f"{type(exc).__name__}: {exc}"
+    return runner, None

@@ -114,7 +114,8 @@ class Engine:
                                                          config.enable_deterministic_inference)
         self.kv.backend.attention_kernel = self.attention_kernel
         # CUDA graphs of the decode step per batch-size bucket (None: every step eager; decode_server/engine/cuda_graph.py)
-        self.graph_runner: DecodeGraphRunner | None = build_graph_runner(self)
+        self.graph_runner: DecodeGraphRunner | None
+        self.graph_runner, self.cuda_graph_error = build_graph_runner(self)
         self.scheduler = Scheduler(self.kv, config.max_running_requests, config.chunked_prefill_size,
                                    fixed_prefill_chunks=config.enable_deterministic_inference)
         self.sampler = Sampler()

@@ -99,7 +99,7 @@ def test_graph_replay_is_bit_identical(request, monkeypatch, model: str, backend
         for graphs in (True, False):
             if graphs:
                 engine = make_engine(tiny, hisparse=hisparse, cuda_graph_bs=buckets, **common)
-                assert engine.graph_runner is not None, "graphs were not captured"
+                assert engine.graph_runner is not None, f"graphs were not captured: {engine.cuda_graph_error}"
                 assert engine.graph_runner.captured == buckets
             else:
                 engine = make_engine(tiny, hisparse=hisparse, eager_graph_buckets=buckets, **common)
@@ -150,7 +150,8 @@ def test_graphs_on_and_off_give_the_same_tokens(request, model: str, backend: st
               "kv_cache_dtype": kv_cache_dtype, "attention_backend": backend}
     for hisparse in (False, True):
         on = make_engine(tiny, hisparse=hisparse, **common)
-        assert on.graph_runner is not None and on.graph_runner.captured == [1, 2, 4, 8, 12]
+        assert on.graph_runner is not None, f"graphs were not captured: {on.cuda_graph_error}"
+        assert on.graph_runner.captured == [1, 2, 4, 8, 12]
         off = make_engine(tiny, hisparse=hisparse, disable_cuda_graph=True, **common)
         assert off.graph_runner is None
         with_graphs, without = run_script(on, arrivals), run_script(off, arrivals)
@@ -166,6 +167,7 @@ def test_graph_steps_sync_once(tiny_cuda) -> None:
     import warnings
 
     engine = make_engine(tiny_cuda, hisparse=True, device="cuda", buffer_size=64, cuda_graph_bs=[4], chunk=512)
+    assert engine.graph_runner is not None, f"graphs were not captured: {engine.cuda_graph_error}"
     gen = torch.Generator().manual_seed(5)
     for i in range(3):
         engine.add_request(f"s{i}", random_prompt(gen, 100 + 9 * i), _greedy(30))
