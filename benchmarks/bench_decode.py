@@ -38,6 +38,12 @@ import torch
 from tqdm import tqdm
 
 from decode_server.config import EngineConfig, HiSparseConfig
+from decode_server.engine.cuda_graph import (
+    DecodeGraphRunner,
+    bucket_for,
+    graphs_off_reason,
+    resolve_batch_sizes,
+)
 from decode_server.engine.engine import Engine, resolve_attention_kernel
 from decode_server.engine.kv_rows import CacheGeometry, encode_row_bytes, encode_rows
 from decode_server.engine.memory import resolve_kv_dtype, resolve_model_dtype
@@ -77,6 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks (processes; one GPU each on CUDA); budgets are per GPU")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run decode steps eagerly (default on CUDA: CUDA graphs, as the server runs them)")
+    p.add_argument("--cuda-graph-all-buckets", action="store_true",
+                   help="capture every default bucket (the server's capture cost), not only the one a run needs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="batch-invariant mode (docs/models.md): measure its cost against a run without it")
@@ -112,13 +122,14 @@ class SyntheticTopK:
         self.context = context
         self.advance = max(1, round(miss_rate * int(engine.model_config.index_topk)))
         gen = torch.Generator().manual_seed(seed)
-        max_reqs = engine.config.max_running_requests
-        num_layers = int(engine.model_config.num_hidden_layers)
-        # One permutation per request row (shared by layers, which start at different offsets).
-        self.perm = torch.stack([torch.randperm(context, generator=gen) for _ in range(max_reqs)]).to(
+        # One permutation per request row, the scratch row of padded (CUDA graph) batches included (shared by
+        # layers, which start at different offsets).
+        rows = max(engine.config.max_running_requests, engine.kv.backend.scratch_row) + 1
+        self.perm = torch.stack([torch.randperm(context, generator=gen) for _ in range(rows)]).to(
             engine.device, torch.int32)
-        self.layer_offset = torch.randint(0, context, (num_layers,), generator=gen).tolist()
-        self.step_of_layer = [0] * num_layers
+        num_layers = int(engine.model_config.num_hidden_layers)
+        # Each layer's window start lives on the device and advances in place, so a captured step advances it.
+        self.start = torch.randint(0, context, (num_layers,), generator=gen).to(engine.device)
         backend = engine.kv.backend
         self.original = backend.index_topk
         backend.index_topk = self.index_topk
@@ -128,10 +139,9 @@ class SyntheticTopK:
         batch = self.engine.kv.backend._current()
         if not batch.is_decode:
             return real
-        start = self.layer_offset[layer_id] + self.step_of_layer[layer_id] * self.advance
-        self.step_of_layer[layer_id] += 1
-        cols = (start + torch.arange(top_k, device=q.device)) % self.context
-        return self.perm[batch.req_rows][:, cols].contiguous()
+        cols = (self.start[layer_id] + torch.arange(top_k, device=q.device)) % self.context
+        self.start[layer_id] += self.advance
+        return batch.mask_padded_topk(self.perm[batch.req_rows][:, cols].contiguous())
 
 
 def hisparse_layout(args, model_config, kv_dtype, context: int, max_len: int, batch_cap: int) -> HiSparseLayout:
@@ -168,6 +178,7 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
         max_queued_requests=batch_cap + 1, chunked_prefill_size=max(2048, args.page_size),
         hisparse=HiSparseConfig(device_buffer_size=args.buffer_size, num_recent_slots=args.num_recent),
         enable_deterministic_inference=args.enable_deterministic_inference, tp_size=args.tp_size,
+        disable_cuda_graph=True,  # captured by run_one once the requests are in (capture_graphs)
     )
     kv = None
     if hisparse:
@@ -314,6 +325,23 @@ def layer_totals(engine: Engine) -> tuple[int, int, int, int]:
     return stats.hisparse_hits, stats.hisparse_misses, stats.bytes_h2d, stats.bytes_d2h
 
 
+def capture_graphs(args, engine: Engine, batch: int) -> dict:
+    """CUDA graphs for the timed steps (after the synthetic top-k is installed, so they capture it): the bucket
+    this batch runs in, or every bucket with --cuda-graph-all-buckets; capture time and device memory."""
+    config = engine.config.model_copy(update={"disable_cuda_graph": args.disable_cuda_graph})
+    reason = graphs_off_reason(config, engine.device, engine.model_dtype, engine.tp_size, engine.kv.backend)
+    if reason is not None:
+        return {"cuda_graph": False, "cuda_graph_off_reason": reason}
+    buckets = resolve_batch_sizes(None, None, min(config.max_running_requests, engine.kv.backend.scratch_row))
+    runner = DecodeGraphRunner(engine.model, engine.kv.backend, engine.device, buckets, engine.context_length)
+    bucket = bucket_for(batch, buckets)
+    with torch.inference_mode():
+        runner.capture(None if args.cuda_graph_all_buckets else [bucket] if bucket is not None else [])
+    engine.graph_runner = runner
+    return {"cuda_graph": True, "graph_bucket": bucket, "graphs_captured": len(runner.captured),
+            "graph_capture_s": runner.capture_seconds, "graph_capture_mib": runner.capture_bytes / 2**20}
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -340,6 +368,7 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
         raise RuntimeError(f"{name} at {context}: only {batch} of {fixed_batch} requests fit")
     if miss_rate is not None:
         SyntheticTopK(engine, context, miss_rate, args.seed)
+    graphs = capture_graphs(args, engine, batch)
     breakdown = StepBreakdown(engine)
     try:
         for _ in range(args.warmup):
@@ -357,6 +386,10 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
         elapsed = time.perf_counter() - t0
         h1, m1, up1, down1 = layer_totals(engine)
         spans = breakdown.per_step_ms(max(1, args.steps - 1))
+        if engine.graph_runner is not None and engine.graph_runner.num_replays:
+            # Replayed steps call no Python per layer: only the whole forward is timed.
+            spans.update(indexer_ms=None, attention_ms=None, swap_in_ms=None)
+        graphs["graph_replays"] = engine.graph_runner.num_replays if engine.graph_runner is not None else 0
     finally:
         breakdown.close()
     if args.profile_dir:
@@ -371,7 +404,7 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
         "h2d_bytes_per_step": (up1 - up0) / args.steps, "d2h_bytes_per_step": (down1 - down0) / args.steps,
         "tp_size": args.tp_size, "host_pool_bytes": host_pool,
         "host_pool_shmem_bytes": shmem_used if parallel is not None and host_pool else None,
-        **spans,
+        **spans, **graphs,
     }
     del engine, synthetic
     gc.collect()
@@ -459,6 +492,10 @@ def _rank_entry(rank: int, args, init_method: str) -> None:
         sys.exit(code)
 
 
+def _ms(value: float | None) -> str:
+    return f"{value:>9.2f}" if value is not None else f"{'-':>9}"
+
+
 def run_rank(args, parallel=None) -> int:
     """The whole benchmark on one rank (every rank runs it; only rank 0, or a single process, reports)."""
     device = rank_device(args, parallel)
@@ -497,8 +534,14 @@ def run_rank(args, parallel=None) -> int:
             continue
         hit = f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "-"
         print(f"{label:<14}{r['context']:>8}{r['batch']:>7}{r['tokens_per_s']:>11.1f}{r['step_ms']:>10.2f}"
-              f"{hit:>10}{r['pcie_bytes_per_step'] / 1e6:>14.2f}{r['forward_ms']:>9.2f}{r['indexer_ms']:>9.2f}"
-              f"{r['attention_ms']:>9.2f}{r['swap_in_ms']:>9.2f}")
+              f"{hit:>10}{r['pcie_bytes_per_step'] / 1e6:>14.2f}{r['forward_ms']:>9.2f}{_ms(r['indexer_ms'])}"
+              f"{_ms(r['attention_ms'])}{_ms(r['swap_in_ms'])}")
+        if r.get("cuda_graph"):
+            print(f"{'':<14}CUDA graph: bucket {r['graph_bucket']}, {r['graph_replays']} replays; captured "
+                  f"{r['graphs_captured']} graph(s) in {r['graph_capture_s']:.2f} s, "
+                  f"{r['graph_capture_mib']:.1f} MiB")
+        else:
+            print(f"{'':<14}no CUDA graph: {r.get('cuda_graph_off_reason')}")
         if r["host_pool_bytes"]:
             shm = r["host_pool_shmem_bytes"]
             print(f"{'':<14}host pool {r['host_pool_bytes'] / GIB:.3f} GiB, one copy for {args.tp_size} rank(s)"

@@ -65,6 +65,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="batch-invariant kernels and fixed prefill chunks: a request's output does not depend on its batch",
     )
+    g.add_argument(
+        "--disable-cuda-graph", action="store_true",
+        help="run every decode step eagerly (CUDA graphs of the decode step are on by default on CUDA)",
+    )
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest decode batch run by a CUDA graph (default: min(--max-running-requests, 256))")
+    g.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes to capture (default: 1 2 4 8 12 16 24 ... up to --cuda-graph-max-bs)")
     g.add_argument("--random-seed", type=int, default=d.seed, help="seed of requests that give none")
     g.add_argument("--context-length", type=int, default=None, help="cap on prompt + generated tokens")
     g.add_argument(
@@ -174,6 +182,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
         enable_deterministic_inference=args.enable_deterministic_inference,
+        disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        cuda_graph_bs=args.cuda_graph_bs,
         seed=args.random_seed,
         context_length=args.context_length,
         enable_hisparse=args.enable_hisparse,

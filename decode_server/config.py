@@ -93,6 +93,11 @@ class EngineConfig(BaseModel):
     attention_backend: AttentionBackendName = "auto"
     # Batch-invariant mode: a request's tokens and logprobs do not depend on what else runs (docs/models.md).
     enable_deterministic_inference: bool = False
+    # CUDA graphs of the decode step, one per batch-size bucket (SGLang's flags; docs/engine.md "CUDA graphs").
+    # On by default on CUDA; graphs do not exist on CPU. None = the default buckets up to the default maximum.
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = Field(default=None, ge=1, description="largest batch a decode graph runs")
+    cuda_graph_bs: list[int] | None = Field(default=None, min_length=1, description="batch sizes to capture")
     seed: int = 0
 
     enable_hisparse: bool = False
@@ -127,6 +132,13 @@ class EngineConfig(BaseModel):
         if not v:
             raise ValueError("model_path must not be empty")
         return v
+
+    @field_validator("cuda_graph_bs")
+    @classmethod
+    def _positive_batch_sizes(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(b < 1 for b in v):
+            raise ValueError(f"--cuda-graph-bs sizes must be >= 1, got {v}")
+        return None if v is None else sorted(set(v))
 
     @model_validator(mode="after")
     def _check_hisparse(self) -> EngineConfig:

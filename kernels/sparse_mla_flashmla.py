@@ -75,11 +75,26 @@ def page_size(num_rows: int) -> int:
 
 
 _sched_metas: OrderedDict[tuple, object] = OrderedDict()
+# Metas a CUDA graph read during its capture: the graph replays reads of their tensors, so they are never evicted.
+_captured_metas: dict[tuple, object] = {}
 
 
 def _sched_meta(key: tuple) -> object:
     """One FlashMLA tile-scheduler object per launch shape: computed by the first call, reused by every later
-    call of that shape (all layers, all steps), as FlashMLA allows while the shapes stay the same."""
+    call of that shape (all layers, all steps), as FlashMLA allows while the shapes stay the same (with
+    `indices`, FlashMLA plans from (batch, heads, top-k), not from the data).
+
+    A meta read under CUDA graph capture is kept for the life of the process (the graph's replays read its
+    tensors); the graph runner warms every bucket up eagerly first, so its tensors were made outside the graph."""
+    meta = _captured_metas.get(key)
+    if meta is not None:
+        return meta
+    if torch.cuda.is_current_stream_capturing():
+        meta = _sched_metas.pop(key, None)
+        if meta is None:
+            meta = _module().get_mla_metadata()[0]
+        _captured_metas[key] = meta
+        return meta
     meta = _sched_metas.get(key)
     if meta is None:
         meta = _module().get_mla_metadata()[0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from decode_server.engine.dense_backend import DenseBackend, DenseKVCache
-from decode_server.engine.forward_context import ForwardBatch, forward_context
+from decode_server.engine.forward_context import SCRATCH_SLOTS, ForwardBatch, forward_context
 from decode_server.engine.kv_alloc import OutOfSlotsError, PagedAllocator, RequestTokenTable
 from kernels.indexer_ref import quantize_index_keys
 
@@ -91,7 +91,7 @@ def test_fp8_cache_stores_packed_rows_and_attends_over_them() -> None:
     fp8 = torch.float8_e4m3fn
     a = DenseKVCache(1, 512, 4, 128, fp8, "cpu", page_size=16)
     b = DenseKVCache(1, 512, 4, 128, fp8, "cpu", page_size=16)
-    assert a.kv.shape == (1, 512, 656) and a.kv.dtype == torch.uint8
+    assert a.kv.shape == (1, 512 + SCRATCH_SLOTS, 656) and a.kv.dtype == torch.uint8  # + padded rows' scratch
     assert DenseKVCache.bytes_per_token(2, fp8) == 2 * (656 + 132)
     b.allocator.allocate(7)
     b.kv.fill_(0xFF)  # NaN in e4m3 and in the fp32 scales: any stray read shows up as NaN

@@ -27,12 +27,23 @@ class AttentionBackend(ABC):
     # Sparse MLA kernel on CUDA ("triton" or "flashmla", see kernels.sparse_mla_decode); the engine sets it from
     # --attention-backend. Dense and HiSparse get the same value, so both modes run the same kernel.
     attention_kernel: str = "triton"
+    # The extra request row of every table that padded rows of static decode batches use; −1: none (the backend
+    # cannot run padded batches, so no CUDA graphs).
+    scratch_row: int = -1
 
     def begin_forward(self, batch: ForwardBatch) -> None:  # noqa: B027 - optional hook
         """Called once before the first layer (e.g. to compute physical row tables for the batch)."""
 
     def end_forward(self, batch: ForwardBatch) -> None:  # noqa: B027 - optional hook
         """Called once after the last layer (e.g. to launch the backup of the new tokens' rows)."""
+
+    def prepare_static_forward(self, batch: ForwardBatch) -> None:  # noqa: B027 - optional hook
+        """Host side of `begin_forward` for a static (padded, maybe replayed) decode batch: checks and stream
+        waits that cannot be captured. Called before every replay or eager run of such a batch."""
+
+    def finish_static_forward(self, batch: ForwardBatch, num_real: int) -> None:  # noqa: B027 - optional hook
+        """Host side of `end_forward` for a static batch, after its replay: only the first `num_real` rows are
+        requests."""
 
     @abstractmethod
     def write_kv(self, layer_id: int, kv_rows: torch.Tensor) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from decode_server.engine.attention_backend import AttentionBackend
-from decode_server.engine.forward_context import ForwardBatch
+from decode_server.engine.forward_context import SCRATCH_SLOTS, ForwardBatch, map_scratch_row
 from decode_server.engine.kv_alloc import PagedAllocator, RequestTokenTable
 from decode_server.engine.kv_rows import CacheGeometry, encode_rows, storage_layout
 from decode_server.model import batch_invariant
@@ -50,8 +50,13 @@ class DenseKVCache:
         self.kv_dtype = kv_dtype
         self.device = torch.device(device)
         self.allocator = PagedAllocator(num_slots, page_size, name="dense KV")
-        self.tokens = RequestTokenTable(self.allocator, max_requests, max_context, self.device)
-        n = self.allocator.num_slots
+        # One more table row than request rows and SCRATCH_SLOTS rows past the allocator's: padded rows of static
+        # decode batches write there (forward_context.SCRATCH_SLOTS).
+        self.scratch_row = max_requests
+        self.tokens = RequestTokenTable(self.allocator, max_requests + 1, max_context, self.device)
+        self.scratch_slot = self.allocator.num_slots
+        map_scratch_row(self.tokens.table, self.scratch_row, self.scratch_slot)
+        n = self.allocator.num_slots + SCRATCH_SLOTS
         row_elems, elem_dtype = storage_layout(kv_dtype, self.geometry.row_dim)
         self.kv = torch.zeros((num_layers, n, row_elems), dtype=elem_dtype, device=self.device)
         num_index, index_dim = self.geometry.num_index_layers, self.geometry.index_head_dim
@@ -78,6 +83,11 @@ class DenseBackend(AttentionBackend):
         self._new_slots: torch.Tensor | None = None
         self._query_rows: torch.Tensor | None = None
 
+    @property
+    def scratch_row(self) -> int:
+        """The request row that padded rows of static decode batches use (forward_context.SCRATCH_SLOTS)."""
+        return self.cache.scratch_row
+
     # -- memory management (called by the scheduler, outside forward passes) --
     def reserve(self, req_row: int, num_tokens: int) -> None:
         self.cache.tokens.ensure(req_row, num_tokens)
@@ -87,13 +97,18 @@ class DenseBackend(AttentionBackend):
 
     # -- AttentionBackend --
     def begin_forward(self, batch: ForwardBatch) -> None:
-        for row, seq_len in zip(batch.req_rows_cpu, batch.seq_lens_cpu, strict=True):
-            if self.cache.tokens.capacity(row) < seq_len:
-                raise RuntimeError(f"request row {row}: {seq_len} tokens but only "
-                                   f"{self.cache.tokens.capacity(row)} slots reserved")
+        if not batch.static:
+            self.prepare_static_forward(batch)
         self._batch = batch
         self._query_rows = batch.req_rows[batch.token_req]
         self._new_slots = self.cache.tokens.table[self._query_rows, batch.positions].long()
+
+    def prepare_static_forward(self, batch: ForwardBatch) -> None:
+        """Every request of the batch (the scratch row aside) has slots for its tokens."""
+        for row, seq_len in zip(batch.req_rows_cpu, batch.seq_lens_cpu, strict=True):
+            if row != self.cache.scratch_row and self.cache.tokens.capacity(row) < seq_len:
+                raise RuntimeError(f"request row {row}: {seq_len} tokens but only "
+                                   f"{self.cache.tokens.capacity(row)} slots reserved")
 
     def end_forward(self, batch: ForwardBatch) -> None:
         self._batch = None
@@ -117,13 +132,12 @@ class DenseBackend(AttentionBackend):
 
     def index_topk(self, layer_id: int, q: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
         batch, _, _ = self._current()
-        max_len = max(batch.seq_lens_cpu)
-        token_rows = self.cache.tokens.table[batch.req_rows, :max_len]
+        token_rows = self.cache.tokens.table[batch.req_rows, : batch.token_table_width()]
         index = self.cache.index_slot[layer_id]
-        return indexer_topk(
+        return batch.mask_padded_topk(indexer_topk(
             q, weights, self.cache.index_keys[index], self.cache.index_scales[index],
             token_rows, batch.token_req, batch.positions + 1, top_k, self.reference_kernels,
-        )
+        ))
 
     def physical_rows(self, topk_positions: torch.Tensor) -> torch.Tensor:
         """Map logical positions [T, K] (−1 pads) of the current batch's queries to cache slots."""

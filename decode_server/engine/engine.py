@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from decode_server.config import EngineConfig
+from decode_server.engine.cuda_graph import DecodeGraphRunner, build_graph_runner
 from decode_server.engine.dense_kv import DenseKVManager
 from decode_server.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
 from decode_server.engine.forward_context import ForwardBatch, forward_context
@@ -112,6 +113,9 @@ class Engine:
         self.attention_kernel = resolve_attention_kernel(config.attention_backend, self.device,
                                                          config.enable_deterministic_inference)
         self.kv.backend.attention_kernel = self.attention_kernel
+        # CUDA graphs of the decode step per batch-size bucket (None: every step eager; decode_server/engine/cuda_graph.py)
+        self.graph_runner: DecodeGraphRunner | None
+        self.graph_runner, self.cuda_graph_error = build_graph_runner(self)
         self.scheduler = Scheduler(self.kv, config.max_running_requests, config.chunked_prefill_size,
                                    fixed_prefill_chunks=config.enable_deterministic_inference)
         self.sampler = Sampler()
@@ -319,6 +323,11 @@ class Engine:
         ids = [r.token_at(p + i) for r, p, e in zip(batch.requests, batch.prefix_lens, batch.extend_lens, strict=True)
                for i in range(e)]
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        if fb.is_decode and self.graph_runner is not None and all(batch.sampled):
+            logits = self.graph_runner.run(fb, input_ids)  # padded to a bucket; None: larger than every bucket
+            if logits is not None:
+                # A view of the graph's static output, overwritten by the next replay: a hook may keep it longer.
+                return logits.clone() if self.logits_hook is not None else logits
         with batch_invariant_mode(self.config.enable_deterministic_inference):
             with forward_context(fb, self.kv.backend):
                 hidden = self.model.forward(input_ids, fb.positions)

@@ -17,6 +17,19 @@ import torch
 if TYPE_CHECKING:
     from decode_server.engine.attention_backend import AttentionBackend
 
+# Every per-request table has one row more than the engine has request rows (the scratch row, index
+# `max_requests`), and every pool that new tokens are written to has SCRATCH_SLOTS rows past its allocator: the
+# padded rows of a static decode batch (CUDA graph buckets) are requests of that row, decoding their first token
+# into the first scratch slot, so they never touch a request's memory. One page of 64 keeps the power-of-two
+# factors of the pool sizes (FlashMLA pages a pool by the largest power of two <= 64 that divides it).
+SCRATCH_SLOTS = 64
+
+
+def map_scratch_row(table: torch.Tensor, scratch_row: int, first_slot: int) -> None:
+    """Token 0 of the scratch row lives at `first_slot` (the first scratch slot); nothing else is mapped."""
+    table[scratch_row].fill_(-1)
+    table[scratch_row, 0] = first_slot
+
 
 @dataclass
 class ForwardBatch:
@@ -35,6 +48,15 @@ class ForwardBatch:
     prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_lens_cpu: list[int] = field(default_factory=list)
     is_decode: bool = False
+    # Padded decode batches (CUDA graph buckets, decode_server/engine/cuda_graph.py): the rows past the real ones
+    # belong to the backends' scratch row. `pad_mask` [B] bool marks them (their top-k is masked to -1, so they
+    # read nothing and count no swap-in hit); `static`: the tensors are views of the graph runner's static
+    # buffers and `begin_forward`/`end_forward` do device work only (capturable), the host side being done by
+    # `prepare_static_forward`/`finish_static_forward`; `index_width`: every request's token table is read at
+    # this fixed width (the table's) instead of the longest sequence's, so no shape depends on the step.
+    pad_mask: torch.Tensor | None = None
+    static: bool = False
+    index_width: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -51,6 +73,17 @@ class ForwardBatch:
     @property
     def seq_lens(self) -> torch.Tensor:
         return self.prefix_lens + self.extend_lens
+
+    def token_table_width(self) -> int:
+        """Columns of the per-request token tables the indexer reads: fixed for static batches, else the longest
+        sequence of the batch."""
+        return self.index_width if self.index_width is not None else max(self.seq_lens_cpu)
+
+    def mask_padded_topk(self, topk: torch.Tensor) -> torch.Tensor:
+        """Top-k positions [T, K] with the padded rows' entries set to -1 (decode: one token per row)."""
+        if self.pad_mask is None:
+            return topk
+        return topk.masked_fill(self.pad_mask.unsqueeze(1), -1)
 
     @property
     def last_token_indices(self) -> torch.Tensor:

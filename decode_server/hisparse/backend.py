@@ -61,30 +61,63 @@ class HiSparseBackend(AttentionBackend):
         # (layer, batch, top-k) shapes the swap-in already checked with these tables and pools: later calls skip
         # the Python argument checks (host time per call, docs/kernels.md).
         self._checked_swaps: set[tuple[int, int, int]] = set()
+        # Static decode batches (CUDA graphs): the new tokens' slots and host rows, written inside the forward
+        # (so inside the graph), read by the backup after it. One entry per request row at most.
+        rows = coordinator.layout.max_reqs
+        self._static_new_slots = torch.zeros(rows, dtype=torch.int64, device=coordinator.device)
+        self._static_new_host_rows = torch.zeros(rows, dtype=torch.int64, device=coordinator.device)
+
+    @property
+    def scratch_row(self) -> int:
+        """The request row that padded rows of static decode batches use (forward_context.SCRATCH_SLOTS)."""
+        return self.co.buffers.scratch_row
 
     # -- per forward --
     def begin_forward(self, batch: ForwardBatch) -> None:
         co = self.co
-        co.wait_backup_on_current_stream()
+        if not batch.static:
+            self.prepare_static_forward(batch)
         self._batch = batch
         self._query_rows = batch.req_rows[batch.token_req]
         self._index_rows = co.indexer.rows.table[self._query_rows, batch.positions].long()
         host_rows = co.host.rows.table[self._query_rows, batch.positions].long()
         if batch.is_decode:
-            for row in batch.req_rows_cpu:
-                if not co.buffers.has(row):
-                    raise RuntimeError(f"request row {row} decodes without a device buffer")
-            slots = [co.buffers.slot_of_new_token(r, p) for r, p in zip(batch.req_rows_cpu, batch.prefix_lens_cpu,
-                                                                        strict=True)]
-            self._new_slots = torch.tensor(slots, dtype=torch.int64).to(co.device, non_blocking=True)
+            self._new_slots = self._slots_of_new_tokens(batch)
             self._new_host_rows = host_rows
             self._seq_lens = batch.seq_lens
+            if batch.static:
+                num = batch.batch_size
+                self._static_new_slots[:num].copy_(self._new_slots)
+                self._static_new_host_rows[:num].copy_(host_rows)
         else:
             self._begin_prefill(batch, host_rows)
 
+    def _slots_of_new_tokens(self, batch: ForwardBatch) -> torch.Tensor:
+        """Device slot of each request's new token (`DeviceBufferPool.slot_of_new_token`, on the device):
+        LRU position t while t < D, else ring slot D + t mod R of the request's buffer."""
+        bufs = self.co.buffers
+        pos = batch.prefix_lens
+        index = torch.where(pos < bufs.buffer_size, pos, bufs.buffer_size + pos % bufs.num_recent)
+        return bufs.buffer_slots[batch.req_rows, index].long()
+
+    def prepare_static_forward(self, batch: ForwardBatch) -> None:
+        """The forward's stream waits for the last backup (on the GPU); decoding requests own a buffer."""
+        co = self.co
+        co.wait_backup_on_current_stream()
+        if batch.is_decode:
+            for row in batch.req_rows_cpu:
+                if row != co.buffers.scratch_row and not co.buffers.has(row):
+                    raise RuntimeError(f"request row {row} decodes without a device buffer")
+
+    def finish_static_forward(self, batch: ForwardBatch, num_real: int) -> None:
+        """Back up the real requests' new rows (padded rows are never backed up)."""
+        if num_real:
+            self._backup(self._static_new_slots[:num_real].clone(), self._static_new_host_rows[:num_real].clone())
+
     def end_forward(self, batch: ForwardBatch) -> None:
         try:
-            if batch.is_decode and self._new_slots is not None and self._new_host_rows is not None:
+            if (batch.is_decode and not batch.static and self._new_slots is not None
+                    and self._new_host_rows is not None):
                 self._backup(self._new_slots, self._new_host_rows)
             elif self._staging_active:
                 self._staging_active = False
@@ -134,12 +167,12 @@ class HiSparseBackend(AttentionBackend):
 
     def index_topk(self, layer_id: int, q: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
         batch = self._current()
-        token_rows = self.co.indexer.rows.table[batch.req_rows, : max(batch.seq_lens_cpu)]
+        token_rows = self.co.indexer.rows.table[batch.req_rows, : batch.token_table_width()]
         index = self.co.index_slot[layer_id]
-        return ops.indexer_topk(
+        return batch.mask_padded_topk(ops.indexer_topk(
             q, weights, self.co.indexer.keys[index], self.co.indexer.scales[index],
             token_rows, batch.token_req, batch.positions + 1, top_k, self.co.reference_kernels,
-        )
+        ))
 
     def sparse_attention(
         self, layer_id: int, q: torch.Tensor, topk_positions: torch.Tensor, softmax_scale: float

@@ -11,6 +11,8 @@ import logging
 
 import torch
 
+from decode_server.engine.forward_context import SCRATCH_SLOTS, map_scratch_row
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,11 +37,17 @@ class DeviceBufferPool:
         self.row_bytes = row_bytes
         self.device = device
         num_slots = num_buffers * self.slots_per_buffer
-        self.kv = torch.zeros((num_layers, num_slots, row_bytes), dtype=torch.uint8, device=device)
-        self.buffer_slots = torch.full((max_reqs, self.slots_per_buffer), -1, dtype=torch.int32, device=device)
-        self.buffer_tokens = torch.full((num_layers, max_reqs, buffer_size), -1, dtype=torch.int32, device=device)
+        # SCRATCH_SLOTS slots past the buffers and one more request row (the scratch row, whose only slot is the
+        # first scratch slot): padded rows of static decode batches write their token there and, their top-k
+        # masked, read nothing (forward_context.SCRATCH_SLOTS).
+        self.kv = torch.zeros((num_layers, num_slots + SCRATCH_SLOTS, row_bytes), dtype=torch.uint8, device=device)
+        self.scratch_row = max_reqs
+        rows = max_reqs + 1
+        self.buffer_slots = torch.full((rows, self.slots_per_buffer), -1, dtype=torch.int32, device=device)
+        map_scratch_row(self.buffer_slots, self.scratch_row, num_slots)
+        self.buffer_tokens = torch.full((num_layers, rows, buffer_size), -1, dtype=torch.int32, device=device)
         self._identity = torch.arange(buffer_size, dtype=torch.int32, device=device)
-        self.lru_order = self._identity.repeat(num_layers, max_reqs, 1).contiguous()
+        self.lru_order = self._identity.repeat(num_layers, rows, 1).contiguous()
         self._free: list[int] = list(range(num_buffers - 1, -1, -1))
         self._owner: dict[int, int] = {}  # req_row -> buffer id
         logger.info(

@@ -43,7 +43,11 @@ class HostKVPool:
             self.kv = allocate_shared_host((num_layers, num_rows, row_bytes), parallel, device)
         else:
             self.kv = torch.empty((num_layers, num_rows, row_bytes), dtype=torch.uint8, pin_memory=pin)
-        self.rows = RequestTokenTable(PagedAllocator(num_rows, page_size, name="host KV"), max_reqs, max_ctx, device)
+        # One table row more than request rows: the scratch row of padded decode batches, which maps no host row
+        # (its top-k is masked and its new token is never backed up: forward_context.SCRATCH_SLOTS).
+        self.scratch_row = max_reqs
+        self.rows = RequestTokenTable(PagedAllocator(num_rows, page_size, name="host KV"), max_reqs + 1, max_ctx,
+                                      device)
         self.row_bytes = row_bytes
         self.pinned = pin
         logger.info(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from decode_server.engine.forward_context import SCRATCH_SLOTS, map_scratch_row
 from decode_server.engine.kv_alloc import PagedAllocator, RequestTokenTable
 
 INDEX_HEAD_DIM = 128
@@ -22,11 +23,16 @@ class IndexerKeyPool:
         head_dim: int = INDEX_HEAD_DIM,
     ) -> None:
         num_rows = num_pages * page_size
-        self.keys = torch.zeros((num_layers, num_rows, head_dim), dtype=torch.float8_e4m3fn, device=device)
-        self.scales = torch.zeros((num_layers, num_rows), dtype=torch.float32, device=device)
+        # SCRATCH_SLOTS rows past the allocator's and one more table row: padded rows of static decode batches
+        # write their keys there (forward_context.SCRATCH_SLOTS).
+        total = num_rows + SCRATCH_SLOTS
+        self.keys = torch.zeros((num_layers, total, head_dim), dtype=torch.float8_e4m3fn, device=device)
+        self.scales = torch.zeros((num_layers, total), dtype=torch.float32, device=device)
         self.rows = RequestTokenTable(
-            PagedAllocator(num_rows, page_size, name="indexer keys"), max_reqs, max_ctx, device
+            PagedAllocator(num_rows, page_size, name="indexer keys"), max_reqs + 1, max_ctx, device
         )
+        self.scratch_row = max_reqs
+        map_scratch_row(self.rows.table, self.scratch_row, num_rows)
 
     @property
     def nbytes(self) -> int:

@@ -70,3 +70,5 @@ def test_bench_decode_gpu_preflight(tmp_path):
     by_mode = {(r["mode"], r["fixed_batch"]): r for r in results}
     assert by_mode[("hisparse", None)]["batch"] > by_mode[("dense", None)]["batch"]
     assert by_mode[("hisparse-m15", None)]["hit_rate"] < 1.0
+    # Every timed step replayed a CUDA graph (captured after the synthetic top-k was installed).
+    assert all(r["cuda_graph"] and r["graph_replays"] >= 3 and r["graph_capture_s"] > 0 for r in results), results

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decode_server.config import EngineConfig, HiSparseConfig
+from decode_server.engine.cuda_graph import DecodeGraphRunner
 from decode_server.engine.engine import Engine
 from decode_server.engine.request import RequestStatus
 from decode_server.engine.sampling_params import SamplingParams
@@ -38,10 +39,13 @@ def make_engine(
     tiny, *, hisparse: bool, device: str = "cpu", device_budget: int | None = 64 << 20,
     host_budget: int | None = None, buffer_size: int = TOP_K, num_recent: int = 2, max_running: int = 8,
     chunk: int = 64, max_queued: int = 1024, kv_cache_dtype: str = "auto", attention_backend: str = "auto",
-    optimistic: bool = False, prefill_staging_tokens: int | None = None,
+    optimistic: bool = False, prefill_staging_tokens: int | None = None, disable_cuda_graph: bool = False,
+    cuda_graph_bs: list[int] | None = None, eager_graph_buckets: list[int] | None = None,
 ) -> Engine:
     """`optimistic`: admission expects no request to grow past its prompt (new-token ratios 0), so that tight
-    budgets force retractions."""
+    budgets force retractions. CUDA graphs follow the engine's defaults (captured on CUDA, none on CPU) and
+    `disable_cuda_graph` / `cuda_graph_bs`; `eager_graph_buckets`: instead of graphs, run decode batches padded to
+    these buckets through the graph runner's eager path (the very forward that graphs capture, not captured)."""
     model, model_config, tokenizer = tiny
     cfg = EngineConfig(
         device=device, enable_hisparse=hisparse, page_size=PAGE, chunked_prefill_size=chunk,
@@ -50,8 +54,12 @@ def make_engine(
         device_kv_budget_bytes=device_budget, host_kv_budget_bytes=host_budget,
         max_running_requests=max_running, max_queued_requests=max_queued, kv_cache_dtype=kv_cache_dtype,
         attention_backend=attention_backend,
+        disable_cuda_graph=disable_cuda_graph or eager_graph_buckets is not None, cuda_graph_bs=cuda_graph_bs,
     )
     engine = Engine(cfg, model=model, model_config=model_config, tokenizer=tokenizer)
+    if eager_graph_buckets is not None:
+        engine.graph_runner = DecodeGraphRunner(engine.model, engine.kv.backend, engine.device, eager_graph_buckets,
+                                                engine.context_length)
     if optimistic:
         sched = engine.scheduler
         sched.new_token_ratio = sched.min_new_token_ratio = sched.new_request_ratio = 0.0
