@@ -9,6 +9,9 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's default `--disaggregation-bootstrap-port`
+# How long a stopping router process waits: open streams (uvicorn's graceful timeout), then the aborts it sends.
+GRACEFUL_SHUTDOWN_S = 5
+ABORT_DRAIN_S = 3.0
 
 Policy = Literal["round_robin", "random", "least_load"]
 

@@ -46,15 +46,13 @@ except ImportError:  # pragma: no cover
     HTTP_IMPL = "h11"
 
 from decode_server.router.app import create_app
-from decode_server.router.config import RouterConfig
+from decode_server.router.config import ABORT_DRAIN_S, GRACEFUL_SHUTDOWN_S, RouterConfig
 from decode_server.router.metrics import RouterMetrics
 from decode_server.router.proxy import Dispatcher
 from decode_server.router.workers import WorkerPool
 
 logger = logging.getLogger("decode_server.router")
 
-GRACEFUL_SHUTDOWN_S = 5
-ABORT_DRAIN_S = 3.0
 
 
 def make_client(config: RouterConfig) -> aiohttp.ClientSession:

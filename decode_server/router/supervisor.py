@@ -62,8 +62,8 @@ from types import FrameType
 
 from prometheus_client import multiprocess
 
-from decode_server.router.config import RouterConfig
-from decode_server.router.server import ABORT_DRAIN_S, GRACEFUL_SHUTDOWN_S
+# Not the server module: the supervisor itself needs neither FastAPI nor aiohttp (it starts faster without).
+from decode_server.router.config import ABORT_DRAIN_S, GRACEFUL_SHUTDOWN_S, RouterConfig
 
 logger = logging.getLogger("decode_server.router")
 
