@@ -9,7 +9,10 @@ server does). `--prefill-url/--decode-url` point it at real
 servers instead (then `--interval-ms` is ignored).
 
 Per request: time to the first token chunk (TTFT) and to the end of the stream (E2E), direct vs routed, and the
-difference of the medians: the latency the router adds. Rounds alternate between the two paths. The router's
+difference of the medians: the latency the router adds. Rounds alternate between the two paths. Two load shapes
+(`--pattern`): `burst` releases C streams at once (every request of the burst queues behind the others' router
+work: the worst case), `steady` keeps C streams in flight for `--steady-seconds` (each of C slots sends its next
+request when its last one ends: C concurrent streams whose arrivals are spread out, as in a service under load). The router's
 CPU time per routed request (from /proc) does not depend on how busy the machine is.
 
 `--router-processes 1 4` measures one router per value, one after the other, against the same targets (the
@@ -176,18 +179,32 @@ def split(total: int, parts: int) -> list[int]:
     return [total // parts + (i < total % parts) for i in range(parts)]
 
 
-async def run_share(url: str, streams: int, warm: int, body: dict, conn: Any = None) -> list[tuple[float, float]]:
-    """A fresh connection pool: `warm` streams, then `streams` at once. In a load process, `conn` is its pipe to
-    the coordinator: "warm" goes up once warmed, and the streams start when "go" comes back (after every load
-    process is warm, so that all of them start together)."""
+async def run_share(url: str, streams: int, warm: int, body: dict, conn: Any = None,
+                    seconds: float = 0.0) -> tuple[list[tuple[float, float]], int]:  # fmt: skip
+    """A fresh connection pool: `warm` streams, then `streams` at once; returns their samples and how many requests
+    were sent in all. `seconds` > 0 (steady pattern): each of the `streams` slots sends its next request as soon
+    as its last one ended, for `seconds`, and the first request of each slot is not counted (it opens the slot's
+    connection). In a load process, `conn` is its pipe to the coordinator: "warm" goes up once warmed, and the
+    streams start when "go" comes back (after every load process is warm, so that all of them start together)."""
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=300)
+
+    async def slot(client: aiohttp.ClientSession) -> list[tuple[float, float]]:
+        end = time.monotonic() + seconds
+        samples = [await one_stream(client, url, body)]
+        while time.monotonic() < end:
+            samples.append(await one_stream(client, url, body))
+        return samples
+
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as client:
         await asyncio.gather(*(one_stream(client, url, body) for _ in range(warm)))
         if conn is not None:
             conn.send("warm")
             assert conn.recv() == "go"  # blocks this loop: nothing else runs in it now
-        return await asyncio.gather(*(one_stream(client, url, body) for _ in range(streams)))
+        if seconds <= 0:
+            return list(await asyncio.gather(*(one_stream(client, url, body) for _ in range(streams)))), warm + streams
+        per_slot = await asyncio.gather(*(slot(client) for _ in range(streams)))
+        return [x for samples in per_slot for x in samples[1:]], warm + sum(len(x) for x in per_slot)
 
 
 def _run(coro: Any) -> Any:
@@ -205,8 +222,8 @@ def _load_process(conn: Any, cpu: int | None) -> None:
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     while (task := conn.recv()) is not None:
-        url, streams, warm, body = task
-        conn.send(_run(run_share(url, streams, warm, body, conn)))
+        url, streams, warm, body, seconds = task
+        conn.send(_run(run_share(url, streams, warm, body, conn, seconds)))
 
 
 class LoadGenerator:
@@ -230,20 +247,22 @@ class LoadGenerator:
             self.conns.append(parent)
             self.procs.append(proc)
 
-    def round(self, url: str, concurrency: int, body: dict) -> list[tuple[float, float]]:
-        """min(C, 8) warm-up streams, then C streams at once (both split over the load processes)."""
+    def round(self, url: str, concurrency: int, body: dict, seconds: float) -> tuple[list[tuple[float, float]], int]:
+        """min(C, 8) warm-up streams, then C streams at once, or (seconds > 0) C streams kept going for that long
+        (both split over the load processes); the samples and the number of requests sent."""
         warm = min(concurrency, 8)
         if self.processes == 1:
-            return _run(run_share(url, concurrency, warm, body))
+            return _run(run_share(url, concurrency, warm, body, None, seconds))
         for conn, streams, w in zip(self.conns, split(concurrency, self.processes), split(warm, self.processes),
                                     strict=True):  # fmt: skip
-            conn.send((url, streams, w, body))
+            conn.send((url, streams, w, body, seconds))
         for conn in self.conns:
             if conn.recv() != "warm":
                 raise RuntimeError("a load process failed during its warm-up")
         for conn in self.conns:
             conn.send("go")
-        return [sample for conn in self.conns for sample in conn.recv()]
+        shares = [conn.recv() for conn in self.conns]
+        return [x for samples, _ in shares for x in samples], sum(sent for _, sent in shares)
 
     def close(self) -> None:
         for conn in self.conns:
@@ -287,29 +306,42 @@ class RouterRun:
 
     processes: int
     cpus: str
-    results: dict[tuple[int, str], list[tuple[float, float]]]
-    router_cpu: dict[int, float]  # seconds of router CPU per routed request, by concurrency
+    results: dict[tuple[str, str], list[tuple[float, float]]]  # (case, path) -> samples
+    router_cpu: dict[str, float]  # seconds of router CPU per routed request, by case
     dispatch: float  # the router's own dispatch-overhead metric, mean
 
 
-def rows_of(run: RouterRun, concurrency: list[int]) -> tuple[dict[str, dict[str, float]], dict[int, dict[str, float]]]:
+@dataclass(frozen=True)
+class Case:
+    """One load shape: `burst` (C streams released at once) or `steady` (C streams kept in flight)."""
+
+    pattern: str
+    concurrency: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.pattern} {self.concurrency}"
+
+
+def rows_of(run: RouterRun, cases: list[Case]) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
     rows: dict[str, dict[str, float]] = {}
-    for (c, path), samples in run.results.items():
+    for (label, path), samples in run.results.items():
         ttft = [x[0] * 1000 for x in samples]
         e2e = [x[1] * 1000 for x in samples]
-        rows[f"{c}/{path}"] = {"concurrency": c, "n": len(samples), "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90),
-                               "ttft_p99": pct(ttft, 99), "e2e_p50": pct(e2e, 50), "e2e_p90": pct(e2e, 90),
-                               "e2e_p99": pct(e2e, 99), "e2e_mean": statistics.fmean(e2e)}  # fmt: skip
+        rows[f"{label}/{path}"] = {"n": len(samples), "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90),
+                                   "ttft_p99": pct(ttft, 99), "e2e_p50": pct(e2e, 50), "e2e_p90": pct(e2e, 90),
+                                   "e2e_p99": pct(e2e, 99), "e2e_mean": statistics.fmean(e2e)}  # fmt: skip
     added = {}
-    for c in concurrency:
-        d, r = rows[f"{c}/direct"], rows[f"{c}/router"]
-        added[c] = {"ttft_p50": r["ttft_p50"] - d["ttft_p50"], "e2e_p50": r["e2e_p50"] - d["e2e_p50"],
-                    "router_cpu_ms_per_request": run.router_cpu[c] * 1000}  # fmt: skip
+    for case in cases:
+        d, r = rows[f"{case.label}/direct"], rows[f"{case.label}/router"]
+        added[case.label] = {"ttft_p50": r["ttft_p50"] - d["ttft_p50"], "e2e_p50": r["e2e_p50"] - d["e2e_p50"],
+                             "router_cpu_ms_per_request": run.router_cpu[case.label] * 1000}  # fmt: skip
     return rows, added
 
 
-def measure_router(args: argparse.Namespace, urls: dict[str, str], processes: int, cpus: list[int] | None,
-                   load: LoadGenerator, env: dict[str, str], everywhere: set[int]) -> RouterRun:  # fmt: skip
+def measure_router(args: argparse.Namespace, cases: list[Case], urls: dict[str, str], processes: int,
+                   cpus: list[int] | None, load: LoadGenerator, env: dict[str, str],
+                   everywhere: set[int]) -> RouterRun:  # fmt: skip
     """Start a router of `processes` processes on `cpus`, run every round against it and the direct path."""
     port = free_port()
     router_url = f"http://127.0.0.1:{port}"
@@ -326,16 +358,20 @@ def measure_router(args: argparse.Namespace, urls: dict[str, str], processes: in
             time.sleep(0.1)
         body = {"model": args.model, "prompt": "Benchmark", "max_tokens": args.tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}  # fmt: skip
-        results: dict[tuple[int, str], list[tuple[float, float]]] = {}
-        router_cpu: dict[int, float] = {}
-        for c in args.concurrency:
-            for _ in range(args.rounds):
+        results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        cpu_used: dict[str, float] = {}
+        sent: dict[str, int] = {}
+        for case in cases:
+            seconds = args.steady_seconds if case.pattern == "steady" else 0.0
+            for _ in range(args.rounds if case.pattern == "burst" else args.steady_rounds):
                 for path, url in (("direct", urls["decode"]), ("router", router_url)):
                     before = cpu_seconds(pids)
-                    results.setdefault((c, path), []).extend(load.round(url, c, body))
+                    samples, requests = load.round(url, case.concurrency, body, seconds)
+                    results.setdefault((case.label, path), []).extend(samples)
                     if path == "router":  # its CPU time per request, warm-up requests included
-                        router_cpu[c] = router_cpu.get(c, 0.0) + (cpu_seconds(pids) - before) / (
-                            c + min(c, 8)) / args.rounds
+                        cpu_used[case.label] = cpu_used.get(case.label, 0.0) + cpu_seconds(pids) - before
+                        sent[case.label] = sent.get(case.label, 0) + requests
+        router_cpu = {label: cpu_used[label] / sent[label] for label in cpu_used}
         dispatch = asyncio.run(_router_dispatch_mean(router_url))
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -350,7 +386,13 @@ def measure_router(args: argparse.Namespace, urls: dict[str, str], processes: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64], help="one table row pair per value")
-    ap.add_argument("--rounds", type=int, default=10, help="rounds per path (alternating)")
+    ap.add_argument("--pattern", nargs="+", choices=["burst", "steady"], default=["burst"],
+                    help="burst: C streams released at once (after a warm-up of min(C, 8)), the worst case for "
+                         "queueing; steady: C streams kept in flight (each slot sends its next request when its "
+                         "last one ends) for --steady-seconds, i.e. C concurrent streams arriving spread out")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=10, help="burst rounds per path (alternating)")
+    ap.add_argument("--steady-rounds", type=int, default=3, help="steady rounds per path (alternating)")
+    ap.add_argument("--steady-seconds", type=float, default=3.0, help="length of one steady round")
     ap.add_argument("--tokens", type=int, default=16, help="chunks per stream (max_tokens)")
     ap.add_argument("--interval-ms", type=float, default=5.0, help="target: gap between chunks")
     ap.add_argument("--router-processes", type=int, nargs="+", default=[1], metavar="N",
@@ -402,9 +444,10 @@ def main() -> None:
             urls[role] = f"http://127.0.0.1:{port}"
         for url in urls.values():
             wait_healthy(url)
+        cases = [Case(pattern, c) for pattern in args.pattern for c in args.concurrency]
         for n in args.router_processes:
             cpus = sorted(router_cpus)[: max(n, 1)] if router_cpus else None
-            runs.append(measure_router(args, urls, n, cpus, load, env, everywhere))
+            runs.append(measure_router(args, cases, urls, n, cpus, load, env, everywhere))
     finally:
         with contextlib.suppress(Exception):  # whatever happened, the targets must not outlive this script
             load.close()
@@ -416,36 +459,39 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
 
-    print(f"\n{args.rounds} rounds per path and concurrency (alternating), {args.tokens} chunks per stream, target "
-          f"interval {args.interval_ms:g} ms; machine: {platform.node()} ({os.cpu_count()} CPUs), load average "
+    print(f"\nburst: {args.rounds} rounds per path, steady: {args.steady_rounds} rounds of {args.steady_seconds:g} s "
+          f"per path (alternating direct/router); {args.tokens} chunks per stream, target interval "
+          f"{args.interval_ms:g} ms; machine: {platform.node()} ({os.cpu_count()} CPUs), load average "
           f"{os.getloadavg()[0]:.1f}; CPUs: router {args.router_cpus or 'any'}, targets {args.target_cpus or 'any'} "
           f"({target_processes} process(es) each), load generator {args.load_cpus or 'any'} ({load_processes} "
           f"process(es)); uvloop + httptools installed: {_fast_stack()}")  # fmt: skip
     summary = []
     configs = []
     for run in runs:
-        rows, added = rows_of(run, args.concurrency)
+        rows, added = rows_of(run, cases)
         print(f"\nrouter: {run.processes} process(es) on CPUs {run.cpus}\n")
-        print("| streams | path | requests | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p90 ms "
+        print("| load | path | requests | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p90 ms "
               "| E2E p99 ms | added p50 TTFT / E2E ms | router CPU ms / request |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for c in args.concurrency:
+        for case in cases:
+            a = added[case.label]
             for path in ("direct", "router"):
-                r = rows[f"{c}/{path}"]
+                r = rows[f"{case.label}/{path}"]
                 routed = path == "router"
-                extra = f"{added[c]['ttft_p50']:+.2f} / {added[c]['e2e_p50']:+.2f}" if routed else ""
-                cpu = f"{added[c]['router_cpu_ms_per_request']:.2f}" if routed else ""
-                print(f"| {c} | {path} | {r['n']} | {r['ttft_p50']:.2f} | {r['ttft_p90']:.2f} | {r['ttft_p99']:.2f} | "
-                      f"{r['e2e_p50']:.2f} | {r['e2e_p90']:.2f} | {r['e2e_p99']:.2f} | {extra} | {cpu} |")  # fmt: skip
-            d, r = rows[f"{c}/direct"], rows[f"{c}/router"]
-            summary.append(f"| {run.processes} | {run.cpus} | {c} | {d['ttft_p50']:.2f} | {r['ttft_p50']:.2f} | "
-                           f"{added[c]['ttft_p50']:+.2f} / {added[c]['e2e_p50']:+.2f} | "
-                           f"{added[c]['router_cpu_ms_per_request']:.2f} | {run.dispatch * 1000:.3f} |")  # fmt: skip
+                extra = f"{a['ttft_p50']:+.2f} / {a['e2e_p50']:+.2f}" if routed else ""
+                cpu = f"{a['router_cpu_ms_per_request']:.2f}" if routed else ""
+                print(f"| {case.label} | {path} | {r['n']} | {r['ttft_p50']:.2f} | {r['ttft_p90']:.2f} | "
+                      f"{r['ttft_p99']:.2f} | {r['e2e_p50']:.2f} | {r['e2e_p90']:.2f} | {r['e2e_p99']:.2f} | {extra} "
+                      f"| {cpu} |")  # fmt: skip
+            d, r = rows[f"{case.label}/direct"], rows[f"{case.label}/router"]
+            summary.append(f"| {run.processes} | {run.cpus} | {case.label} | {d['ttft_p50']:.2f} | {r['ttft_p50']:.2f} "
+                           f"| {a['ttft_p50']:+.2f} / {a['e2e_p50']:+.2f} | {a['router_cpu_ms_per_request']:.2f} | "
+                           f"{run.dispatch * 1000:.3f} |")  # fmt: skip
         configs.append({"router_processes": run.processes, "router_cpus": run.cpus, "rows": rows,
                         "added_ms": added, "dispatch_mean_s": run.dispatch})  # fmt: skip
     print("\nsummary (added = router p50 - direct p50; dispatch = the router's own arrival-to-requests-sent mean)\n")
-    print("| router processes | router CPUs | streams | direct TTFT p50 ms | router TTFT p50 ms | added p50 TTFT / E2E ms "
-          "| router CPU ms / request | dispatch ms |")
+    print("| router processes | router CPUs | load (streams) | direct TTFT p50 ms | router TTFT p50 ms | added p50 TTFT "
+          "/ E2E ms | router CPU ms / request | dispatch ms |")
     print("|---|---|---|---|---|---|---|---|")
     print("\n".join(summary))
     if args.json:
