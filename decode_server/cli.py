@@ -299,6 +299,9 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--retry-max-retries", type=int, default=d.retry_max_retries,
                    help="other pairs tried when a worker is unreachable before the first byte")  # fmt: skip
     g.add_argument("--retry-backoff-ms", type=float, default=d.retry_backoff_ms)
+    g.add_argument("--router-processes", type=int, default=d.router_processes, metavar="N",
+                   help="router processes sharing the port (SO_REUSEPORT), each with its own event loop, pools and "
+                        "health checks; default min(4, CPUs available), here %(default)s")  # fmt: skip
     g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
 
 
@@ -332,6 +335,7 @@ def router_config_from_args(args: argparse.Namespace) -> Any:
         retry_max_retries=args.retry_max_retries,
         retry_backoff_ms=args.retry_backoff_ms,
         log_level=args.log_level,
+        router_processes=args.router_processes,
     )
 
 
@@ -383,6 +387,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValidationError, ValueError) as exc:
             parser.error(str(exc))
         _setup_logging(args.log_level)
+        if config.router_processes > 1:
+            from decode_server.router.supervisor import run_supervised
+
+            return run_supervised(config)
         from decode_server.router.server import run as run_router
 
         return run_router(config)

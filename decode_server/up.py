@@ -198,7 +198,9 @@ def plan(args: argparse.Namespace) -> list[Child]:
     prefill_url, decode_url = f"http://{host}:{prefill_port}", f"http://{host}:{decode_port}"
     router = [*cli, "router", "--prefill", prefill_url, str(bootstrap_port), "--decode", decode_url,
               "--host", host, "--port", str(args.port), "--policy", args.policy, "--log-level", args.log_level,
-              "--health-check-interval-secs", "1"]  # fmt: skip
+              "--health-check-interval-secs", "1",
+              # One local user: one router process is plenty (`--router-args "--router-processes 4"` for more).
+              "--router-processes", "1"]  # fmt: skip
     if args.api_key:
         router += ["--api-key", args.api_key]
     router += shlex.split(args.router_args)

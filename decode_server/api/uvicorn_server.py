@@ -21,15 +21,17 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class SignalHandlingServer(uvicorn.Server):
+    stop_signals: tuple[signal.Signals, ...] = STOP_SIGNALS  # a subclass may handle fewer (the router's children)
+
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         loop = asyncio.get_running_loop()
-        for sig in STOP_SIGNALS:
+        for sig in self.stop_signals:
             loop.add_signal_handler(sig, self.on_signal, sig)
         try:
             yield
         finally:
-            for sig in STOP_SIGNALS:
+            for sig in self.stop_signals:
                 loop.remove_signal_handler(sig)
 
     def on_signal(self, sig: int) -> None:

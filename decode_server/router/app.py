@@ -3,18 +3,22 @@
 POSTs to /v1/completions and /v1/chat/completions (the traffic) go straight from the ASGI entry to the
 dispatcher, which validates the body with the servers' own request models; every other request (probes,
 metrics, the model list, unknown routes) goes through a FastAPI app and its OpenAI-style error handlers.
+The two generation paths with a trailing slash get the 307 redirect to the path without it that the servers
+(Starlette's `redirect_slashes`) give, so a client that works against a server works against the router.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import URL
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from decode_server.api.auth import ApiKeyMiddleware
@@ -45,6 +49,7 @@ class RouterApp:
         self.api = api
         self.dispatcher = dispatcher
         self.routes: dict[str, Route] = {COMPLETIONS.path: COMPLETIONS, CHAT.path: CHAT}
+        self.slashed: dict[str, Route] = {route.path + "/": route for route in self.routes.values()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (route := self.routes.get(scope["path"])) is not None:
@@ -54,6 +59,10 @@ class RouterApp:
                 response = JSONResponse(error_body("Method Not Allowed", "invalid_request_error", 405),
                                         status_code=405, headers={"Allow": "POST"})  # fmt: skip
                 await response(scope, receive, send)
+            return
+        if scope["type"] == "http" and (route := self.slashed.get(scope["path"])) is not None:
+            # As Starlette's redirect_slashes does for the servers: 307 keeps the method and the body.
+            await RedirectResponse(URL(scope=scope).replace(path=route.path), status_code=307)(scope, receive, send)
             return
         await self.api(scope, receive, send)
 
@@ -84,7 +93,10 @@ def _document_generation_routes(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def create_app(config: RouterConfig, pool: WorkerPool, dispatcher: Dispatcher, metrics: RouterMetrics) -> ASGIApp:
+def create_app(config: RouterConfig, pool: WorkerPool, dispatcher: Dispatcher, metrics: RouterMetrics,
+               process_index: int = 0) -> ASGIApp:  # fmt: skip
+    """`process_index`: which of the `config.router_processes` processes this is (reported by /health: each
+    process checks the workers itself, so the worker states /health shows are that process's view)."""
     app = FastAPI(
         title="HiSparse Decode Server PD router",
         description="OpenAI front door of a prefill/decode deployment",
@@ -108,16 +120,19 @@ def create_app(config: RouterConfig, pool: WorkerPool, dispatcher: Dispatcher, m
         return JSONResponse(error_body("no healthy decode worker", "workers_unavailable", 503), status_code=503,
                             headers={"Retry-After": "1"})  # fmt: skip
 
+    process = {"index": process_index, "count": config.router_processes, "pid": os.getpid()}
+
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 when at least one prefill and one decode worker are healthy; 503 otherwise."""
+        """200 when at least one prefill and one decode worker are healthy (in the view of the router process
+        that answers); 503 otherwise."""
         workers = {"prefill": [_worker_info(w) for w in pool.prefill],
                    "decode": [_worker_info(w) for w in pool.decode]}  # fmt: skip
         if pool.ready:
-            return JSONResponse({"status": "ok", "workers": workers})
+            return JSONResponse({"status": "ok", "workers": workers, "router_process": process})
         missing = " and ".join(r for r in ("prefill", "decode") if not pool.healthy(r))  # type: ignore[arg-type]
         body = error_body(f"no healthy {missing} worker", "workers_unavailable", 503)
-        return JSONResponse(dict(body, workers=workers), status_code=503)
+        return JSONResponse(dict(body, workers=workers, router_process=process), status_code=503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ PD_TIMEOUTS = ["--disaggregation-heartbeat-interval", "0.5", "--disaggregation-h
                "--disaggregation-bootstrap-timeout", "30", "--disaggregation-waiting-timeout", "120"]
 MODEL = "tiny-dsa"
 ROUTER_START_TIMEOUT_S = 60.0
+ROUTER_PROCESSES = 2  # every test router runs several processes unless a test asks otherwise
 
 __all__ = ["CONTEXT_LENGTH", "MODEL", "REPO", "WORKER_MODE", "RouterProcess", "ServerProcess", "Worker",
            "launch_workers", "pid_alive", "wait_until_idle"]  # fmt: skip
@@ -77,14 +79,46 @@ def launch_workers(n_prefill: int, n_decode: int) -> tuple[list[Worker], list[Wo
     return prefill, decode
 
 
-class RouterProcess:
-    """`python -m decode_server.cli router ...` on a free port, its log in a temporary file."""
+def child_pids(pid: int) -> list[int]:
+    """The direct children of `pid` (from /proc), oldest first."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return sorted(found)
 
-    def __init__(self, prefill: list[Worker], decode: list[Worker], *extra: str) -> None:
+
+def wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
+    """The pids still alive after waiting up to `timeout` for them to exit."""
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in pids if pid_alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+class RouterProcess:
+    """`python -m decode_server.cli router ...` on a free port, its log in a temporary file.
+
+    `processes` > 1: a supervisor and that many router processes sharing the port. A new connection goes to any
+    of them (the kernel's choice), so a test that needs one process's view (its round robin, its health state)
+    sends through `self.http`: one keep-alive connection, hence one process, as long as it is not idle for 5 s.
+    `stop` checks that no router process is left and that the metrics directory is gone."""
+
+    def __init__(self, prefill: list[Worker], decode: list[Worker], *extra: str,
+                 processes: int = ROUTER_PROCESSES) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.processes = processes
+        self.children: list[int] = []
+        self.metrics_dir: str | None = None
+        self.http = httpx.Client(base_url=self.url, timeout=60)
         args = [sys.executable, "-m", "decode_server.cli", "router", "--host", "127.0.0.1", "--port", str(self.port),
-                "--health-check-interval-secs", "0.5", "--log-level", "info"]  # fmt: skip
+                "--health-check-interval-secs", "0.5", "--log-level", "info",
+                "--router-processes", str(processes)]  # fmt: skip
         for w in prefill:
             args += ["--prefill", w.url, str(w.bootstrap_port)]
         for w in decode:
@@ -96,6 +130,20 @@ class RouterProcess:
     def log_text(self) -> str:
         return Path(self.log.name).read_text()
 
+    def _record_children(self) -> None:
+        """The router processes and their metrics directory, once the supervisor has said it listens."""
+        if self.processes == 1 or self.children:
+            return
+        deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
+        while f"with {self.processes} router processes" not in self.log_text():
+            assert time.monotonic() < deadline and self.proc.poll() is None, self.log_text()
+            time.sleep(0.05)
+        self.children = child_pids(self.proc.pid)
+        assert len(self.children) == self.processes, (self.children, self.log_text())
+        environ = Path(f"/proc/{self.children[0]}/environ").read_bytes().split(b"\0")
+        self.metrics_dir = next(e.split(b"=", 1)[1].decode() for e in environ
+                                if e.startswith(b"PROMETHEUS_MULTIPROC_DIR="))  # fmt: skip
+
     def wait_ready(self, timeout: float = ROUTER_START_TIMEOUT_S) -> RouterProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -103,6 +151,7 @@ class RouterProcess:
                 raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log_text()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self._record_children()
                     return self
             except httpx.HTTPError:
                 pass
@@ -116,17 +165,20 @@ class RouterProcess:
         while time.monotonic() < deadline:
             try:
                 httpx.get(self.url + "/health", timeout=2)
+                self._record_children()
                 return self
             except httpx.HTTPError:
                 time.sleep(0.1)
         raise RuntimeError(f"router not listening after {timeout} s:\n{self.log_text()}")
 
     def health(self) -> httpx.Response:
-        return httpx.get(self.url + "/health", timeout=10)
+        """/health of the process behind `self.http`."""
+        return self.http.get("/health", timeout=10)
 
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples called `name` whose labels include `labels` (0 when there is none)."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        """Sum of the samples called `name` whose labels include `labels` (0 when there is none); the whole
+        router's value, whichever process answers."""
+        text = self.http.get("/metrics", timeout=10).text
         total = 0.0
         for family in text_string_to_metric_families(text):
             for s in family.samples:
@@ -138,18 +190,29 @@ class RouterProcess:
         return self.metric("hisparse_router:requests_total", role=worker.role, worker=worker.url, outcome=outcome)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        """Its exit code; raises if it does not exit, leaves a router process behind or its metrics directory."""
+        self.http.close()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             raise AssertionError(f"router did not exit within {timeout} s:\n{self.log_text()}") from None
+        left = wait_gone(self.children, 5)
+        assert not left, f"router processes {left} outlived the router:\n{self.log_text()}"
+        assert self.metrics_dir is None or not os.path.exists(self.metrics_dir), self.metrics_dir
+        return code
 
     def kill(self) -> None:
+        """SIGKILL the router and every router process (the supervisor's children included)."""
+        self.http.close()
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        for pid in self.children:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def wait_all_idle(workers: list[Worker], timeout: float = 30.0) -> None:

@@ -9,6 +9,7 @@ _PROBE = """
 import sys
 import decode_server.cli, decode_server.up
 import decode_server.router.server, decode_server.router.app, decode_server.router.proxy
+import decode_server.router.supervisor, decode_server.router.child
 heavy = sorted(m for m in sys.modules
                if m == "torch" or m.startswith(("torch.", "decode_server.engine", "decode_server.model")))
 print(heavy)

@@ -16,6 +16,7 @@ from decode_server.engine.llm import LLM
 from decode_server.engine.sampling_params import SamplingParams
 
 PROMPTS = [f"Prompt number {i}: tell me about the number {i * 7}" for i in range(16)]
+SHORT_BODY = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
 LONG = {"model": MODEL, "prompt": "Long story:", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
 
 
@@ -135,6 +136,19 @@ def test_unknown_route_and_method(router: RouterProcess) -> None:
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.get(router.url + "/v1/completions", timeout=10)
     assert r.status_code == 405 and r.json()["error"]["code"] == 405
+
+
+def test_trailing_slash_redirects_like_the_servers(router: RouterProcess, workers: tuple) -> None:
+    """`/v1/completions/` gets the servers' 307 to `/v1/completions` (method and body kept by the client)."""
+    _, decode = workers
+    for path in ("/v1/completions/", "/v1/chat/completions/"):
+        via_router = httpx.post(router.url + path, json=SHORT_BODY, timeout=30)
+        direct = httpx.post(decode[0].url + path, json=SHORT_BODY, timeout=30)
+        assert via_router.status_code == direct.status_code == 307
+        assert via_router.headers["location"] == router.url + path.rstrip("/")
+        assert direct.headers["location"] == decode[0].url + path.rstrip("/")
+    followed = httpx.post(router.url + "/v1/completions/", json=SHORT_BODY, timeout=60, follow_redirects=True)
+    assert followed.status_code == 200 and followed.json()["object"] == "text_completion", followed.text
 
 
 def test_openapi_lists_the_generation_routes(router: RouterProcess) -> None:

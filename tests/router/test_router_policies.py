@@ -37,12 +37,14 @@ def _wait_counts(router: RouterProcess, ws: list[Worker], expected: list[float],
 
 
 def test_round_robin_alternates(router: RouterProcess, workers: tuple) -> None:
+    """Round robin is per router process: the requests go over one connection (`router.http`), so to one
+    process, and alternate there."""
     prefill, decode = workers
     p0 = _counts(router, prefill)
     last = _counts(router, decode)
     chosen = []
     for _ in range(4):
-        assert httpx.post(router.url + "/v1/completions", json=SHORT, timeout=60).status_code == 200
+        assert router.http.post("/v1/completions", json=SHORT).status_code == 200
         now = _counts(router, decode)
         diff = [b - a for a, b in zip(last, now, strict=True)]
         assert sorted(diff) == [0, 1], diff  # exactly one decode worker answered
@@ -89,8 +91,8 @@ def test_least_load_prefers_the_lighter_decode_worker(least_load_router: RouterP
         else:
             raise AssertionError(f"the router never saw the load of {heavy.url}: {info}")
         before = _counts(least_load_router, decode)
-        for _ in range(3):
-            assert httpx.post(least_load_router.url + "/v1/completions", json=SHORT, timeout=60).status_code == 200
+        for _ in range(3):  # to the process whose /health saw the load (each process polls /load itself)
+            assert least_load_router.http.post("/v1/completions", json=SHORT).status_code == 200
         after = _counts(least_load_router, decode)
         assert [b - a for a, b in zip(before, after, strict=True)] == [0, 3]
         assert least_load_router.metric("hisparse_router:worker_load", role="decode", worker=heavy.url) >= 3
