@@ -65,6 +65,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="batch-invariant kernels and fixed prefill chunks: a request's output does not depend on its batch",
     )
+    g.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="read each pass's tokens before scheduling the next (overlap is on by default on CUDA, off on CPU)",
+    )
+    g.add_argument(
+        "--force-overlap-schedule",
+        action="store_true",
+        help="overlap scheduling even on CPU, where it cannot help (tests of its code path)",
+    )
     g.add_argument("--random-seed", type=int, default=d.seed, help="seed of requests that give none")
     g.add_argument("--context-length", type=int, default=None, help="cap on prompt + generated tokens")
     g.add_argument(
@@ -175,6 +185,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         enable_deterministic_inference=args.enable_deterministic_inference,
         seed=args.random_seed,
+        disable_overlap_schedule=args.disable_overlap_schedule,
+        force_overlap_schedule=args.force_overlap_schedule,
         context_length=args.context_length,
         enable_hisparse=args.enable_hisparse,
         hisparse=HiSparseConfig.from_json(args.hisparse_config),

@@ -74,19 +74,19 @@ class HiSparseBackend(AttentionBackend):
     def end_forward(self, batch: ForwardBatch) -> None:
         try:
             if batch.is_decode and self._new_slots is not None and self._new_host_rows is not None:
-                self._backup(self._new_slots, self._new_host_rows)
+                self._backup(self._new_slots, self._new_host_rows, batch.req_rows_cpu)
         finally:
             self._batch = None
             self._query_rows = self._index_rows = None
             self._new_slots = self._new_host_rows = self._extend_host_rows_cpu = self._seq_lens = None
 
-    def _backup(self, slots: torch.Tensor, host_rows: torch.Tensor) -> None:
+    def _backup(self, slots: torch.Tensor, host_rows: torch.Tensor, req_rows: list[int]) -> None:
         co = self.co
         stream = co.backup_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(co.device))
         event = ops.backup_rows(co.buffers.kv, co.host.kv, slots, host_rows, stream=stream)
-        co.set_pending_backup(event)
+        co.set_pending_backup(event, req_rows)
         co.counters.add_d2h_all_layers(int(slots.numel()))
 
     def _current(self) -> ForwardBatch:

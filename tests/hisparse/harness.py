@@ -38,17 +38,19 @@ def make_engine(
     tiny, *, hisparse: bool, device: str = "cpu", device_budget: int | None = 64 << 20,
     host_budget: int | None = None, buffer_size: int = TOP_K, num_recent: int = 2, max_running: int = 8,
     chunk: int = 64, max_queued: int = 1024, kv_cache_dtype: str = "auto", attention_backend: str = "auto",
-    optimistic: bool = False,
+    optimistic: bool = False, overlap: bool | None = None, deterministic: bool = False,
 ) -> Engine:
     """`optimistic`: admission expects no request to grow past its prompt (new-token ratios 0), so that tight
-    budgets force retractions."""
+    budgets force retractions. `overlap`: force overlap scheduling on (True) or off (False); None: the device's
+    default. `deterministic`: batch-invariant mode (a request's results do not depend on its batch)."""
     model, model_config, tokenizer = tiny
     cfg = EngineConfig(
         device=device, enable_hisparse=hisparse, page_size=PAGE, chunked_prefill_size=chunk,
         hisparse=HiSparseConfig(device_buffer_size=buffer_size, num_recent_slots=num_recent),
         device_kv_budget_bytes=device_budget, host_kv_budget_bytes=host_budget,
         max_running_requests=max_running, max_queued_requests=max_queued, kv_cache_dtype=kv_cache_dtype,
-        attention_backend=attention_backend,
+        attention_backend=attention_backend, force_overlap_schedule=overlap is True,
+        disable_overlap_schedule=overlap is False, enable_deterministic_inference=deterministic,
     )
     engine = Engine(cfg, model=model, model_config=model_config, tokenizer=tokenizer)
     if optimistic:
