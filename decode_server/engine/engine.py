@@ -380,7 +380,7 @@ class Engine:
         if dst:
             assert self._inflight is not None and self._inflight.tokens is not None
             index = torch.tensor([dst, src], dtype=torch.int64).to(self.device, non_blocking=True)
-            input_ids[index[0]] = self._inflight.tokens.tokens[index[1]]
+            input_ids.index_copy_(0, index[0], self._inflight.tokens.tokens.index_select(0, index[1]))
         return input_ids
 
     def _process(self, step: _LaunchedStep) -> list[RequestDelta]:

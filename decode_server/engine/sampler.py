@@ -178,7 +178,7 @@ class Sampler:
             tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)
             if greedy:
                 rows = torch.tensor(greedy, dtype=torch.int64).to(logits.device, non_blocking=True)
-                tokens[rows] = torch.argmax(logits[rows], dim=-1)
+                tokens.index_copy_(0, rows, torch.argmax(logits[rows], dim=-1))
             for i, p in enumerate(params):
                 if not is_greedy(p):
                     tokens[i : i + 1] = sample_row(logits[i], p, generators[i])
