@@ -310,14 +310,28 @@ class Engine:
             self._inflight = launched
         elif launched is not None:
             previous = launched
+        return deltas + self._read_pass(previous)
+
+    @torch.inference_mode()
+    def flush(self) -> list[RequestDelta]:
+        """Read the pass in flight (overlap scheduling) without launching another, and free the memory deferred
+        behind it (the offline `LLM` calls it when its requests are done, so the engine ends idle)."""
+        deltas, self._pending_deltas = self._pending_deltas, []
+        previous, self._inflight = self._inflight, None
+        return deltas + self._read_pass(previous)
+
+    def _read_pass(self, previous: _LaunchedStep | None) -> list[RequestDelta]:
+        """Process `previous` while `self._inflight` (if any) may still run: rows of the latter freed meanwhile
+        are deferred until it has been read."""
         sched = self.scheduler
         if self._inflight is not None:
             sched.inflight_rows, sched.inflight_step = self._inflight.rows, self._inflight.step_id
         else:
             sched.inflight_rows = frozenset()
-        if previous is not None:
-            deltas.extend(self._process(previous))
-            sched.release_rows_of(previous.step_id)
+        if previous is None:
+            return []
+        deltas = self._process(previous)
+        sched.release_rows_of(previous.step_id)
         return deltas
 
     def _launch(self, batch: ScheduledBatch) -> _LaunchedStep:
