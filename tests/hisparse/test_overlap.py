@@ -72,7 +72,7 @@ def drive(engine: Engine, jobs: list[Job], max_steps: int = 3000) -> dict[str, O
     return out
 
 
-def mixed_jobs(seed: int, num: int = 7) -> list[Job]:
+def mixed_jobs(seed: int, num: int = 6) -> list[Job]:
     """Greedy, seeded sampling and logprobs; prompts of one to three 64-token prefill chunks; staggered arrivals."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -82,8 +82,8 @@ def mixed_jobs(seed: int, num: int = 7) -> list[Job]:
         sampling = ({"temperature": 0.0} if kind == 0 else
                     {"temperature": 0.9, "top_p": 0.95, "seed": 100 + i} if kind == 1 else
                     {"temperature": 0.0, "logprobs": 2})  # fmt: skip
-        params = SamplingParams(max_tokens=rng.randrange(3, 16), ignore_eos=True, **sampling)
-        jobs.append(Job(rng.randrange(0, 6), f"j{i}", random_prompt(gen, rng.randrange(8, 150)), params))
+        params = SamplingParams(max_tokens=rng.randrange(3, 13), ignore_eos=True, **sampling)
+        jobs.append(Job(rng.randrange(0, 6), f"j{i}", random_prompt(gen, rng.randrange(8, 140)), params))
     return jobs
 
 
