@@ -1,7 +1,9 @@
 """The engine loop: take requests and aborts → schedule → forward → sample → token deltas → free finished.
 
 Used in-process by the offline `LLM` and tests, and wrapped by the server's engine process. Every call happens
-on the caller's thread; `step()` runs exactly one forward pass (a prefill chunk batch or a decode step).
+on the caller's thread; `step()` launches at most one forward pass (a prefill chunk batch or a decode step) and
+returns the deltas of that pass or, with overlap scheduling, of the pass launched by the previous `step()`
+(docs/engine.md "Overlap scheduling").
 """
 
 from __future__ import annotations
