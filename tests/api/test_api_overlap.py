@@ -7,6 +7,10 @@ leaves every pool empty.
 Both servers run `--enable-deterministic-inference`: with overlap a request that ended still runs one more pass
 (its token is dropped) and memory comes back a pass later, so requests share different passes than without it,
 and only batch-invariant arithmetic makes results independent of that (tests/api/test_api_deterministic.py).
+That mode is not perfectly batch-invariant on CPU: in-process, the same requests arriving in a different order
+gave one request logprobs differing in the last bit, without overlap (the engine-level tests in
+tests/hisparse/test_overlap.py, whose arrivals are fixed, compare bit for bit). Here arrivals follow the client's
+timing, so text, tokens and finish reasons must be equal and logprobs within 1e-5.
 """
 
 from __future__ import annotations
@@ -104,7 +108,9 @@ def test_overlap_server_equals_sync_server(sync_dense, overlap_hisparse) -> None
     requests = _requests(stops)
     want = run_concurrently(sync_dense, requests)
     got = run_concurrently(overlap_hisparse, requests, abort_one=True)
-    assert got == want
+    assert [(r[0], r[1], r[3]) for r in got] == [(r[0], r[1], r[3]) for r in want]
+    for g, w in zip(got, want, strict=True):
+        assert g[2] == pytest.approx(w[2], abs=1e-5, rel=0)
     assert "stop" in {r[3] for r in want} and "length" in {r[3] for r in want}
     wait_until_idle(sync_dense)
     stats = wait_until_idle(overlap_hisparse)
