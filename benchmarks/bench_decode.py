@@ -44,7 +44,7 @@ from decode_server.engine.cuda_graph import (
     graphs_off_reason,
     resolve_batch_sizes,
 )
-from decode_server.engine.engine import Engine, resolve_attention_kernel
+from decode_server.engine.engine import Engine, resolve_attention_kernel, resolve_overlap_schedule
 from decode_server.engine.kv_rows import CacheGeometry, encode_row_bytes, encode_rows
 from decode_server.engine.memory import resolve_kv_dtype, resolve_model_dtype
 from decode_server.engine.request import Request
@@ -90,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="batch-invariant mode (docs/models.md): measure its cost against a run without it")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read each step's tokens before launching the next (overlap is on by default on CUDA): "
+                        "run once with and once without to measure what overlap scheduling gains")
     p.add_argument("--out", default=None, help="JSON results (default benchmarks/results/bench_decode[_smoke].json)")
     p.add_argument("--plot", default=None, help="PNG plot (default next to the JSON)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU: tiny-dsa, 2 contexts, 3 steps")
@@ -179,6 +182,7 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
         hisparse=HiSparseConfig(device_buffer_size=args.buffer_size, num_recent_slots=args.num_recent),
         enable_deterministic_inference=args.enable_deterministic_inference, tp_size=args.tp_size,
         disable_cuda_graph=True,  # captured by run_one once the requests are in (capture_graphs)
+        disable_overlap_schedule=args.disable_overlap_schedule,
     )
     kv = None
     if hisparse:
@@ -187,6 +191,12 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
         kv = HiSparseCoordinator(layout, kv_dtype, device, parallel=parallel)  # shared host pool with TP
         cfg = cfg.model_copy(update={"max_running_requests": layout.max_reqs})
     return Engine(cfg, model=model, model_config=model_config, tokenizer=None, kv_manager=kv, parallel=parallel)
+
+
+def overlap_label(args, device: torch.device) -> str:
+    """Whether the engine's step loop overlaps host and device (engine.resolve_overlap_schedule)."""
+    cfg = EngineConfig(device=device.type, disable_overlap_schedule=args.disable_overlap_schedule)
+    return "on" if resolve_overlap_schedule(cfg, device, args.tp_size) else "off"
 
 
 def rank_device(args, parallel) -> torch.device:
@@ -525,7 +535,8 @@ def run_rank(args, parallel=None) -> int:
     print(f"device: {device_name}; config: {args.config}; budget: {args.device_kv_budget_gib:g} GiB device, "
           f"{args.host_kv_budget_gib:g} GiB host; tp_size {args.tp_size}; steps: {args.steps}; KV {args.kv_cache_dtype}; attention "
           f"{resolve_attention_kernel(args.attention_backend, device, args.enable_deterministic_inference)}"
-          + ("; deterministic inference" if args.enable_deterministic_inference else ""))
+          + ("; deterministic inference" if args.enable_deterministic_inference else "")
+          + f"; overlap schedule {overlap_label(args, device)}")
     print(header)
     for r in results:
         label = r["mode"] + (f"@B{r['fixed_batch']}" if r.get("fixed_batch") else "")
@@ -551,7 +562,7 @@ def run_rank(args, parallel=None) -> int:
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_name,
             "attention_kernel": resolve_attention_kernel(args.attention_backend, device,
                                                          args.enable_deterministic_inference),
-            "command": " ".join(sys.argv), "args": vars(args)}
+            "overlap_schedule": overlap_label(args, device), "command": " ".join(sys.argv), "args": vars(args)}
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     if ok:
         plot(ok, Path(args.plot))

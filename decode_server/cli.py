@@ -73,6 +73,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="largest decode batch run by a CUDA graph (default: min(--max-running-requests, 256))")
     g.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes to capture (default: 1 2 4 8 12 16 24 ... up to --cuda-graph-max-bs)")
+    g.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="read each pass's tokens before scheduling the next (overlap is on by default on CUDA, off on CPU)",
+    )
+    g.add_argument(
+        "--force-overlap-schedule",
+        action="store_true",
+        help="overlap scheduling even on CPU, where it cannot help (tests of its code path)",
+    )
     g.add_argument("--random-seed", type=int, default=d.seed, help="seed of requests that give none")
     g.add_argument("--context-length", type=int, default=None, help="cap on prompt + generated tokens")
     g.add_argument(
@@ -186,6 +196,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         cuda_graph_bs=args.cuda_graph_bs,
         seed=args.random_seed,
+        disable_overlap_schedule=args.disable_overlap_schedule,
+        force_overlap_schedule=args.force_overlap_schedule,
         context_length=args.context_length,
         enable_hisparse=args.enable_hisparse,
         hisparse=HiSparseConfig.from_json(args.hisparse_config),

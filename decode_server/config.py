@@ -114,6 +114,10 @@ class EngineConfig(BaseModel):
     max_queued_requests: int = Field(default=1024, ge=1)
     chunked_prefill_size: int = Field(default=2048, ge=1)
     context_length: int | None = Field(default=None, ge=1)
+    # Overlap scheduling (SGLang's --disable-overlap-schedule): the host prepares pass N+1 while the device runs
+    # pass N. On by default on CUDA, off on CPU (nothing overlaps there); `force_overlap_schedule` runs it on CPU.
+    disable_overlap_schedule: bool = False
+    force_overlap_schedule: bool = False
 
     # SGLang's --watchdog-timeout: an engine step running longer than this ends the engine process (the server
     # then exits non-zero, so an orchestrator restarts it).
@@ -152,6 +156,12 @@ class EngineConfig(BaseModel):
                 "--disaggregation-mode prefill keeps the prompt's KV dense on its device; drop --enable-hisparse "
                 "(HiSparse is a decode-side mode)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_overlap(self) -> EngineConfig:
+        if self.disable_overlap_schedule and self.force_overlap_schedule:
+            raise ValueError("--disable-overlap-schedule and --force-overlap-schedule contradict each other")
         return self
 
     @model_validator(mode="after")

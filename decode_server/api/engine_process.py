@@ -2,7 +2,9 @@
 
 Loop: drain every waiting api message (new requests, aborts, stats queries, shutdown) → one `Engine.step()` if
 any request is unfinished → send that step's deltas in one message. While idle it blocks on the socket (100 ms
-at a time, so that a vanished parent is noticed). Each request is acknowledged (`AcceptedMsg`) or refused with
+at a time, so that a vanished parent is noticed). With overlap scheduling (on by default on CUDA) a step returns
+once it has launched the next pass and read the previous one, so sending the deltas and taking new messages happen
+while the device computes. Each request is acknowledged (`AcceptedMsg`) or refused with
 the engine's typed error (`RejectedMsg`) before any of its deltas, so the api can answer 400/503 instead of
 opening a stream.
 

@@ -1,7 +1,9 @@
 """The engine loop: take requests and aborts → schedule → forward → sample → token deltas → free finished.
 
 Used in-process by the offline `LLM` and tests, and wrapped by the server's engine process. Every call happens
-on the caller's thread; `step()` runs exactly one forward pass (a prefill chunk batch or a decode step).
+on the caller's thread; `step()` launches at most one forward pass (a prefill chunk batch or a decode step) and
+returns the deltas of that pass or, with overlap scheduling, of the pass launched by the previous `step()`
+(docs/engine.md "Overlap scheduling").
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +32,7 @@ from decode_server.engine.memory import (
     resolve_model_dtype,
 )
 from decode_server.engine.request import Request, RequestStatus
-from decode_server.engine.sampler import Sampler, is_greedy, make_generator, token_seed
+from decode_server.engine.sampler import SampledTokens, Sampler, is_greedy, make_generator, token_seed
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.engine.scheduler import ScheduledBatch, Scheduler
 from decode_server.engine.types import EngineStats, RequestDelta, TokenLogprob
@@ -58,6 +61,17 @@ def _eos_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:
         elif isinstance(source, list | tuple):
             ids.update(int(x) for x in source)
     return frozenset(ids)
+
+
+@dataclass
+class _LaunchedStep:
+    """A forward pass launched on the device whose sampled tokens the host has not processed yet."""
+
+    step_id: int
+    rows: frozenset[int]  # request rows the pass reads and writes
+    sampled: list[Request]  # requests that get a token, in the order of `tokens`
+    tokens: SampledTokens | None
+    logits: torch.Tensor | None  # kept for `logits_hook` only
 
 
 class Engine:
@@ -126,6 +140,10 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._pending_deltas: list[RequestDelta] = []
+        self.overlap = resolve_overlap_schedule(config, self.device, self.tp_size)
+        self._inflight: _LaunchedStep | None = None  # overlap: the pass launched but not processed yet
+        self._num_launched = 0
+        self.num_discarded_tokens = 0  # overlap: tokens sampled for requests that had ended meanwhile, dropped
         self._num_steps = 0
         self._num_generated = 0
         self._num_prompt = 0
@@ -264,46 +282,144 @@ class Engine:
         return self._append_token(req, first_token, logprob)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._pending_deltas)
+        return bool(self._requests) or bool(self._pending_deltas) or self._inflight is not None
 
     def has_runnable_work(self) -> bool:
         """Something a `step()` would compute now (false while only PD transfers are awaited)."""
         sched = self.scheduler
-        return bool(self._pending_deltas or sched.waiting or sched.prefilling or sched.running or sched.retracted)
+        return bool(self._pending_deltas or sched.waiting or sched.prefilling or sched.running or sched.retracted
+                    or self._inflight is not None)
 
     # -- one step --
     @torch.inference_mode()
     def step(self) -> list[RequestDelta]:
+        """Schedule and launch one forward pass and report the tokens of the newest pass the host has read.
+
+        Without overlap a step launches its pass, waits for its tokens and reports them. With overlap (SGLang's
+        overlap scheduler) a step launches pass N+1 first, its input ids taken on the device from pass N's sampled
+        tokens, and only then reads pass N's tokens and runs their stop checks, detokenization and frees, while
+        the device computes pass N+1. A request that pass N finished already ran in pass N+1: that extra token is
+        dropped, and the request's memory is freed once pass N+1 has finished (`Scheduler.release_rows_of`).
+        """
         deltas, self._pending_deltas = self._pending_deltas, []
         shared_pool = self.tp_size > 1 and self.config.enable_hisparse
         if shared_pool:
             self._shared_pool_barrier()  # every rank is done with the pages freed before this step
         batch = self.scheduler.schedule()
-        if batch is None or not batch.requests:
-            return deltas
-        if shared_pool:
-            self._shared_pool_barrier()  # ... and with the pages that scheduling retracted
-        logits = self._forward(batch)
+        launched = None
+        if batch is not None and batch.requests:
+            if shared_pool:
+                self._shared_pool_barrier()  # ... and with the pages that scheduling retracted
+            launched = self._launch(batch)
+        previous, self._inflight = self._inflight, None
+        if self.overlap:
+            self._inflight = launched
+        elif launched is not None:
+            previous = launched
+        return deltas + self._read_pass(previous)
+
+    @torch.inference_mode()
+    def flush(self) -> list[RequestDelta]:
+        """Read the pass in flight (overlap scheduling) without launching another, and free the memory deferred
+        behind it (the offline `LLM` calls it when its requests are done, so the engine ends idle)."""
+        deltas, self._pending_deltas = self._pending_deltas, []
+        previous, self._inflight = self._inflight, None
+        return deltas + self._read_pass(previous)
+
+    def _read_pass(self, previous: _LaunchedStep | None) -> list[RequestDelta]:
+        """Process `previous` while `self._inflight` (if any) may still run: rows of the latter freed meanwhile
+        are deferred until it has been read."""
+        sched = self.scheduler
+        if self._inflight is not None:
+            sched.inflight_rows, sched.inflight_step = self._inflight.rows, self._inflight.step_id
+        else:
+            sched.inflight_rows = frozenset()
+        if previous is None:
+            return []
+        deltas = self._process(previous)
+        sched.release_rows_of(previous.step_id)
+        return deltas
+
+    def _launch(self, batch: ScheduledBatch) -> _LaunchedStep:
+        """Build the pass's inputs, run the forward and sample on the device; nothing here waits for the device
+        (except a PD prefill hook, which needs the chunk's KV complete)."""
+        self._num_launched += 1
+        rows = [r.row for r in batch.requests]
+        fb = ForwardBatch.build(rows, batch.prefix_lens, batch.extend_lens, self.device)
+        # A prefill batch whose chunks are all one token long is still prefill (HiSparse routes it differently).
+        fb.is_decode = batch.is_decode
+        sampled_mask = batch.sampled
+        input_ids = self._input_ids(batch)
+        logits = self._forward(input_ids, fb, sampled_mask)
         self._num_steps += 1
-        sampled = [r for r, s in zip(batch.requests, batch.sampled, strict=True) if s]
+        sampled = [r for r, s in zip(batch.requests, sampled_mask, strict=True) if s]
         for req, n in zip(batch.requests, batch.extend_lens, strict=True):
             req.num_computed += n
+        for req in sampled:
+            if req.status is RequestStatus.PREFILLING:
+                self.scheduler.on_prefill_done(req)  # the prompt's KV is complete: it decodes from the next pass
         if self.prefill_chunk_hook is not None and not batch.is_decode:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the chunk's KV rows are complete
             self.prefill_chunk_hook([(r, p, e) for r, p, e in zip(batch.requests, batch.prefix_lens,
                                                                   batch.extend_lens, strict=True)])
+        step = _LaunchedStep(self._num_launched, frozenset(rows), sampled, None, None)
         if not sampled:
-            return deltas
-        if self.logits_hook is not None:
-            self.logits_hook([r.rid for r in sampled], logits)
+            return step
         for req in sampled:
-            if req.generator is not None and req.sampling_seed is not None:
-                req.generator.manual_seed(token_seed(req.sampling_seed, len(req.output_ids)))
-        tokens, logprobs = self.sampler.sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
-        for req, tok, lp in zip(sampled, tokens, logprobs, strict=True):
-            deltas.append(self._append_token(req, tok, lp))
-        return deltas
+            if req.generator is not None and req.sampling_seed is not None:  # seeded by output index
+                req.generator.manual_seed(token_seed(req.sampling_seed, req.num_output_tokens))
+        step.tokens = self.sampler.sample_on_device(logits, [r.params for r in sampled],
+                                                    [r.generator for r in sampled])
+        if self.overlap:
+            step.tokens.start_copy()
+        for i, req in enumerate(sampled):
+            req.num_pending += 1
+            req.future_index = i
+        step.logits = logits if self.logits_hook is not None else None
+        return step
+
+    def _input_ids(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The pass's input ids on the device. A token the host has not read yet (sampled by the pass still in
+        flight) is taken from that pass's device tensor: the future-token map of overlap scheduling."""
+        ids: list[int] = []
+        dst: list[int] = []
+        src: list[int] = []
+        for req, p, e in zip(batch.requests, batch.prefix_lens, batch.extend_lens, strict=True):
+            known = req.num_tokens - req.num_pending
+            for pos in range(p, p + e):
+                if pos < known:
+                    ids.append(req.token_at(pos))
+                    continue
+                if req.num_pending != 1 or pos != known or self._inflight is None or self._inflight.tokens is None:
+                    raise RuntimeError(f"{req.rid}: input token {pos} is neither known nor in the launched pass")
+                dst.append(len(ids))
+                src.append(req.future_index)
+                ids.append(0)
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        if dst:
+            assert self._inflight is not None and self._inflight.tokens is not None
+            index = torch.tensor([dst, src], dtype=torch.int64).to(self.device, non_blocking=True)
+            input_ids.index_copy_(0, index[0], self._inflight.tokens.tokens.index_select(0, index[1]))
+        return input_ids
+
+    def _process(self, step: _LaunchedStep) -> list[RequestDelta]:
+        """Read a launched pass's tokens (the one host sync) and turn them into deltas: stop checks,
+        detokenization, finishes. Tokens of requests that ended meanwhile (finished by the pass before, aborted,
+        failed) are dropped."""
+        if step.tokens is None:
+            return []
+        tokens, logprobs = step.tokens.read()
+        keep = []
+        for i, req in enumerate(step.sampled):
+            req.num_pending -= 1
+            if not req.finished:
+                keep.append(i)
+        self.num_discarded_tokens += len(step.sampled) - len(keep)
+        if self.logits_hook is not None and step.logits is not None and keep:
+            logits = step.logits if len(keep) == len(step.sampled) else step.logits[keep]
+            self.logits_hook([step.sampled[i].rid for i in keep], logits)
+        return [self._append_token(step.sampled[i], tokens[i], logprobs[i]) for i in keep]
 
     def _shared_pool_barrier(self) -> None:
         """The ranks share one host pool: a page freed by one request (finished, aborted, retracted) may be handed to
@@ -315,15 +431,9 @@ class Engine:
 
         dist.barrier(group=self.parallel.cpu_group)
 
-    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        rows = [r.row for r in batch.requests]
-        fb = ForwardBatch.build(rows, batch.prefix_lens, batch.extend_lens, self.device)
-        # A prefill batch whose chunks are all one token long is still prefill (HiSparse routes it differently).
-        fb.is_decode = batch.is_decode
-        ids = [r.token_at(p + i) for r, p, e in zip(batch.requests, batch.prefix_lens, batch.extend_lens, strict=True)
-               for i in range(e)]
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        if fb.is_decode and self.graph_runner is not None and all(batch.sampled):
+    def _forward(self, input_ids: torch.Tensor, fb: ForwardBatch, sampled: list[bool]) -> torch.Tensor:
+        """input ids (device) + ForwardBatch → logits of the sampled requests' last tokens."""
+        if fb.is_decode and self.graph_runner is not None and all(sampled):
             logits = self.graph_runner.run(fb, input_ids)  # padded to a bucket; None: larger than every bucket
             if logits is not None:
                 # A view of the graph's static output, overwritten by the next replay: a hook may keep it longer.
@@ -331,9 +441,9 @@ class Engine:
         with batch_invariant_mode(self.config.enable_deterministic_inference):
             with forward_context(fb, self.kv.backend):
                 hidden = self.model.forward(input_ids, fb.positions)
-            if fb.is_decode and all(batch.sampled):
+            if fb.is_decode and all(sampled):
                 return self.model.compute_logits(hidden)  # one token per request, every one sampled: no gather
-            pick = torch.tensor([i for i, s in enumerate(batch.sampled) if s], dtype=torch.int64)
+            pick = torch.tensor([i for i, s in enumerate(sampled) if s], dtype=torch.int64)
             last = fb.last_token_indices[pick.to(self.device, non_blocking=True)]
             return self.model.compute_logits(hidden[last])
 
@@ -386,7 +496,26 @@ class Engine:
 
     def is_idle_and_empty(self) -> bool:
         """No request anywhere and every pool back to zero (tests assert it)."""
-        return not self._requests and not self.scheduler.has_work() and self.kv.is_empty()
+        return (not self._requests and self._inflight is None and not self.scheduler.has_work()
+                and self.kv.is_empty())
+
+
+def resolve_overlap_schedule(config: EngineConfig, device: torch.device, tp_size: int) -> bool:
+    """Whether `step()` overlaps the host's work with the device's (docs/engine.md "Overlap scheduling").
+
+    On by default on CUDA, where kernels run asynchronously and the host can prepare the next pass meanwhile. Off
+    by default on CPU: torch's CPU operators run as they are called, so nothing would overlap and each request
+    ending on EOS or a stop string would cost one wasted token of compute; `force_overlap_schedule` runs the same
+    code path on CPU (tests). Off with tensor parallelism: the ranks' lockstep over the shared host pool has not
+    been verified with frees deferred by a pass, so it is refused when forced."""
+    if config.disable_overlap_schedule:
+        return False
+    if tp_size > 1:
+        if config.force_overlap_schedule:
+            raise ValueError("overlap scheduling is not supported with --tp-size > 1; drop --force-overlap-schedule")
+        logger.info("overlap scheduling off: not supported with tensor parallelism")
+        return False
+    return config.force_overlap_schedule or device.type == "cuda"
 
 
 def resolve_attention_kernel(name: str, device: torch.device, deterministic: bool = False) -> str:

@@ -66,6 +66,7 @@ class LLM:
                     if delta.finished:
                         out["finish"], out["stop"] = delta.finish_reason, delta.stop_reason
                         pending.discard(delta.rid)
+            self.engine.flush()  # overlap scheduling: the pass still in flight only carries dropped tokens
         except BaseException:
             for rid in rids:
                 self.engine.abort_request(rid)

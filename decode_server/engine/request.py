@@ -44,6 +44,10 @@ class Request:
     # forward pass; or, on a prefill server, the KV outlives the request until its transfer has ended.
     remote_prefill: bool = False
     hold_kv: bool = False
+    # Overlap scheduling (engine.py): tokens sampled on the device but not read by the host yet (0 or 1 between
+    # steps), and where the newest of them sits in the launched step's token tensor.
+    num_pending: int = 0
+    future_index: int = -1
 
     @property
     def prompt_len(self) -> int:
@@ -51,7 +55,18 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens known so far, including sampled ones the host has not read yet (overlap scheduling)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens, including sampled ones the host has not read yet."""
+        return len(self.output_ids) + self.num_pending
+
+    @property
+    def reached_max_tokens(self) -> bool:
+        """Its last token is sampled (maybe not read yet): no further step may include it."""
+        return self.num_output_tokens >= self.params.max_tokens
 
     @property
     def max_total_len(self) -> int:
@@ -67,6 +82,7 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def token_at(self, position: int) -> int:
+        """The token at `position`, known to the host (not a pending one)."""
         n = len(self.prompt_ids)
         return self.prompt_ids[position] if position < n else self.output_ids[position - n]
 

@@ -81,6 +81,11 @@ class Scheduler:
         self.held: dict[str, Request] = {}
         self.newly_transferring: list[Request] = []  # admitted since the PD role last looked
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
+        # Overlap scheduling: the rows of the step launched but not yet finished on the device (tagged with its
+        # step id). A row freed while that step may still touch it is released only once it has finished.
+        self.inflight_rows: frozenset[int] = frozenset()
+        self.inflight_step = 0
+        self._deferred_rows: list[tuple[int, int]] = []  # (step id, row)
         self.num_retractions = 0
         self._last_was_prefill = False
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -97,7 +102,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running or self.retracted or self.transferring
-                    or self.held)
+                    or self.held or self._deferred_rows)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -130,22 +135,41 @@ class Scheduler:
         return True
 
     def _free_row(self, req: Request) -> None:
-        self.kv.free(req.row)
-        self._free_rows.append(req.row)
-        req.row = -1
+        row, req.row = req.row, -1
+        if row in self.inflight_rows:
+            self._deferred_rows.append((self.inflight_step, row))  # its KV is still in use on the device
+            return
+        self._release_row(row)
+
+    def _release_row(self, row: int) -> None:
+        self.kv.free(row)
+        self._free_rows.append(row)
+
+    def release_rows_of(self, step_id: int) -> None:
+        """Step `step_id` (and every earlier one) has finished on the device: free the rows deferred for it."""
+        if not self._deferred_rows:
+            return
+        keep = []
+        for step, row in self._deferred_rows:
+            if step <= step_id:
+                self._release_row(row)
+            else:
+                keep.append((step, row))
+        self._deferred_rows = keep
 
     # -- one step --
     def schedule(self) -> ScheduledBatch | None:
         self._resume_retracted()
         if not self.retracted:
             self._admit_waiting()
-        if self.prefilling and not (self._last_was_prefill and self.running):
+        decoding = any(not r.reached_max_tokens for r in self.running)
+        if self.prefilling and not (self._last_was_prefill and decoding):
             self._last_was_prefill = True
             return self._prefill_batch()
         self._last_was_prefill = False
         if self.running:
             return self._decode_batch()
-        if (self.waiting or self.retracted) and not (self.transferring or self.held):
+        if (self.waiting or self.retracted) and not (self.transferring or self.held or self._deferred_rows):
             # Nothing runs and nothing can start: only possible if the budgets are inconsistent.
             raise RuntimeError("scheduler stalled: queued requests cannot be admitted into an idle engine")
         return None
@@ -154,7 +178,7 @@ class Scheduler:
     def _expected_tokens(self, req: Request, ratio: float) -> int:
         """Tokens of KV the request is expected to hold at its end: what it has plus `ratio` of what it may
         still generate (clipped), never more than its maximum."""
-        remaining = req.params.max_tokens - len(req.output_ids)
+        remaining = req.params.max_tokens - req.num_output_tokens
         return min(req.max_total_len, req.num_tokens + math.ceil(ratio * min(remaining, CLIP_MAX_NEW_TOKENS)))
 
     def _reserved_pages(self) -> int:
@@ -248,28 +272,30 @@ class Scheduler:
         return ScheduledBatch(reqs, prefix, extend, is_decode=False)
 
     def _decode_batch(self) -> ScheduledBatch:
+        """Every running request, except those whose last token is already sampled but not yet read (overlap
+        scheduling: a request that reached max_tokens in the step still on the device never runs again)."""
         self.running.sort(key=lambda r: r.arrival)
+        reqs = [r for r in self.running if not r.reached_max_tokens]
         i = 0
         retracted = False
-        while i < len(self.running):
-            req = self.running[i]
+        while i < len(reqs):
+            req = reqs[i]
             if self.kv.ensure_room(req.row, req.num_computed + 1):
                 i += 1
                 continue
             if not self.kv.supports_retraction:
                 raise RuntimeError(f"{type(self.kv).__name__} ran out of memory for {req.rid} mid-decode")
-            self._retract(self.running[-1])
+            self._retract(reqs.pop())
             retracted = True
         if retracted:
             self._raise_ratio_after_retraction()
         else:
             self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - self.new_token_ratio_decay)
-        reqs = list(self.running)
         return ScheduledBatch(reqs, [r.num_computed for r in reqs], [1] * len(reqs), is_decode=True)
 
     def _raise_ratio_after_retraction(self) -> None:
         """SGLang's re-estimate: what the remaining batch decoded so far, plus some steps each, over max_tokens."""
-        decoded = sum(len(r.output_ids) for r in self.running)
+        decoded = sum(r.num_output_tokens for r in self.running)
         total = sum(r.params.max_tokens for r in self.running)
         estimate = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (total + 1)
         self.new_token_ratio = min(1.0, max(self.new_token_ratio, estimate))

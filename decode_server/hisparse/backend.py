@@ -112,28 +112,31 @@ class HiSparseBackend(AttentionBackend):
     def finish_static_forward(self, batch: ForwardBatch, num_real: int) -> None:
         """Back up the real requests' new rows (padded rows are never backed up)."""
         if num_real:
-            self._backup(self._static_new_slots[:num_real].clone(), self._static_new_host_rows[:num_real].clone())
+            self._backup(self._static_new_slots[:num_real].clone(), self._static_new_host_rows[:num_real].clone(),
+                         batch.req_rows_cpu[:num_real])
 
     def end_forward(self, batch: ForwardBatch) -> None:
         try:
             if (batch.is_decode and not batch.static and self._new_slots is not None
                     and self._new_host_rows is not None):
-                self._backup(self._new_slots, self._new_host_rows)
+                self._backup(self._new_slots, self._new_host_rows, batch.req_rows_cpu)
             elif self._staging_active:
                 self._staging_active = False
-                self.co.set_pending_backup(self.co.staging.finish())
+                # The staging area writes the chunk's new rows back to the host pool: a free or retraction of
+                # these requests must wait for that write like for a decode backup.
+                self.co.set_pending_backup(self.co.staging.finish(), batch.req_rows_cpu)
         finally:
             self._batch = None
             self._query_rows = self._index_rows = None
             self._new_slots = self._new_host_rows = self._extend_host_rows_cpu = self._seq_lens = None
 
-    def _backup(self, slots: torch.Tensor, host_rows: torch.Tensor) -> None:
+    def _backup(self, slots: torch.Tensor, host_rows: torch.Tensor, req_rows: list[int]) -> None:
         co = self.co
         stream = co.backup_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(co.device))
         event = ops.backup_rows(co.buffers.kv, co.host.kv, slots, host_rows, stream=stream)
-        co.set_pending_backup(event)
+        co.set_pending_backup(event, req_rows)
         co.counters.add_d2h_all_layers(int(slots.numel()))
 
     def _current(self) -> ForwardBatch:

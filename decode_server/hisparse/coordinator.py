@@ -113,25 +113,32 @@ class HiSparseCoordinator(KVManager):
         self.staging = (PrefillStaging(layout.prefill_staging_rows, layout.row_bytes, L, device, self.backup_stream)
                         if layout.prefill_staging_rows > 0 else None)
         self._pending_backup: torch.cuda.Event | None = None
+        # The backup that last wrote each request row's rows: freeing or retracting a row waits for that one only,
+        # not for a newer step's backup (overlap scheduling frees rows while the next step runs).
+        self._row_backup: dict[int, torch.cuda.Event] = {}
         self._saved_index_keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._spilled_rows: dict[int, torch.Tensor] = {}  # retracted requests' host rows, out of the pool
         self.backend = HiSparseBackend(self)
 
     # -- backup ordering --
-    def set_pending_backup(self, event: torch.cuda.Event | None) -> None:
+    def set_pending_backup(self, event: torch.cuda.Event | None, rows: list[int] | None = None) -> None:
+        """The newest backup (`rows`: the request rows whose new tokens it copies)."""
         self._pending_backup = event
+        if event is not None:
+            for row in rows or ():
+                self._row_backup[row] = event
 
     def wait_backup_on_current_stream(self) -> None:
         """Make the current stream (not the CPU) wait for the last backup before touching the pools."""
         if self._pending_backup is not None:
             torch.cuda.current_stream(self.device).wait_event(self._pending_backup)
 
-    def _wait_backup_on_host(self) -> None:
-        """Before freeing rows the CPU may hand out again, the backup reading them must be done."""
-        if self._pending_backup is not None:
-            if not self._pending_backup.query():  # usually done by now: no host wait then
-                self._pending_backup.synchronize()
-            self._pending_backup = None
+    def _wait_backup_on_host(self, req_row: int) -> None:
+        """Before freeing rows the CPU may hand out again (or copying them out), the last backup of them must be
+        done."""
+        event = self._row_backup.pop(req_row, None)
+        if event is not None and not event.query():  # usually done by now: no host wait then
+            event.synchronize()
 
     # -- budgets --
     def capacity_error(self, prompt_len: int, max_total_len: int) -> str | None:
@@ -221,7 +228,7 @@ class HiSparseCoordinator(KVManager):
     def retract(self, req_row: int, num_tokens: int) -> None:
         """Move the request's host rows (complete after the last backup) and indexer keys out of the pools into
         private host memory, and free its host pages, indexer pages and device buffer."""
-        self._wait_backup_on_host()
+        self._wait_backup_on_host(req_row)
         host_slots = self.host.rows.slots(req_row, num_tokens).cpu().long()
         self._spilled_rows[req_row] = self.host.kv[:, host_slots]  # advanced indexing copies
         self._saved_index_keys[req_row] = self.indexer.save(req_row, num_tokens)
@@ -244,7 +251,7 @@ class HiSparseCoordinator(KVManager):
         return True
 
     def free(self, req_row: int) -> None:
-        self._wait_backup_on_host()
+        self._wait_backup_on_host(req_row)
         self._saved_index_keys.pop(req_row, None)
         self._spilled_rows.pop(req_row, None)
         self.buffers.free(req_row)

@@ -105,13 +105,16 @@ def _run_pd(prefill: Engine, decode: Engine, mem: DecodeMemory,
     return out
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "dense"])
-def test_pd_rows_copied_in_process_equal_colocated(tiny_cpu, hisparse):
+def test_pd_rows_copied_in_process_equal_colocated(tiny_cpu, hisparse, overlap):
     """One request at a time, so that every forward pass has the same batch in both set-ups (batch composition
-    changes float rounding): tokens and logprobs bit for bit."""
+    changes float rounding): tokens and logprobs bit for bit. `overlap`: all three engines run overlap
+    scheduling (the prefill hook, held KV, remote-admitted requests with the host one pass ahead)."""
     prompts = _prompts()
-    colocated = _engine(tiny_cpu, enable_hisparse=hisparse)
-    prefill, decode = _engine(tiny_cpu), _engine(tiny_cpu, enable_hisparse=hisparse)
+    colocated = _engine(tiny_cpu, enable_hisparse=hisparse, force_overlap_schedule=overlap)
+    prefill = _engine(tiny_cpu, force_overlap_schedule=overlap)
+    decode = _engine(tiny_cpu, enable_hisparse=hisparse, force_overlap_schedule=overlap)
     mem = DecodeMemory(decode.kv, decode.config.max_running_requests)
     for prompt in prompts:
         expected = _run_colocated(colocated, [prompt])["r0"]
