@@ -10,6 +10,7 @@ If that leaves no buffer, the indexer share shrinks to what is left after one bu
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -62,6 +63,10 @@ def device_kv_budget(config: EngineConfig, device: torch.device) -> int:
     if config.device_kv_budget_bytes is not None:
         return config.device_kv_budget_bytes
     if device.type == "cuda":
+        # Memory that dead objects still hold (an earlier engine's pools or CUDA graph pools in the same process,
+        # reference cycles) is free for this engine: collect it and hand cached blocks back before measuring.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         budget = int(free - (1.0 - config.mem_fraction_static) * total)
         if budget <= 0:
