@@ -40,9 +40,13 @@ def test_host_runs_ahead_of_the_device(tiny_cuda, hisparse: bool) -> None:
     for i in range(16):
         engine.add_request(f"r{i}", random_prompt(gen, 80 + 5 * i),
                            SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
-    for _ in range(8):  # prefill and warm-up (Triton compiles)
+    for _ in range(200):  # prefill (64-token chunks) until every request decodes
+        if len(engine.scheduler.running) == 16 and not engine.scheduler.prefilling:
+            break
         engine.step()
-    assert len(engine.scheduler.running) == 16
+    assert len(engine.scheduler.running) == 16, "the 16 requests did not all reach decoding"
+    for _ in range(8):  # warm-up of the decode steps (Triton compiles)
+        engine.step()
     trace: list[tuple[str, int]] = []
     ready_at_read: list[bool] = []
     launch, process = engine._launch, engine._process
