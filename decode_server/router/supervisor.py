@@ -76,6 +76,36 @@ POLL_S = 0.05
 READY = b"R"
 
 
+METRICS_DIR_PREFIX = "hisparse-router-metrics-"
+
+
+def remove_stale_metrics_dirs(root: str | None = None) -> list[str]:
+    """Remove metrics directories left by supervisors that are gone.
+
+    A supervisor removes its directory when it exits, but one killed with SIGKILL cannot. Each directory is named
+    after its supervisor's pid, so a new supervisor deletes those whose pid no longer exists. A reused pid keeps its
+    directory, which is harmless. Returns the removed paths."""
+    root = root or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        pid_text = name[len(METRICS_DIR_PREFIX):].split("-", 1)[0]
+        if not name.startswith(METRICS_DIR_PREFIX) or not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            path = os.path.join(root, name)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except PermissionError:
+            pass  # another user's live process
+    return removed
+
+
 @dataclass
 class _Child:
     index: int
@@ -130,7 +160,8 @@ class Supervisor:
             return 1
         port = sockets[0].getsockname()[1]
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        self.metrics_dir = tempfile.mkdtemp(prefix="hisparse-router-metrics-")
+        remove_stale_metrics_dirs()
+        self.metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
         try:
             config_json = self.config.model_copy(update={"port": port}).model_dump_json()
             for index, sock in enumerate(sockets):

@@ -17,6 +17,7 @@ import httpx
 from router_harness import MODEL, REPO, RouterProcess, wait_gone
 
 from decode_server.router.config import RouterConfig, default_router_processes
+from decode_server.router.supervisor import METRICS_DIR_PREFIX, remove_stale_metrics_dirs
 
 SHORT = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
 
@@ -98,10 +99,27 @@ def test_router_processes_die_with_the_supervisor(workers: tuple) -> None:
         r.proc.kill()  # no chance to stop its children: the parent-death signal must
         r.proc.wait(10)
         assert wait_gone(r.children, 20) == [], r.log_text()
+        # The one thing a SIGKILLed supervisor leaves is its metrics directory: the next supervisor removes it.
+        assert r.metrics_dir is not None and os.path.isdir(r.metrics_dir)
+        assert remove_stale_metrics_dirs(os.path.dirname(r.metrics_dir)) == [r.metrics_dir]
+        assert not os.path.exists(r.metrics_dir)
     finally:
         r.kill()
         if r.metrics_dir:
-            shutil.rmtree(r.metrics_dir, ignore_errors=True)  # the one thing a SIGKILLed supervisor leaves
+            shutil.rmtree(r.metrics_dir, ignore_errors=True)
+
+
+def test_stale_metrics_dirs_are_those_of_dead_supervisors(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"{METRICS_DIR_PREFIX}{dead.pid}-abc"
+    live = tmp_path / f"{METRICS_DIR_PREFIX}{os.getpid()}-def"
+    other = tmp_path / "something-else-1"
+    for d in (stale, live, other):
+        d.mkdir()
+    (stale / "counter_1.db").write_bytes(b"x")
+    assert remove_stale_metrics_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.is_dir() and other.is_dir()
 
 
 def test_port_in_use_fails_at_once() -> None:
