@@ -42,17 +42,35 @@ def batch_invariant_mode(on: bool = True) -> Iterator[None]:
         _enabled.reset(token)
 
 
-def on_row_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn over the rows of x [..., K] (leading dims flattened), ROW_TILE zero-padded rows per call."""
+def _tiles(x: torch.Tensor) -> tuple[torch.Size, int, list[torch.Tensor]]:
+    """x [..., K] → (leading dims, row count n, ROW_TILE-row tiles of the zero-padded rows)."""
     lead, width = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, width)
     n = rows.shape[0]
     pad = (-n) % ROW_TILE
     if pad or n == 0:
         rows = torch.cat((rows, rows.new_zeros(pad or ROW_TILE, width)))
-    outs = [fn(rows[i : i + ROW_TILE].contiguous()) for i in range(0, rows.shape[0], ROW_TILE)]
-    out = torch.cat(outs)[:n]
+    return lead, n, [rows[i : i + ROW_TILE].contiguous() for i in range(0, rows.shape[0], ROW_TILE)]
+
+
+def on_row_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn over the rows of x [..., K] (leading dims flattened), ROW_TILE zero-padded rows per call."""
+    lead, n, tiles = _tiles(x)
+    out = torch.cat([fn(tile) for tile in tiles])[:n]
     return out.reshape(*lead, out.shape[-1])
+
+
+def on_row_tiles_pair(
+    fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`on_row_tiles` for a row-wise fn with two outputs [rows, N1] and [rows, N2] (the MoE router's weights and
+    expert ids). Element-wise CPU kernels round the elements of a vectorized body and of a scalar tail differently,
+    and where the tail starts depends on the tensor's size: a small op such as the router's sigmoid over [T, 8]
+    must see a fixed row count too, not only the GEMMs."""
+    lead, n, tiles = _tiles(x)
+    parts = [fn(tile) for tile in tiles]
+    first, second = torch.cat([p[0] for p in parts])[:n], torch.cat([p[1] for p in parts])[:n]
+    return first.reshape(*lead, first.shape[-1]), second.reshape(*lead, second.shape[-1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -76,11 +76,16 @@ class MoEGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        logits = batch_invariant.linear(x.float(), self.weight.float())
-        return route_tokens(
-            logits, self.e_score_correction_bias, c.n_group, c.topk_group, c.num_experts_per_tok,
-            c.norm_topk_prob, c.routed_scaling_factor,
-        )
+
+        def route(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return route_tokens(
+                F.linear(rows, self.weight.float()), self.e_score_correction_bias, c.n_group, c.topk_group,
+                c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor,
+            )
+
+        if batch_invariant.enabled():
+            return batch_invariant.on_row_tiles_pair(route, x.float())  # the routing, not only its GEMM, on tiles
+        return route(x.float())
 
 
 class MoE(nn.Module):
