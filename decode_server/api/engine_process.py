@@ -258,6 +258,18 @@ class Heartbeat(threading.Thread):
             self.socket.close(linger=0)
 
 
+def run_with_heartbeat(loop: EngineLoop, ctx: zmq.Context, address: str, watchdog_timeout: float) -> None:
+    """Run an engine loop (a single engine's or TP rank 0's driver) with its heartbeat thread, which is stopped
+    and joined however the loop ends."""
+    heartbeat = Heartbeat(ctx, address, loop, watchdog_timeout)
+    heartbeat.start()
+    try:
+        loop.run()
+    finally:
+        heartbeat.stop.set()
+        heartbeat.join(timeout=2)
+
+
 def run_engine_process(
     config: EngineConfig,
     to_engine_addr: str,
@@ -296,14 +308,8 @@ def run_engine_process(
 
             role = build_role(engine, config.disaggregation)
         push.send(encode(ReadyMsg(os.getpid(), describe_engine(engine, config, role))))
-        loop = EngineLoop(engine, pull, push, parent_pid, role)
-        heartbeat = Heartbeat(ctx, from_engine_addr, loop, config.watchdog_timeout)
-        heartbeat.start()
-        try:
-            loop.run()
-        finally:
-            heartbeat.stop.set()
-            heartbeat.join(timeout=2)
+        run_with_heartbeat(EngineLoop(engine, pull, push, parent_pid, role), ctx, from_engine_addr,
+                           config.watchdog_timeout)
     except Exception as exc:
         logger.exception("engine process failed")
         with contextlib.suppress(zmq.ZMQError):

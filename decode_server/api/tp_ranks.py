@@ -43,10 +43,10 @@ import zmq
 
 from decode_server.api.engine_process import (
     EngineLoop,
-    Heartbeat,
     _die_with_parent,
     _load_factory,
     describe_engine,
+    run_with_heartbeat,
 )
 from decode_server.api.messages import FatalMsg, GenerateMsg, ReadyMsg, ToEngine, decode_to_engine, encode
 from decode_server.config import EngineConfig
@@ -307,14 +307,8 @@ def run_driver_process(config: EngineConfig, ctx: zmq.Context, pull: zmq.Socket,
         info.update(tp_size=config.tp_size, ep_size=config.ep_size, tp_rank_pids=supervisor.pids,
                     host_pool_shared=bool(config.enable_hisparse))  # fmt: skip
         push.send(encode(ReadyMsg(os.getpid(), info)))
-        loop = DriverLoop(engine, pull, push, parent_pid, parallel, config.seed, supervisor)
-        heartbeat = Heartbeat(ctx, from_engine_addr, loop, config.watchdog_timeout)
-        heartbeat.start()
-        try:
-            loop.run()
-        finally:
-            heartbeat.stop.set()
-            heartbeat.join(timeout=2)
+        run_with_heartbeat(DriverLoop(engine, pull, push, parent_pid, parallel, config.seed, supervisor), ctx,
+                           from_engine_addr, config.watchdog_timeout)
     except Exception as exc:
         reason = supervisor.failure_reason() if supervisor is not None else None
         message = reason or f"{type(exc).__name__}: {exc}"

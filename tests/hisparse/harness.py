@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -173,3 +174,17 @@ def assert_identical(dense: RunResult, sparse: RunResult) -> None:
         assert len(dense.logits[rid]) == len(sparse.logits[rid])
         for i, (a, b) in enumerate(zip(dense.logits[rid], sparse.logits[rid], strict=True)):
             assert torch.equal(a, b), f"{rid}: logits of token {i} differ"
+
+
+def torch_sync_sources(step) -> list[str]:
+    """Where each synchronizing torch operation of `step()` came from (file:line of the Python caller), recorded with
+    CUDA's sync debug mode. The mode is switched on outside the recording: the first switch in a process warns about
+    itself."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]

@@ -4,30 +4,15 @@ synchronizing calls seen by the profiler (which also catches extensions that syn
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
-from harness import make_engine, random_prompt
+from harness import make_engine, random_prompt, torch_sync_sources
 
 from decode_server.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
-
-
-def _torch_syncs(step) -> list[str]:
-    """Where each synchronizing torch operation of `step` came from (file:line of the Python caller). The debug
-    mode is switched on outside the recording: the first switch in a process warns about itself."""
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
 
 
 def _runtime_syncs(step) -> int:
@@ -62,7 +47,7 @@ def test_decode_step_syncs_once(request, model: str, hisparse: bool, overlap: bo
     assert not sched.waiting and not sched.prefilling and len(sched.running) == 4
     torch.cuda.synchronize()
     # 17 steps: every request crosses a page boundary (page size 16) at least once.
-    sources = [_torch_syncs(engine.step) for _ in range(17)]
+    sources = [torch_sync_sources(engine.step) for _ in range(17)]
     counts = [len(s) for s in sources]
     ok = all(c <= 1 for c in counts) if overlap else counts == [1] * 17
     assert ok, f"synchronizing torch operations per decode step: {counts}; from {sources}"

@@ -5,11 +5,9 @@ on CUDA a prefill step has no more host syncs than dense prefill's and the row-c
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
-from harness import Arrival, assert_identical, make_engine, random_prompt, run_script
+from harness import Arrival, assert_identical, make_engine, random_prompt, run_script, torch_sync_sources
 
 import kernels
 from decode_server.config import EngineConfig, HiSparseConfig
@@ -188,17 +186,6 @@ def test_staged_prefill_matches_dense_wide_on_cuda(wide_cuda, backend, kv_dtype)
     check_staged(engine, sparse)
 
 
-def _sync_sources(step) -> list[str]:
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
-
-
 @pytest.mark.gpu
 def test_staged_prefill_syncs_no_more_than_dense(tiny_cuda):
     """Each prefill step (5 chunks of one prompt) synchronizes no more often than the same dense step."""
@@ -216,7 +203,7 @@ def test_staged_prefill_syncs_no_more_than_dense(tiny_cuda):
         torch.cuda.synchronize()
         sources = []
         while not engine.scheduler.running:
-            sources.append(_sync_sources(engine.step))
+            sources.append(torch_sync_sources(engine.step))
         counts[hisparse] = sources
         while engine.has_unfinished_requests():
             engine.step()
