@@ -73,6 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", default=["dense", "hisparse"], choices=["dense", "hisparse"])
     p.add_argument("--miss-rates", type=float, nargs="*", default=[0.05, 0.15],
                    help="synthetic top-k trace miss rates for extra HiSparse runs (empty: none)")
+    p.add_argument("--batch-miss-rates", type=float, nargs="*", default=[],
+                   help="also run HiSparse at each --batch-sizes batch with these synthetic miss rates (how much a "
+                        "step's misses cost at a fixed batch: 0 against 0.2, issue 13 item 8)")
+    p.add_argument("--skip-model-indexer-run", action="store_true",
+                   help="leave out the full-batch HiSparse run on the model's own (random-weight) indexer top-k")
     p.add_argument("--buffer-size", type=int, default=None, help="HiSparse D (default 2 * index_topk)")
     p.add_argument("--num-recent", type=int, default=4)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e4m3"],
@@ -513,10 +518,13 @@ def run_rank(args, parallel=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_config = load_config(args.config)
     model = build_random_model(model_config, device, dtype, seed=args.seed, parallel=parallel)  # TP: this shard
-    runs: list[tuple[str, float | None, int | None]] = [(m, None, None) for m in args.modes]
+    runs: list[tuple[str, float | None, int | None]] = [
+        (m, None, None) for m in args.modes if not (m == "hisparse" and args.skip_model_indexer_run)]
     if "hisparse" in args.modes:
         runs += [("hisparse", r, None) for r in args.miss_rates]
     runs += [(m, None, b) for b in args.batch_sizes for m in args.modes]
+    if "hisparse" in args.modes:
+        runs += [("hisparse", r, b) for b in args.batch_sizes for r in args.batch_miss_rates]
     results = []
     for context in args.contexts:
         for mode, miss, fixed in runs:
