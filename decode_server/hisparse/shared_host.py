@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import secrets
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,21 @@ def _register_with_gpu(tensor: torch.Tensor, device: torch.device) -> None:
         err = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
                                       _CUDA_HOST_REGISTER_FLAGS)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of the shared host KV pool failed on {device} (cuda error {err})")
+        raise RuntimeError(f"cudaHostRegister of the shared host KV pool failed on {device} (cuda error {int(err)})")
+    # Unregister when the last view of the mapping dies (the storage's Python object lives as long as the storage):
+    # a registration outlives munmap, so without this the pages would stay pinned and a later pool mapped at the
+    # same address (the next engine of a process: benchmarks, tests) could not be registered.
+    weakref.finalize(tensor.untyped_storage(), _unregister_from_gpu, tensor.data_ptr(), device)
+
+
+def _unregister_from_gpu(pointer: int, device: torch.device) -> None:
+    try:
+        with torch.cuda.device(device):
+            err = torch.cuda.cudart().cudaHostUnregister(pointer)
+    except Exception:  # noqa: BLE001 - interpreter or CUDA shutting down: the process's exit releases the pages
+        return
+    if int(err) != 0:
+        logger.warning("cudaHostUnregister of the shared host KV pool failed on %s (cuda error %d)", device, int(err))
 
 
 def allocate_shared_host(shape: tuple[int, ...], parallel: Any, device: torch.device,
