@@ -9,8 +9,12 @@ and both ranks produce the same tokens and logits (the replicated indexer and la
 hidden states, and NCCL's all-reduce gives every rank the same sum). Against one GPU (TP=1) the greedy tokens
 must agree; the logits are not compared bit for bit, because a row-parallel layer sums two bf16 partial
 products through the all-reduce where one GPU sums the whole dot product in one GEMM. Where a token differs from
-TP=1's, TP=1's own logits at that step must be a near tie (top-1 and the TP=2 token within BF16_TIE of each
-other); anything else is a sharding bug, not rounding.
+TP=1's, TP=1's own logits at that step must be a near tie: top-1 and the TP=2 token at most BF16_TIE apart.
+That bound comes from measured bf16 noise on this random model: on CPU, tiny-dsa's logits in bf16 and in float32
+differ by up to 0.42 at steps where the tokens still agree (tests/parallel/tp_gpu_workers.arrivals), and on 2
+H200s TP=2 and EP=2 picked another token at one step where TP=1's two logits were 0.5 apart. Sharding itself is
+checked tightly by the CPU tests (float32, logits within 2e-5 of one device); here a gross error (a wrong shard
+or a lost all-reduce) would show as tokens that differ without a near tie.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from tp_workers import run_ranks  # noqa: E402
 
 from decode_server.model import resolve_model_path  # noqa: E402
 
-# Largest logit gap (in logits) that bf16 rounding of a row-parallel sum may close on tiny-dsa.
-BF16_TIE = 0.125
+# Largest TP=1 logit gap that bf16 rounding may close on tiny-dsa (2.4× the bf16-vs-float32 difference measured).
+BF16_TIE = 1.0
 
 
 @pytest.fixture(scope="module")
