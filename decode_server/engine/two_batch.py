@@ -39,7 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from decode_server.engine.forward_context import ForwardBatch, ForwardContext, get_forward_context, use_forward_context
+from decode_server.engine.forward_context import (
+    ForwardBatch,
+    ForwardContext,
+    get_forward_context,
+    use_forward_context,
+)
 
 if TYPE_CHECKING:
     from decode_server.config import EngineConfig
