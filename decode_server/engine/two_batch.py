@@ -5,8 +5,8 @@ copies can only overlap with work of other requests. A decode batch of B >= 2 re
 (rows [0, ceil(B/2))) and micro-batch 1 (the rest); the model launches their layers in alternation (layer L of 0,
 layer L of 1, layer L+1 of 0, ...; `DSAModel.forward_two_batch`), micro-batch 0 on the current stream and 1 on
 this object's side stream, so the GPU runs one micro-batch's swap-in copies while the other's GEMMs run. Fork:
-the side stream waits for the current stream before the first layer; join: the current stream waits for the side
-stream before the final norm. Embeddings, final norm, logits and sampling stay whole-batch, as do the backends'
+the side stream waits for the current stream once the embeddings are launched; join: the current stream waits for
+the side stream before the final norm. Embeddings, final norm, logits and sampling stay whole-batch, as do the backends'
 `begin_forward` / `end_forward` (slot tables, HiSparse's backup of the new rows).
 
 Each layer of micro-batch i runs with its own forward context (`ForwardBatch.sub_batch`: rows [lo, hi), views) and
@@ -68,40 +68,51 @@ class TwoBatchOverlap:
 
     def forward(self, model: Any, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [B, hidden] of `batch` (the current forward context's) as two micro-batches."""
-        outer = get_forward_context()
-        backend = outer.backend
-        size = batch.batch_size
-        split = (size + 1) // 2
-        micro = []
-        for i, (lo, hi) in enumerate(((0, split), (split, size))):
-            sub = batch.sub_batch(lo, hi, (i, 2))
-            micro.append((ForwardContext(batch=sub, backend=backend), backend.micro_batch_state(sub, lo, hi)))
-        main = torch.cuda.current_stream(self.device) if self.stream is not None else None
-        streams = (main, self.stream)
-        ordered, self._ordered = self._ordered, False
-        if self.stream is not None:
-            self.stream.wait_stream(main)  # fork
-
-        @contextlib.contextmanager
-        def enter(i: int) -> Iterator[None]:
-            context, state = micro[i]
-            outer_state = backend.swap_state(state)
-            try:
-                with use_forward_context(context), _on_stream(streams[i]):
-                    if ordered and i == 1 and self.stream is not None:
-                        self.stream.wait_stream(main)
-                    yield
-                    if ordered and i == 1 and main is not None:
-                        main.wait_stream(self.stream)
-            finally:
-                backend.swap_state(outer_state)
-
-        def join() -> None:
-            if main is not None:
-                main.wait_stream(self.stream)
-
+        split = (batch.batch_size + 1) // 2
+        hooks = _MicroBatches(batch, split, self.device, self.stream, self._ordered)
+        self._ordered = False
         self.num_forwards += 1
-        return model.forward_two_batch(input_ids, batch.positions, split, enter, join)
+        return model.forward_two_batch(input_ids, batch.positions, split, hooks)
+
+
+class _MicroBatches:
+    """One forward's two micro-batches: their forward contexts and backend states (made once, views of the whole
+    batch's), their streams, fork and join (`decode_server.model.model.MicroBatchHooks`)."""
+
+    def __init__(self, batch: ForwardBatch, split: int, device: torch.device, side: torch.cuda.Stream | None,
+                 ordered: bool) -> None:
+        self.backend = get_forward_context().backend
+        self.parts = []
+        for i, (lo, hi) in enumerate(((0, split), (split, batch.batch_size))):
+            sub = batch.sub_batch(lo, hi, (i, 2))
+            self.parts.append((ForwardContext(batch=sub, backend=self.backend),
+                               self.backend.micro_batch_state(sub, lo, hi)))
+        self.main = torch.cuda.current_stream(device) if side is not None else None
+        self.side = side
+        # Micro-batch 1 waits for micro-batch 0's layer, and the next layer of 0 for it (one stream in effect).
+        self.ordered = ordered and side is not None
+
+    def fork(self) -> None:
+        if self.side is not None:
+            self.side.wait_stream(self.main)
+
+    @contextlib.contextmanager
+    def enter(self, index: int) -> Iterator[None]:
+        context, state = self.parts[index]
+        outer_state = self.backend.swap_state(state)
+        try:
+            with use_forward_context(context), _on_stream(self.main if index == 0 else self.side):
+                if self.ordered and index == 1:
+                    self.side.wait_stream(self.main)
+                yield
+                if self.ordered and index == 1:
+                    self.main.wait_stream(self.side)
+        finally:
+            self.backend.swap_state(outer_state)
+
+    def join(self) -> None:
+        if self.side is not None:
+            self.main.wait_stream(self.side)
 
 
 @contextlib.contextmanager
