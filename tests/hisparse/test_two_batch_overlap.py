@@ -9,12 +9,15 @@ micro-batches run one after the other with the arithmetic of the GPU path:
   kernels: a row's result does not depend on how many rows share the call). Without it they differ in the last
   bits, because a GEMM's blocking on CPU depends on its row count (B/2 rows instead of B);
 - GLM-5 (shared layers carry the top-k of the previous full layer down the stack, per micro-batch);
+- the decode benchmark's synthetic top-k gives every request the same windows with it on as off;
 - the pieces: `ForwardBatch.sub_batch`, the backends' state swap, when the engine turns it off.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +32,7 @@ from decode_server.model import Tokenizer, load_model, resolve_model_path
 BUCKETS = [1, 2, 4]  # batches of 3 and 4 run as 4 (split 2 + 2, padded rows in the second), 5 and 6 unpadded
 SMALL = {"device_budget": 8 << 20, "host_budget": 16 << 20}
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def workload(seed: int = 0, abort: bool = False) -> list[Arrival]:
@@ -190,3 +194,31 @@ def test_flag_and_when_it_is_off(tiny_cpu, caplog) -> None:
         assert resolve_two_batch_overlap(native, torch.device("cuda"), 1, backend) is None
     assert "two-batch overlap off: --tp-size > 1" in caplog.text
     assert "two-batch overlap off: --attention-backend torch_native on CUDA" in caplog.text
+
+
+def test_bench_synthetic_topk_windows(tiny_cpu) -> None:
+    """benchmarks/bench_decode.py's synthetic top-k: with two-batch overlap every request gets the same window per
+    layer and step as without it (each micro-batch advances its own copy of the window starts once per layer)."""
+    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "benchmarks" / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    windows: dict[bool, dict[tuple[int, int], list[list[int]]]] = {}
+    for tbo in (False, True):
+        engine = make_engine(tiny_cpu, hisparse=True, two_batch=tbo, **SMALL)
+        backend = engine.kv.backend
+        synthetic = bench.SyntheticTopK(engine, 256, 0.25, seed=0).index_topk
+        seen: dict[tuple[int, int], list[list[int]]] = {}
+
+        def recording(layer_id, q, weights, top_k, synthetic=synthetic, seen=seen, backend=backend):
+            picked = synthetic(layer_id, q, weights, top_k)
+            if backend._batch.is_decode:
+                for row, window in zip(backend._batch.req_rows_cpu, picked.tolist(), strict=True):
+                    seen.setdefault((layer_id, row), []).append(window)
+            # The model attends over its own top-k: these prompts are shorter than the synthetic context.
+            return type(backend).index_topk(backend, layer_id, q, weights, top_k)
+
+        backend.index_topk = recording
+        run_script(engine, workload(seed=6))
+        windows[tbo] = seen
+        assert not tbo or engine.two_batch.num_forwards > 0
+    assert windows[True] == windows[False]
