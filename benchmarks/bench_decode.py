@@ -320,8 +320,8 @@ class StepBreakdown:
         engine._forward = self.timers["forward"].wrap(engine._forward)
         backend.index_topk = self.timers["indexer"].wrap(backend.index_topk)
         backend.sparse_attention = self.timers["attention"].wrap(backend.sparse_attention)
-        self._swaps = backend.swaps
-        self._unwrapped_swaps = list(backend.swaps)
+        self._swaps: list = getattr(backend, "swaps", [])  # HiSparse: one bound swap-in per layer; dense: none
+        self._unwrapped_swaps = list(self._swaps)
         self._swaps[:] = [self.timers["swap_in"].wrap(swap) for swap in self._unwrapped_swaps]
 
     def enable(self) -> None:

@@ -14,6 +14,7 @@
 //     (prefill staging: host -> device scratch and back, buffer preload), one launch per call.
 
 #include <ATen/cuda/EmptyTensor.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
@@ -562,7 +563,8 @@ void check_int32_on(const torch::Tensor& t, const c10::Device& device, const cha
 
 // One layer's swap-in with everything but the batch bound once: the tables, the pools, the counters, the host
 // pool's device-visible (UVA) address and the copy kernel's row layout. A call passes only the batch (top-k,
-// seq_lens, request rows), so its host cost is two tensor allocations and two launches (docs/kernels.md).
+// seq_lens, request rows), so its host cost is two allocations (output, miss plan) and two launches
+// (docs/kernels.md).
 // The bound tensors are kept alive and must not be resized or re-pointed (set_) while the context exists: their
 // addresses are read once, here.
 class SwapInContext {
@@ -643,15 +645,16 @@ class SwapInContext {
     torch::Tensor out(at::detail::empty_cuda({batch64, K}, torch::kInt, device_, std::nullopt));
     if (batch == 0) return out;
     if (plan_.K != K) plan_ = plan_launch(args_.D, K);
-    // The miss plan (src host row, dst slot) and the per-request miss counts; only this call's kernels use it,
-    // in stream order, so it goes back to the caching allocator when the call returns.
-    const torch::Tensor plan(at::detail::empty_cuda({2 * batch64 * K + batch64}, torch::kInt, device_, std::nullopt));
+    // The miss plan (src host row, dst slot) and the per-request miss counts, straight from the caching allocator
+    // (no tensor): only this call's kernels use it, in stream order, so it goes back to the cache on return.
+    const at::DataPtr plan =
+        c10::cuda::CUDACachingAllocator::get()->allocate((2 * batch64 * K + batch64) * sizeof(int32_t));
     PlanArgs a = args_;
     a.top_k = top_k.data_ptr<int32_t>();
     a.seq_lens = seq_lens.data_ptr<int64_t>();
     a.req_rows = req_rows.data_ptr<int64_t>();
     a.out = out.data_ptr<int32_t>();
-    int32_t* base = plan.data_ptr<int32_t>();
+    int32_t* base = static_cast<int32_t*>(plan.get());
     a.plan_src = base;
     a.plan_dst = base + batch64 * K;
     a.miss_count = base + 2 * batch64 * K;
@@ -771,7 +774,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("buffer_slots"), pybind11::arg("buffer_tokens"), pybind11::arg("lru_order"),
            pybind11::arg("host_rows"), pybind11::arg("host_pool"), pybind11::arg("device_pool"),
            pybind11::arg("num_recent"), pybind11::arg("counters"))
-      .def("__call__", &SwapInContext::operator(), "slots [B, K] for (top_k, seq_lens, req_rows)");
+      .def("__call__", &SwapInContext::operator(), "slots [B, K] for (top_k, seq_lens, req_rows)",
+           pybind11::arg("top_k"), pybind11::arg("seq_lens"), pybind11::arg("req_rows"));
   m.def("backup", &backup, "Copy rows of all layers device -> pinned host in one launch");
   m.def("copy_rows", &copy_rows, "Copy rows of all layers between device / pinned host pools in one launch");
 }
