@@ -51,7 +51,6 @@ from decode_server.engine.memory import resolve_kv_dtype, resolve_model_dtype
 from decode_server.engine.request import Request
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.errors import DecodeServerError
-from decode_server.hisparse import ops as hisparse_ops
 from decode_server.hisparse.coordinator import HiSparseCoordinator, HiSparseLayout
 from decode_server.model import build_random_model, load_config
 from kernels.indexer_ref import quantize_index_keys
@@ -335,15 +334,16 @@ class StepBreakdown:
         engine._forward = self.timers["forward"].wrap(engine._forward)
         backend.index_topk = self.timers["indexer"].wrap(backend.index_topk)
         backend.sparse_attention = self.timers["attention"].wrap(backend.sparse_attention)
-        self._ops_swap_in = hisparse_ops.swap_in
-        hisparse_ops.swap_in = self.timers["swap_in"].wrap(self._ops_swap_in)
+        self._swaps: list = getattr(backend, "swaps", [])  # HiSparse: one bound swap-in per layer; dense: none
+        self._unwrapped_swaps = list(self._swaps)
+        self._swaps[:] = [self.timers["swap_in"].wrap(swap) for swap in self._unwrapped_swaps]
 
     def enable(self) -> None:
         for t in self.timers.values():
             t.enabled = True
 
     def close(self) -> None:
-        hisparse_ops.swap_in = self._ops_swap_in
+        self._swaps[:] = self._unwrapped_swaps
 
     def per_step_ms(self, steps: int) -> dict[str, float]:
         return {f"{name}_ms": t.total_ms() / steps for name, t in self.timers.items()}

@@ -5,12 +5,14 @@ GPU modules are imported lazily so that importing `kernels` needs neither Triton
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels.fp8_rows import FP8_ROW_BYTES, unpack_fp8_rows
 from kernels.indexer_ref import indexer_topk_ref
 from kernels.sparse_mla_ref import D_V, sparse_mla_decode_ref
-from kernels.swap_in_ref import swap_in_ref
+from kernels.swap_in_ref import check_swap_in_args, swap_in_ref
 
 
 def swap_in(
@@ -29,7 +31,7 @@ def swap_in(
 ) -> torch.Tensor:
     """HiSparse swap-in for one layer (semantics: kernels/swap_in_ref.py). CUDA kernel when the device pool
     is on a GPU (host pool pinned), the reference otherwise. `check=False`: see `swap_in_cuda` (the reference
-    always checks)."""
+    always checks). A caller that swaps in repeatedly with the same tables binds them once: `BoundSwapIn`."""
     args = (top_k_tokens, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
             device_pool, num_recent, counters)
     if device_pool.is_cuda:
@@ -37,6 +39,51 @@ def swap_in(
 
         return swap_in_cuda(*args, check=check)
     return swap_in_ref(*args)
+
+
+class BoundSwapIn:
+    """`swap_in` for one layer with everything but the batch bound once: `bound(top_k_tokens, seq_lens, req_rows)`
+    equals `swap_in(top_k_tokens, seq_lens, req_rows, *bound.tables)`.
+
+    Why: the HiSparse backend swaps in once per layer per decode step, and without CUDA graphs that host time is on
+    the step's critical path. On the GPU the call goes straight to the extension's `SwapInContext` (three tensors
+    converted, no UVA lookup, no per-call Python beyond this method); the argument checks (ValueErrors) run on the
+    first call of each top-k shape only, since the bound tables are the same for every call. On the CPU it calls
+    the reference, which checks every call. The bound tensors must not be resized or re-pointed while it lives."""
+
+    def __init__(
+        self,
+        buffer_slots: torch.Tensor,
+        buffer_tokens: torch.Tensor,
+        lru_order: torch.Tensor,
+        host_rows: torch.Tensor,
+        host_pool: torch.Tensor,
+        device_pool: torch.Tensor,
+        num_recent: int,
+        counters: torch.Tensor | None = None,
+    ) -> None:
+        self.tables = (buffer_slots, buffer_tokens, lru_order, host_rows, host_pool, device_pool, num_recent, counters)
+        self._checked_shapes: set[tuple[int, ...]] = set()
+        self._check: Callable[..., object]
+        self._run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+        if device_pool.is_cuda:
+            from kernels.swap_in_cuda import bind_swap_in_cuda, check_swap_in_cuda_args
+
+            self._check = check_swap_in_cuda_args
+            self._run = bind_swap_in_cuda(*self.tables)
+        else:
+            self._check = check_swap_in_args
+            self._run = self._run_reference
+
+    def __call__(self, top_k_tokens: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor) -> torch.Tensor:
+        shape = top_k_tokens.shape
+        if shape not in self._checked_shapes:
+            self._check(top_k_tokens, seq_lens, req_rows, *self.tables)
+            self._checked_shapes.add(shape)
+        return self._run(top_k_tokens, seq_lens, req_rows)
+
+    def _run_reference(self, top_k_tokens: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor) -> torch.Tensor:
+        return swap_in_ref(top_k_tokens, seq_lens, req_rows, *self.tables)
 
 
 # Query rows per reference call: bounds the gathered rows (chunk × K × D fp32) so a long prefill's memory grows

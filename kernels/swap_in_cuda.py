@@ -1,8 +1,15 @@
 """HiSparse swap-in on the GPU: a plan kernel (one block per request) and a copy kernel spread over every
 miss of the batch, reading pinned host rows directly through UVA (kernels/csrc/hisparse_kernels.cu).
-Same arguments and results as kernels/swap_in_ref.py, which is its test oracle."""
+Same arguments and results as kernels/swap_in_ref.py, which is its test oracle.
+
+`swap_in_cuda` binds nothing: each call passes all eleven arguments and the extension resolves the host pool's
+UVA address again. `bind_swap_in_cuda` returns the extension's `SwapInContext`, which binds one layer's tables,
+pools and counters once and is then called with the batch alone (the HiSparse backend's path, through
+`kernels.BoundSwapIn`)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -29,9 +36,9 @@ def swap_in_cuda(
 
     `check=False` skips the Python argument checks (ValueErrors with clear messages; ~5 µs of host time per call,
     measured in docs/benchmarks.md) for a caller that already passed the same tables and pools with checks, as
-    the HiSparse backend does for every batch shape after its first; the extension keeps its own checks."""
+    `kernels.BoundSwapIn` does for every top-k shape after its first; the extension keeps its own checks."""
     if check:
-        _check_args(
+        check_swap_in_cuda_args(
             top_k_tokens, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
             device_pool, num_recent, counters,
         )
@@ -41,7 +48,30 @@ def swap_in_cuda(
     )
 
 
-def _check_args(
+def bind_swap_in_cuda(
+    buffer_slots: torch.Tensor,
+    buffer_tokens: torch.Tensor,
+    lru_order: torch.Tensor,
+    host_rows: torch.Tensor,
+    host_pool: torch.Tensor,
+    device_pool: torch.Tensor,
+    num_recent: int,
+    counters: torch.Tensor | None = None,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The extension's `SwapInContext` for one layer: `ctx(top_k_tokens, seq_lens, req_rows)` equals
+    `swap_in_cuda(top_k_tokens, seq_lens, req_rows, <these arguments>, check=False)`.
+
+    The context reads the tensors' addresses (and the host pool's UVA address) once, so they must not be resized
+    or re-pointed while it lives. It checks only what memory safety needs (RuntimeError); the Python argument
+    checks are `check_swap_in_cuda_args`, which `kernels.BoundSwapIn` runs once per top-k shape."""
+    if not host_pool.is_cuda and not host_pool.is_pinned():
+        raise ValueError("host_pool must be pinned host memory (the GPU reads it directly through UVA)")
+    return load_extension().SwapInContext(
+        buffer_slots, buffer_tokens, lru_order, host_rows, host_pool, device_pool, int(num_recent), counters
+    )
+
+
+def check_swap_in_cuda_args(
     top_k_tokens: torch.Tensor,
     seq_lens: torch.Tensor,
     req_rows: torch.Tensor,
@@ -54,6 +84,7 @@ def _check_args(
     num_recent: int,
     counters: torch.Tensor | None,
 ) -> None:
+    """`check_swap_in_args` (shapes, dtypes; ValueError) plus the CUDA path's devices and pinned host pool."""
     check_swap_in_args(
         top_k_tokens, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
         device_pool, num_recent, counters,

@@ -52,17 +52,17 @@ class HiSparseBackend(AttentionBackend):
         self._warned_staging = False
         self.staged_prefill_forwards = 0  # prefill forwards on the staging area / on the reference gather path
         self.gathered_prefill_forwards = 0
-        # Per-layer views of the pools and tables, made once: indexing them per call costs host time in the
-        # swap-in's critical path (one call per layer per step).
+        # One bound swap-in per layer (tables, pools and counters bound once): without CUDA graphs the swap-in's host
+        # time is on the step's critical path, once per layer (docs/kernels.md). A profiler may wrap the entries.
         bufs = coordinator.buffers
-        self._layer_args = [
-            (bufs.buffer_tokens[layer], bufs.lru_order[layer], coordinator.host.kv[layer], bufs.kv[layer],
-             coordinator.counters.swap[layer], attention_rows(bufs.kv[layer], coordinator.kv_dtype))
+        self.swaps = [
+            ops.bind_swap_in(bufs.buffer_slots, bufs.buffer_tokens[layer], bufs.lru_order[layer],
+                             coordinator.host.rows.table, coordinator.host.kv[layer], bufs.kv[layer],
+                             bufs.num_recent, coordinator.counters.swap[layer])
             for layer in range(coordinator.layout.num_layers)
         ]
-        # (layer, batch, top-k) shapes the swap-in already checked with these tables and pools: later calls skip
-        # the Python argument checks (host time per call, docs/kernels.md).
-        self._checked_swaps: set[tuple[int, int, int]] = set()
+        self._attention_rows = [attention_rows(bufs.kv[layer], coordinator.kv_dtype)
+                                for layer in range(coordinator.layout.num_layers)]
         # Static decode batches (CUDA graphs): the new tokens' slots and host rows, written inside the forward
         # (so inside the graph), read by the backup after it. One entry per request row at most.
         rows = coordinator.layout.max_reqs
@@ -192,20 +192,11 @@ class HiSparseBackend(AttentionBackend):
     ) -> torch.Tensor:
         batch = self._current()
         co = self.co
-        bufs = co.buffers
-        buffer_tokens, lru_order, host_kv, device_kv, counters, rows = self._layer_args[layer_id]
         if topk_positions.dtype != torch.int32 or not topk_positions.is_contiguous():
             topk_positions = topk_positions.to(torch.int32).contiguous()
-        shape = (layer_id, *topk_positions.shape)
-        checked = shape in self._checked_swaps
-        slots = ops.swap_in(
-            topk_positions, self._seq_lens, batch.req_rows, bufs.buffer_slots, buffer_tokens, lru_order,
-            co.host.rows.table, host_kv, device_kv, bufs.num_recent, counters, check=not checked,
-        )
-        if not checked:
-            self._checked_swaps.add(shape)
-        return ops.sparse_attention(q, rows, slots, softmax_scale, co.kv_lora_rank, co.reference_kernels,
-                                    kernel=self.attention_kernel)
+        slots = self.swaps[layer_id](topk_positions, self._seq_lens, batch.req_rows)
+        return ops.sparse_attention(q, self._attention_rows[layer_id], slots, softmax_scale, co.kv_lora_rank,
+                                    co.reference_kernels, kernel=self.attention_kernel)
 
     # -- prefill --
     def _begin_prefill(self, batch: ForwardBatch, host_rows: torch.Tensor) -> None:

@@ -1,9 +1,9 @@
 """The kernels HiSparse calls.
 
-Swap-in and backup come from the `kernels` dispatchers (CUDA on GPU, references on CPU). The indexer top-k and
-the sparse MLA attention are deliberately the very functions `DenseBackend` uses: HiSparse is bit-identical to
-dense only if both modes score and attend with the same implementation, so when dense switches kernels,
-HiSparse follows automatically.
+Swap-in (bound once per layer) and backup come from the `kernels` dispatchers (CUDA on GPU, references on CPU).
+The indexer top-k and the sparse MLA attention are deliberately the very functions `DenseBackend` uses: HiSparse
+is bit-identical to dense only if both modes score and attend with the same implementation, so when dense
+switches kernels, HiSparse follows automatically.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import kernels
 from decode_server.engine import dense_backend
 
 
-def swap_in(*args, **kwargs) -> torch.Tensor:
-    return kernels.swap_in(*args, **kwargs)
+def bind_swap_in(*args, **kwargs) -> kernels.BoundSwapIn:
+    """One layer's swap-in with its tables bound once (`kernels.BoundSwapIn`); the backend makes one per layer."""
+    return kernels.BoundSwapIn(*args, **kwargs)
 
 
 def backup_rows(

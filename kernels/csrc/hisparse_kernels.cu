@@ -13,8 +13,10 @@
 //   * copy_rows: the same row-copy kernel between any two pools, each on the device or in pinned host memory
 //     (prefill staging: host -> device scratch and back, buffer preload), one launch per call.
 
-#include <c10/cuda/CUDAStream.h>
+#include <ATen/cuda/EmptyTensor.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
@@ -504,52 +506,36 @@ int compute_major() {
   return major;
 }
 
-}  // namespace
-
-torch::Tensor swap_in(torch::Tensor top_k, torch::Tensor seq_lens, torch::Tensor req_rows,
-                      torch::Tensor buffer_slots, torch::Tensor buffer_tokens, torch::Tensor lru_order,
-                      torch::Tensor host_rows, torch::Tensor host_pool, torch::Tensor device_pool, int64_t num_recent,
-                      std::optional<torch::Tensor> counters) {
-  const c10::cuda::CUDAGuard guard(device_pool.device());
-  top_k = top_k.contiguous();
-  seq_lens = seq_lens.to(device_pool.device(), torch::kLong).contiguous();
-  req_rows = req_rows.to(device_pool.device(), torch::kLong).contiguous();
-  check_row_major(buffer_slots, "buffer_slots");
-  check_row_major(buffer_tokens, "buffer_tokens");
-  check_row_major(lru_order, "lru_order");
-  check_row_major(host_rows, "host_rows");
-  check_row_major(host_pool, "host_pool");
-  check_row_major(device_pool, "device_pool");
-  const bool use_counters = counters.has_value();
-  if (use_counters) {
-    TORCH_CHECK(counters->is_cuda() && counters->scalar_type() == torch::kLong && counters->numel() == 2 &&
-                    counters->is_contiguous(), "counters must be a contiguous [2] int64 CUDA tensor");
-  }
-  const int batch = static_cast<int>(top_k.size(0));
-  const int K = static_cast<int>(top_k.size(1));
-  const int D = static_cast<int>(buffer_tokens.size(1));
-  // One allocation for the output, the miss plan (src host row, dst slot) and the per-request miss counts.
-  torch::Tensor scratch = torch::empty({3 * static_cast<int64_t>(batch) * K + batch},
-                                       top_k.options().dtype(torch::kInt));
-  torch::Tensor out = scratch.narrow(0, 0, static_cast<int64_t>(batch) * K).view({batch, K});
-  if (batch == 0) return out;
-  TORCH_CHECK(K <= D, "device buffer size D=", D, " must be >= top_k K=", K);
-  TORCH_CHECK(D <= kPlanThreads * 16 && K <= kPlanThreads * 4, "the CUDA swap-in supports D <= ",
-              kPlanThreads * 16, " and K <= ", kPlanThreads * 4, "; got D=", D, ", K=", K);
-  uint32_t hash_size = 1;
-  while (hash_size < 2u * static_cast<uint32_t>(K)) hash_size <<= 1;
-  const size_t smem = (2 * static_cast<size_t>(hash_size) + 2 * static_cast<size_t>(K) + D) * sizeof(int);
+int max_optin_smem() {
   static int max_smem = 0;
   if (max_smem == 0) {
     int dev = 0;
     HS_CUDA_CHECK(cudaGetDevice(&dev));
     HS_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   }
+  return max_smem;
+}
+
+// The plan kernel's launch parameters for one (D, K): validated, and the kernel's dynamic shared-memory limit
+// raised, once per K by a SwapInContext.
+struct PlanLaunch {
+  int K = -1;
+  PlanKernel kernel = nullptr;
+  size_t smem = 0;
+  uint32_t hash_mask = 0;
+};
+
+PlanLaunch plan_launch(int D, int K) {
+  TORCH_CHECK(K <= D, "device buffer size D=", D, " must be >= top_k K=", K);
+  TORCH_CHECK(D <= kPlanThreads * 16 && K <= kPlanThreads * 4, "the CUDA swap-in supports D <= ",
+              kPlanThreads * 16, " and K <= ", kPlanThreads * 4, "; got D=", D, ", K=", K);
+  uint32_t hash_size = 1;
+  while (hash_size < 2u * static_cast<uint32_t>(K)) hash_size <<= 1;
+  const size_t smem = (2 * static_cast<size_t>(hash_size) + 2 * static_cast<size_t>(K) + D) * sizeof(int);
+  const int max_smem = max_optin_smem();
   TORCH_CHECK(smem + 512 <= static_cast<size_t>(max_smem), "swap-in needs ", smem,
               " B of shared memory for D=", D, ", K=", K, "; the device allows ", max_smem);
-  const int d_items = items_for(D);
-  const int k_items = items_for(K);
-  const PlanKernel kernel = pick_plan_kernel(d_items, k_items);
+  const PlanKernel kernel = pick_plan_kernel(items_for(D), items_for(K));
   TORCH_CHECK(kernel != nullptr, "no swap-in plan kernel for D=", D, ", K=", K);
   static std::vector<std::pair<PlanKernel, size_t>> configured;  // dynamic smem limit raised so far
   auto it = std::find_if(configured.begin(), configured.end(), [&](const auto& c) { return c.first == kernel; });
@@ -561,59 +547,168 @@ torch::Tensor swap_in(torch::Tensor top_k, torch::Tensor seq_lens, torch::Tensor
       it->second = smem;
     }
   }
-  PlanArgs a;
-  a.top_k = top_k.data_ptr<int32_t>();
-  a.seq_lens = seq_lens.data_ptr<int64_t>();
-  a.req_rows = req_rows.data_ptr<int64_t>();
-  a.buffer_slots = buffer_slots.data_ptr<int32_t>();
-  a.buffer_tokens = buffer_tokens.data_ptr<int32_t>();
-  a.lru_order = lru_order.data_ptr<int32_t>();
-  a.host_rows = host_rows.data_ptr<int32_t>();
-  int32_t* base = scratch.data_ptr<int32_t>();
-  a.out = base;
-  a.plan_src = base + static_cast<int64_t>(batch) * K;
-  a.plan_dst = base + 2 * static_cast<int64_t>(batch) * K;
-  a.miss_count = base + 3 * static_cast<int64_t>(batch) * K;
-  a.counters = use_counters ? reinterpret_cast<unsigned long long*>(counters->data_ptr<int64_t>()) : nullptr;
-  a.slots_stride = buffer_slots.stride(0);
-  a.tokens_stride = buffer_tokens.stride(0);
-  a.lru_stride = lru_order.stride(0);
-  a.host_rows_stride = host_rows.stride(0);
-  a.K = K;
-  a.D = D;
-  a.R = static_cast<int>(num_recent);
-  a.hash_mask = hash_size - 1;
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  kernel<<<batch, kPlanThreads, smem, stream>>>(a);
-  HS_CUDA_CHECK(cudaGetLastError());
+  PlanLaunch p;
+  p.K = K;
+  p.kernel = kernel;
+  p.smem = smem;
+  p.hash_mask = hash_size - 1;
+  return p;
+}
 
-  const uint8_t* host_base = device_visible(host_pool);
-  uint8_t* dev_base = device_pool.data_ptr<uint8_t>();
-  const int64_t row_bytes = device_pool.size(1);
-  const bool vec16 = vec16_ok(host_base, dev_base, row_bytes, host_pool.stride(0), device_pool.stride(0));
-  const int max_rows = batch * K;
-  const int blocks = std::max(1, std::min(2 * sm_count(), (max_rows + 7) / 8));
-  static bool copy_configured = false;  // same shared-memory carveout as the plan kernel: no reconfiguration
-  if (!copy_configured) {
-    HS_CUDA_CHECK(cudaFuncSetAttribute(swap_in_copy_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                       cudaSharedmemCarveoutMaxShared));
-    copy_configured = true;
+void check_int32_on(const torch::Tensor& t, const c10::Device& device, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kInt && t.device() == device, name, " must be int32 on ", device);
+}
+
+}  // namespace
+
+// One layer's swap-in with everything but the batch bound once: the tables, the pools, the counters, the host
+// pool's device-visible (UVA) address and the copy kernel's row layout. A call passes only the batch (top-k,
+// seq_lens, request rows), so its host cost is two allocations (output, miss plan) and two launches
+// (docs/kernels.md).
+// The bound tensors are kept alive and must not be resized or re-pointed (set_) while the context exists: their
+// addresses are read once, here.
+class SwapInContext {
+ public:
+  SwapInContext(torch::Tensor buffer_slots, torch::Tensor buffer_tokens, torch::Tensor lru_order,
+                torch::Tensor host_rows, torch::Tensor host_pool, torch::Tensor device_pool, int64_t num_recent,
+                std::optional<torch::Tensor> counters)
+      : buffer_slots_(std::move(buffer_slots)),
+        buffer_tokens_(std::move(buffer_tokens)),
+        lru_order_(std::move(lru_order)),
+        host_rows_(std::move(host_rows)),
+        host_pool_(std::move(host_pool)),
+        device_pool_(std::move(device_pool)),
+        counters_(std::move(counters)),
+        device_(device_pool_.device()) {
+    TORCH_CHECK(device_.is_cuda(), "device_pool must be a CUDA tensor");
+    const c10::cuda::CUDAGuard guard(device_);
+    check_row_major(buffer_slots_, "buffer_slots");
+    check_row_major(buffer_tokens_, "buffer_tokens");
+    check_row_major(lru_order_, "lru_order");
+    check_row_major(host_rows_, "host_rows");
+    check_row_major(host_pool_, "host_pool");
+    check_row_major(device_pool_, "device_pool");
+    check_int32_on(buffer_slots_, device_, "buffer_slots");
+    check_int32_on(buffer_tokens_, device_, "buffer_tokens");
+    check_int32_on(lru_order_, device_, "lru_order");
+    check_int32_on(host_rows_, device_, "host_rows");
+    TORCH_CHECK(lru_order_.sizes() == buffer_tokens_.sizes(), "buffer_tokens and lru_order must both be [max_reqs, D]");
+    TORCH_CHECK(num_recent >= 1 && buffer_slots_.size(1) == buffer_tokens_.size(1) + num_recent,
+                "buffer_slots must be [max_reqs, D + R] with R >= 1");
+    TORCH_CHECK(host_pool_.scalar_type() == torch::kByte && device_pool_.scalar_type() == torch::kByte &&
+                    host_pool_.size(1) == device_pool_.size(1),
+                "host_pool and device_pool must be uint8 [N, row_bytes] with equal row_bytes");
+    if (counters_.has_value()) {
+      TORCH_CHECK(counters_->device() == device_ && counters_->scalar_type() == torch::kLong &&
+                      counters_->numel() == 2 && counters_->is_contiguous(),
+                  "counters must be a contiguous [2] int64 tensor on ", device_);
+    }
+    args_.buffer_slots = buffer_slots_.data_ptr<int32_t>();
+    args_.buffer_tokens = buffer_tokens_.data_ptr<int32_t>();
+    args_.lru_order = lru_order_.data_ptr<int32_t>();
+    args_.host_rows = host_rows_.data_ptr<int32_t>();
+    args_.counters =
+        counters_.has_value() ? reinterpret_cast<unsigned long long*>(counters_->data_ptr<int64_t>()) : nullptr;
+    args_.slots_stride = buffer_slots_.stride(0);
+    args_.tokens_stride = buffer_tokens_.stride(0);
+    args_.lru_stride = lru_order_.stride(0);
+    args_.host_rows_stride = host_rows_.stride(0);
+    args_.D = static_cast<int>(buffer_tokens_.size(1));
+    args_.R = static_cast<int>(num_recent);
+    host_base_ = device_visible(host_pool_);
+    dev_base_ = device_pool_.data_ptr<uint8_t>();
+    host_pitch_ = host_pool_.stride(0);
+    dev_pitch_ = device_pool_.stride(0);
+    row_bytes_ = device_pool_.size(1);
+    vec16_ = vec16_ok(host_base_, dev_base_, row_bytes_, host_pitch_, dev_pitch_);
+    pdl_ = compute_major() >= 9;
+    static bool copy_configured = false;  // same shared-memory carveout as the plan kernel: no reconfiguration
+    if (!copy_configured) {
+      HS_CUDA_CHECK(cudaFuncSetAttribute(swap_in_copy_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         cudaSharedmemCarveoutMaxShared));
+      copy_configured = true;
+    }
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks);
-  cfg.blockDim = dim3(kCopyThreads);
-  cfg.dynamicSmemBytes = batch * sizeof(int);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = compute_major() >= 9 ? 1 : 0;
-  HS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, swap_in_copy_kernel, static_cast<const int32_t*>(a.miss_count),
-                                   static_cast<const int32_t*>(a.plan_src), static_cast<const int32_t*>(a.plan_dst),
-                                   host_base, host_pool.stride(0), dev_base, device_pool.stride(0), row_bytes, batch,
-                                   K, vec16));
-  return out;
+
+  // Slots [B, K] int32 of the selected tokens; asynchronous on the current stream. top_k [B, K] int32 on the
+  // pools' device; seq_lens and req_rows [B] (int64 on that device, else converted).
+  torch::Tensor operator()(torch::Tensor top_k, torch::Tensor seq_lens, torch::Tensor req_rows) {
+    const c10::cuda::CUDAGuard guard(device_);
+    TORCH_CHECK(top_k.dim() == 2, "top_k must be [B, K]");
+    check_int32_on(top_k, device_, "top_k");
+    top_k = top_k.contiguous();
+    const int64_t batch64 = top_k.size(0);
+    seq_lens = as_batch_index(std::move(seq_lens), batch64, "seq_lens");
+    req_rows = as_batch_index(std::move(req_rows), batch64, "req_rows");
+    const int batch = static_cast<int>(batch64);
+    const int K = static_cast<int>(top_k.size(1));
+    torch::Tensor out(at::detail::empty_cuda({batch64, K}, torch::kInt, device_, std::nullopt));
+    if (batch == 0) return out;
+    if (plan_.K != K) plan_ = plan_launch(args_.D, K);
+    // The miss plan (src host row, dst slot) and the per-request miss counts, straight from the caching allocator
+    // (no tensor): only this call's kernels use it, in stream order, so it goes back to the cache on return.
+    const at::DataPtr plan =
+        c10::cuda::CUDACachingAllocator::get()->allocate((2 * batch64 * K + batch64) * sizeof(int32_t));
+    PlanArgs a = args_;
+    a.top_k = top_k.data_ptr<int32_t>();
+    a.seq_lens = seq_lens.data_ptr<int64_t>();
+    a.req_rows = req_rows.data_ptr<int64_t>();
+    a.out = out.data_ptr<int32_t>();
+    int32_t* base = static_cast<int32_t*>(plan.get());
+    a.plan_src = base;
+    a.plan_dst = base + batch64 * K;
+    a.miss_count = base + 2 * batch64 * K;
+    a.K = K;
+    a.hash_mask = plan_.hash_mask;
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_.index());
+    plan_.kernel<<<batch, kPlanThreads, plan_.smem, stream>>>(a);
+    HS_CUDA_CHECK(cudaGetLastError());
+
+    const int max_rows = batch * K;
+    const int blocks = std::max(1, std::min(2 * sm_count(), (max_rows + 7) / 8));
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(kCopyThreads);
+    cfg.dynamicSmemBytes = batch * sizeof(int);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl_ ? 1 : 0;
+    HS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, swap_in_copy_kernel, static_cast<const int32_t*>(a.miss_count),
+                                     static_cast<const int32_t*>(a.plan_src), static_cast<const int32_t*>(a.plan_dst),
+                                     host_base_, host_pitch_, dev_base_, dev_pitch_, row_bytes_, batch, K, vec16_));
+    return out;
+  }
+
+ private:
+  torch::Tensor as_batch_index(torch::Tensor t, int64_t batch, const char* name) const {
+    if (t.device() != device_ || t.scalar_type() != torch::kLong) t = t.to(device_, torch::kLong);
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, name, " must be [", batch, "]");
+    return t.contiguous();
+  }
+
+  torch::Tensor buffer_slots_, buffer_tokens_, lru_order_, host_rows_, host_pool_, device_pool_;
+  std::optional<torch::Tensor> counters_;
+  c10::Device device_;
+  PlanArgs args_{};  // the bound part of the plan kernel's arguments
+  PlanLaunch plan_;  // for the last K seen
+  const uint8_t* host_base_ = nullptr;
+  uint8_t* dev_base_ = nullptr;
+  int64_t host_pitch_ = 0, dev_pitch_ = 0, row_bytes_ = 0;
+  bool vec16_ = false, pdl_ = false;
+};
+
+// The unbound entry point (tests, references, one-off calls): binds a context for this call only.
+torch::Tensor swap_in(torch::Tensor top_k, torch::Tensor seq_lens, torch::Tensor req_rows,
+                      torch::Tensor buffer_slots, torch::Tensor buffer_tokens, torch::Tensor lru_order,
+                      torch::Tensor host_rows, torch::Tensor host_pool, torch::Tensor device_pool, int64_t num_recent,
+                      std::optional<torch::Tensor> counters) {
+  SwapInContext context(std::move(buffer_slots), std::move(buffer_tokens), std::move(lru_order),
+                        std::move(host_rows), std::move(host_pool), std::move(device_pool), num_recent,
+                        std::move(counters));
+  return context(std::move(top_k), std::move(seq_lens), std::move(req_rows));
 }
 
 void backup(torch::Tensor device_pool, torch::Tensor host_pool, torch::Tensor src_slots, torch::Tensor dst_rows) {
@@ -672,6 +767,15 @@ void copy_rows(torch::Tensor src_pool, torch::Tensor dst_pool, torch::Tensor src
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swap_in", &swap_in, "HiSparse swap-in: plan kernel + copy kernel (one layer, one batch)");
+  pybind11::class_<SwapInContext>(m, "SwapInContext",
+                                  "One layer's swap-in with its tables, pools and counters bound once")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                          int64_t, std::optional<torch::Tensor>>(),
+           pybind11::arg("buffer_slots"), pybind11::arg("buffer_tokens"), pybind11::arg("lru_order"),
+           pybind11::arg("host_rows"), pybind11::arg("host_pool"), pybind11::arg("device_pool"),
+           pybind11::arg("num_recent"), pybind11::arg("counters"))
+      .def("__call__", &SwapInContext::operator(), "slots [B, K] for (top_k, seq_lens, req_rows)",
+           pybind11::arg("top_k"), pybind11::arg("seq_lens"), pybind11::arg("req_rows"));
   m.def("backup", &backup, "Copy rows of all layers device -> pinned host in one launch");
   m.def("copy_rows", &copy_rows, "Copy rows of all layers between device / pinned host pools in one launch");
 }

@@ -11,32 +11,35 @@ from decode_server.hisparse import ops
 
 
 def test_recent_tokens_are_ring_hits_with_the_right_rows(tiny_cpu, monkeypatch):
-    engine = make_engine(tiny_cpu, hisparse=True, num_recent=3)
-    co = engine.kv
-    D, R = co.layout.buffer_size, co.layout.num_recent
     checked = {"recent": 0, "previous": 0}
-    original = ops.swap_in
+    original = ops.bind_swap_in
 
-    def checking(top_k, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
-                 device_pool, num_recent, counters, **kwargs):
-        out = original(top_k, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
-                       device_pool, num_recent, counters, **kwargs)
-        for b in range(top_k.shape[0]):
-            s, r = int(seq_lens[b]), int(req_rows[b])
-            if s <= D:
-                continue
-            for t in range(max(D, s - R), s):
-                ring_slot = int(buffer_slots[r, D + t % R])
-                hit = (top_k[b] == t).nonzero()
-                if hit.numel():
-                    assert int(out[b, hit[0, 0]]) == ring_slot
-                    checked["recent"] += 1
-                if t == s - 2:  # backed up after the previous step
-                    assert torch.equal(device_pool[ring_slot], host_pool[int(host_rows[r, t])])
-                    checked["previous"] += 1
-        return out
+    def binding(buffer_slots, buffer_tokens, lru_order, host_rows, host_pool, device_pool, num_recent, counters):
+        swap = original(buffer_slots, buffer_tokens, lru_order, host_rows, host_pool, device_pool, num_recent,
+                        counters)
+        D, R = buffer_tokens.shape[1], num_recent
 
-    monkeypatch.setattr(ops, "swap_in", checking)
+        def checking(top_k, seq_lens, req_rows):
+            out = swap(top_k, seq_lens, req_rows)
+            for b in range(top_k.shape[0]):
+                s, r = int(seq_lens[b]), int(req_rows[b])
+                if s <= D:
+                    continue
+                for t in range(max(D, s - R), s):
+                    ring_slot = int(buffer_slots[r, D + t % R])
+                    hit = (top_k[b] == t).nonzero()
+                    if hit.numel():
+                        assert int(out[b, hit[0, 0]]) == ring_slot
+                        checked["recent"] += 1
+                    if t == s - 2:  # backed up after the previous step
+                        assert torch.equal(device_pool[ring_slot], host_pool[int(host_rows[r, t])])
+                        checked["previous"] += 1
+            return out
+
+        return checking
+
+    monkeypatch.setattr(ops, "bind_swap_in", binding)  # the backend binds one swap-in per layer at construction
+    engine = make_engine(tiny_cpu, hisparse=True, num_recent=3)
     gen = torch.Generator().manual_seed(5)
     # One prompt longer than D, one crossing D during decode.
     run_script(engine, [Arrival(0, "long", random_prompt(gen, 70), 8), Arrival(0, "cross", random_prompt(gen, 60), 10)])

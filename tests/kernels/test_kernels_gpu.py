@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernels_swap_traces import POISON, assert_rows_resident, make_state, next_topk, write_current_token
 
-from kernels import backup_rows, indexer_topk, pack_fp8_rows, sparse_mla_decode, swap_in
+from kernels import BoundSwapIn, backup_rows, indexer_topk, pack_fp8_rows, sparse_mla_decode, swap_in
 from kernels.dispatch import sparse_mla_decode_rows_ref
 from kernels.indexer_ref import index_scores_ref, indexer_topk_ref, quantize_index_keys
 from kernels.swap_in_ref import swap_in_ref
@@ -95,6 +95,98 @@ def test_swap_in_cuda_rejects_small_buffer() -> None:
     with pytest.raises(ValueError, match="must be >= top_k"):
         swap_in(topk, st.seq_lens.to(DEV), st.req_rows.to(DEV), gpu["buffer_slots"], gpu["buffer_tokens"],
                 gpu["lru_order"], gpu["host_rows"], gpu["host_pool"], gpu["device_pool"], 2, None)
+
+
+def _bound_args(gpu, num_recent: int, counters: torch.Tensor | None):
+    return (gpu["buffer_slots"], gpu["buffer_tokens"], gpu["lru_order"], gpu["host_rows"], gpu["host_pool"],
+            gpu["device_pool"], num_recent, counters)
+
+
+@pytest.mark.parametrize("row_bytes", [656, 1152])
+@pytest.mark.parametrize(("buffer_size", "top_k", "num_recent"), [(256, 128, 4), (4096, 2048, 8)])
+def test_bound_swap_in_matches_unbound_and_reference(row_bytes: int, buffer_size: int, top_k: int,
+                                                     num_recent: int) -> None:
+    """The backend's path (`BoundSwapIn`: tables bound once, checks on the first call of a shape) against the
+    unbound call and the reference over a multi-step trace with misses: identical slots, device pool contents,
+    buffer tokens, LRU order and counters after every step, while the batch shape changes between steps."""
+    rng = random.Random(row_bytes + buffer_size)
+    d = buffer_size
+    lens = [d - 2, d, d + 1, 2 * d + 3, 3 * d, 5 * d + 1, 100]
+    steps = 6
+    state = make_state(rng, lens, d, num_recent, row_bytes, max_steps=steps)
+    unbound, bound_state = _to_gpu_state(state), _to_gpu_state(state)
+    counters_ref = torch.zeros(2, dtype=torch.int64)
+    counters_unbound = torch.zeros(2, dtype=torch.int64, device=DEV)
+    counters_bound = torch.zeros(2, dtype=torch.int64, device=DEV)
+    bound = BoundSwapIn(*_bound_args(bound_state, num_recent, counters_bound))
+    all_rows, all_lens, all_prev = state.req_rows.clone(), state.seq_lens.clone(), state.prev_topk
+    for step in range(steps):
+        # Every other step a sub-batch (a new shape: checked once, then bound calls only).
+        keep = list(range(len(lens))) if step % 2 == 0 else [1, 2, 3, 5]
+        state.req_rows, state.seq_lens = all_rows[keep], all_lens[keep]
+        state.prev_topk = [all_prev[i] for i in keep]
+        write_current_token(state)
+        _write_current_token_gpu(state, unbound)
+        _write_current_token_gpu(state, bound_state)
+        topk = next_topk(rng, state, top_k, overlap=0.5)
+        for j, i in enumerate(keep):
+            all_prev[i] = state.prev_topk[j]
+        expect = swap_in_ref(topk, state.seq_lens, state.req_rows, state.buffer_slots, state.buffer_tokens,
+                             state.lru_order, state.host_rows, state.host_pool, state.device_pool, num_recent,
+                             counters_ref)
+        got_unbound = swap_in(topk.to(DEV), state.seq_lens.to(DEV), state.req_rows.to(DEV),
+                              *_bound_args(unbound, num_recent, counters_unbound))
+        got_bound = bound(topk.to(DEV), state.seq_lens.to(DEV), state.req_rows.to(DEV))
+        torch.cuda.synchronize()
+        assert got_bound.shape == expect.shape and got_bound.dtype == torch.int32
+        assert torch.equal(got_bound.cpu(), expect) and torch.equal(got_unbound.cpu(), expect)
+        for name in ("buffer_tokens", "lru_order", "device_pool"):
+            assert torch.equal(bound_state[name].cpu(), getattr(state, name)), f"bound: {name} differs"
+            assert torch.equal(unbound[name].cpu(), getattr(state, name)), f"unbound: {name} differs"
+        assert counters_bound.cpu().tolist() == counters_unbound.cpu().tolist() == counters_ref.tolist()
+        assert_rows_resident(state, topk, got_bound.cpu(), bound_state["device_pool"])
+        all_lens[keep] += 1
+    assert int(counters_ref[1]) > 0, "the trace must load rows from the host pool"
+    assert bound._checked_shapes == {torch.Size([len(lens), top_k]), torch.Size([4, top_k])}
+
+
+def test_bound_swap_in_edge_cases() -> None:
+    """Empty batch, seq_lens / req_rows of another dtype and device (converted as by the unbound call), the
+    Python checks on a new shape (ValueError), and the extension's own check of a wrongly typed top-k on a shape
+    already checked (RuntimeError, no crash)."""
+    rng = random.Random(3)
+    d, k, r = 64, 32, 2
+    state = make_state(rng, [d + 10, 3 * d], d, r, 656, max_steps=2)
+    gpu, ref_gpu = _to_gpu_state(state), _to_gpu_state(state)
+    bound = BoundSwapIn(*_bound_args(gpu, r, None))
+    empty = bound(torch.zeros(0, k, dtype=torch.int32, device=DEV), torch.zeros(0, dtype=torch.int64, device=DEV),
+                  torch.zeros(0, dtype=torch.int64, device=DEV))
+    assert empty.shape == (0, k) and empty.dtype == torch.int32 and empty.is_cuda
+    write_current_token(state)
+    _write_current_token_gpu(state, gpu)
+    _write_current_token_gpu(state, ref_gpu)
+    topk = next_topk(rng, state, k, overlap=0.0).to(DEV)
+    expect = swap_in(topk, state.seq_lens.to(DEV), state.req_rows.to(DEV), *_bound_args(ref_gpu, r, None))
+    got = bound(topk, state.seq_lens.int(), state.req_rows.int())  # CPU int32: converted in the extension
+    torch.cuda.synchronize()
+    assert torch.equal(got, expect) and torch.equal(gpu["device_pool"], ref_gpu["device_pool"])
+    assert torch.equal(gpu["lru_order"], ref_gpu["lru_order"])
+    with pytest.raises(ValueError, match="must be >= top_k"):
+        bound(torch.zeros(1, 2 * d, dtype=torch.int32, device=DEV), state.seq_lens[:1].to(DEV),
+              state.req_rows[:1].to(DEV))
+    with pytest.raises(RuntimeError, match="top_k must be int32"):
+        bound(topk.long(), state.seq_lens.to(DEV), state.req_rows.to(DEV))
+    with pytest.raises(RuntimeError, match="seq_lens must be"):
+        bound(topk, state.seq_lens[:1].to(DEV), state.req_rows.to(DEV))
+
+
+def test_bound_swap_in_rejects_unpinned_host_pool() -> None:
+    rng = random.Random(1)
+    state = make_state(rng, [10], buffer_size=16, num_recent=2, row_bytes=16, max_steps=1)
+    gpu = _to_gpu_state(state)
+    gpu["host_pool"] = state.host_pool  # pageable
+    with pytest.raises(ValueError, match="pinned"):
+        BoundSwapIn(*_bound_args(gpu, 2, None))
 
 
 def _nan_poisoned_pool(rows: torch.Tensor, n_slots: int, fp8: bool, gen: torch.Generator):

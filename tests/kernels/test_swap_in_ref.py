@@ -14,7 +14,7 @@ from kernels_swap_traces import (
     write_current_token,
 )
 
-from kernels import swap_in
+from kernels import BoundSwapIn, dispatch, swap_in
 from kernels.swap_in_ref import swap_in_ref
 
 
@@ -105,3 +105,35 @@ def test_lru_order_after_one_step() -> None:
     assert counters.tolist() == [2, 2]
     assert device_pool[102].tolist() == [5] * 16 and device_pool[100].tolist() == [7] * 16
     assert d == 4
+
+
+def test_bound_swap_in_on_cpu_is_reference() -> None:
+    """`BoundSwapIn` (the HiSparse backend's per-layer path) on CPU tensors: the reference over a whole trace."""
+    bound: dict[str, BoundSwapIn] = {}
+
+    def impl(top_k, seq_lens, req_rows, *tables):
+        swap = bound.setdefault("swap", BoundSwapIn(*tables))
+        assert all(a is b for a, b in zip(swap.tables, tables, strict=True))  # the trace keeps its tables
+        return swap(top_k, seq_lens, req_rows)
+
+    run_trace(seed=9, seq_lens=[20, 50, 23], buffer_size=24, top_k=8, num_recent=2, overlap=0.5, steps=6, impl=impl)
+
+
+def test_bound_swap_in_checks_each_shape_once(monkeypatch) -> None:
+    calls: list[tuple[int, ...]] = []
+    original = dispatch.check_swap_in_args
+
+    def counting(top_k, *args):
+        calls.append(tuple(top_k.shape))
+        return original(top_k, *args)
+
+    monkeypatch.setattr(dispatch, "check_swap_in_args", counting)
+    state = make_state(random.Random(2), [10, 40], buffer_size=16, num_recent=2, row_bytes=8, max_steps=4)
+    swap = BoundSwapIn(state.buffer_slots, state.buffer_tokens, state.lru_order, state.host_rows, state.host_pool,
+                       state.device_pool, 2)
+    for k in (8, 8, 4, 8, 4):
+        swap(torch.full((2, k), -1, dtype=torch.int32), state.seq_lens, state.req_rows)
+    assert calls == [(2, 8), (2, 4)]
+    with pytest.raises(ValueError, match="must be >= top_k"):  # a new shape is checked before anything runs
+        swap(torch.full((2, 32), -1, dtype=torch.int32), state.seq_lens, state.req_rows)
+    assert calls[-1] == (2, 32) and (2, 32) not in swap._checked_shapes
