@@ -63,7 +63,7 @@ class BoundSwapIn:
         counters: torch.Tensor | None = None,
     ) -> None:
         self.tables = (buffer_slots, buffer_tokens, lru_order, host_rows, host_pool, device_pool, num_recent, counters)
-        self._checked_shapes: set[tuple[int, ...]] = set()
+        self._checked_shapes: set[tuple] = set()
         self._check: Callable[..., object]
         self._run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
         if device_pool.is_cuda:
@@ -76,10 +76,14 @@ class BoundSwapIn:
             self._run = self._run_reference
 
     def __call__(self, top_k_tokens: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor) -> torch.Tensor:
-        shape = top_k_tokens.shape
-        if shape not in self._checked_shapes:
+        # Checked once per signature (shape, dtype and device of each argument), not just per top-k shape: every
+        # argument the extension would refuse is refused here first, with a ValueError. The extension's own
+        # checks stay as a second line, but an exception raised inside it has crashed the process on the GPU
+        # (a seq_lens of the wrong length, 2026-11-23; cause not established), so it must not be the first.
+        signature = tuple((t.shape, t.dtype, t.device) for t in (top_k_tokens, seq_lens, req_rows))
+        if signature not in self._checked_shapes:
             self._check(top_k_tokens, seq_lens, req_rows, *self.tables)
-            self._checked_shapes.add(shape)
+            self._checked_shapes.add(signature)
         return self._run(top_k_tokens, seq_lens, req_rows)
 
     def _run_reference(self, top_k_tokens: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor) -> torch.Tensor:

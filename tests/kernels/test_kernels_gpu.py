@@ -174,9 +174,10 @@ def test_bound_swap_in_edge_cases() -> None:
     with pytest.raises(ValueError, match="must be >= top_k"):
         bound(torch.zeros(1, 2 * d, dtype=torch.int32, device=DEV), state.seq_lens[:1].to(DEV),
               state.req_rows[:1].to(DEV))
-    with pytest.raises(RuntimeError, match="top_k must be int32"):
+    # Refused by the per-signature Python check before the extension sees them (see BoundSwapIn.__call__).
+    with pytest.raises(ValueError, match="top_k_tokens must be"):
         bound(topk.long(), state.seq_lens.to(DEV), state.req_rows.to(DEV))
-    with pytest.raises(RuntimeError, match="seq_lens must be"):
+    with pytest.raises(ValueError, match="seq_lens and req_rows must be"):
         bound(topk, state.seq_lens[:1].to(DEV), state.req_rows.to(DEV))
 
 

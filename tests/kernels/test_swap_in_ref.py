@@ -136,4 +136,8 @@ def test_bound_swap_in_checks_each_shape_once(monkeypatch) -> None:
     assert calls == [(2, 8), (2, 4)]
     with pytest.raises(ValueError, match="must be >= top_k"):  # a new shape is checked before anything runs
         swap(torch.full((2, 32), -1, dtype=torch.int32), state.seq_lens, state.req_rows)
-    assert calls[-1] == (2, 32) and (2, 32) not in swap._checked_shapes
+    assert calls[-1] == (2, 32) and all(sig[0][0] != (2, 32) for sig in swap._checked_shapes)
+    swap(torch.full((2, 8), -1, dtype=torch.int32), state.seq_lens.int(), state.req_rows)  # new dtype: checked
+    assert calls[-1] == (2, 8) and len(calls) == 4
+    with pytest.raises(ValueError, match="must be \\[B, K\\] int32"):  # an int64 top-k of a checked shape
+        swap(torch.full((2, 8), -1, dtype=torch.int64), state.seq_lens, state.req_rows)
