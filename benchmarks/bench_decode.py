@@ -45,7 +45,6 @@ from decode_server.engine.cuda_graph import (
     resolve_batch_sizes,
 )
 from decode_server.engine.engine import Engine, resolve_attention_kernel, resolve_overlap_schedule
-from decode_server.engine.forward_context import get_forward_context
 from decode_server.engine.kv_rows import CacheGeometry, encode_row_bytes, encode_rows
 from decode_server.engine.memory import resolve_kv_dtype, resolve_model_dtype
 from decode_server.engine.request import Request
@@ -98,9 +97,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each step's tokens before launching the next (overlap is on by default on CUDA): "
                         "run once with and once without to measure what overlap scheduling gains")
-    p.add_argument("--enable-two-batch-overlap", action="store_true",
-                   help="decode steps as two micro-batches on two CUDA streams (decode_server/engine/two_batch.py): "
-                        "run once with and once without to measure what it hides of the swap-in's copies")
     p.add_argument("--out", default=None, help="JSON results (default benchmarks/results/bench_decode[_smoke].json)")
     p.add_argument("--plot", default=None, help="PNG plot (default next to the JSON)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU: tiny-dsa, 2 contexts, 3 steps")
@@ -126,12 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class SyntheticTopK:
     """Replaces the indexer's decode top-k with a window over a per-(request, layer) random permutation of the
     context, advancing by `miss_rate * K` positions per step: every entering position was last selected long
-    ago, so it misses, and the rest were selected one step earlier, so they hit.
-
-    With two-batch overlap each layer is called once per micro-batch, on its own stream: every micro-batch keeps
-    its own copy of the window starts (equal at the start, advanced once per layer per step by that micro-batch
-    alone; a whole batch advances both), so all requests of a step see the same window, as without it, and no
-    start is read on one stream while the other advances it."""
+    ago, so it misses, and the rest were selected one step earlier, so they hit."""
 
     def __init__(self, engine: Engine, context: int, miss_rate: float, seed: int) -> None:
         self.engine = engine
@@ -144,24 +135,19 @@ class SyntheticTopK:
         self.perm = torch.stack([torch.randperm(context, generator=gen) for _ in range(rows)]).to(
             engine.device, torch.int32)
         num_layers = int(engine.model_config.num_hidden_layers)
-        # Each layer's window start lives on the device and advances in place, so a captured step advances it;
-        # row i: micro-batch i's copy (row 0 for whole batches).
-        self.start = torch.randint(0, context, (num_layers,), generator=gen).repeat(2, 1).to(engine.device)
+        # Each layer's window start lives on the device and advances in place, so a captured step advances it.
+        self.start = torch.randint(0, context, (num_layers,), generator=gen).to(engine.device)
         backend = engine.kv.backend
-        self.original = type(backend).index_topk  # called on the context's backend (its state: the micro-batch's)
+        self.original = backend.index_topk
         backend.index_topk = self.index_topk
 
     def index_topk(self, layer_id: int, q: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
-        context = get_forward_context()
-        real = self.original(context.backend, layer_id, q, weights, top_k)  # keep the indexer's cost in the step
-        batch = context.batch
+        real = self.original(layer_id, q, weights, top_k)  # keep the indexer's cost in the step
+        batch = self.engine.kv.backend._current()
         if not batch.is_decode:
             return real
-        # A whole batch reads row 0 and advances both rows; micro-batch i reads and advances row i.
-        rows = slice(None) if batch.micro_batch is None else batch.micro_batch[0]
-        start = self.start[0 if batch.micro_batch is None else batch.micro_batch[0], layer_id]
-        cols = (start + torch.arange(top_k, device=q.device)) % self.context
-        self.start[rows, layer_id] += self.advance
+        cols = (self.start[layer_id] + torch.arange(top_k, device=q.device)) % self.context
+        self.start[layer_id] += self.advance
         return batch.mask_padded_topk(self.perm[batch.req_rows][:, cols].contiguous())
 
 
@@ -200,7 +186,7 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
         hisparse=HiSparseConfig(device_buffer_size=args.buffer_size, num_recent_slots=args.num_recent),
         enable_deterministic_inference=args.enable_deterministic_inference, tp_size=args.tp_size,
         disable_cuda_graph=True,  # captured by run_one once the requests are in (capture_graphs)
-        disable_overlap_schedule=args.disable_overlap_schedule, enable_two_batch_overlap=args.enable_two_batch_overlap,
+        disable_overlap_schedule=args.disable_overlap_schedule,
     )
     kv = None
     if hisparse:
@@ -362,8 +348,7 @@ def capture_graphs(args, engine: Engine, batch: int) -> dict:
     if reason is not None:
         return {"cuda_graph": False, "cuda_graph_off_reason": reason}
     buckets = resolve_batch_sizes(None, None, min(config.max_running_requests, engine.kv.backend.scratch_row))
-    runner = DecodeGraphRunner(engine.model, engine.kv.backend, engine.device, buckets, engine.context_length,
-                               engine.two_batch)
+    runner = DecodeGraphRunner(engine.model, engine.kv.backend, engine.device, buckets, engine.context_length)
     bucket = bucket_for(batch, buckets)
     with torch.inference_mode():
         runner.capture(None if args.cuda_graph_all_buckets else [bucket] if bucket is not None else [])
@@ -562,8 +547,7 @@ def run_rank(args, parallel=None) -> int:
           f"{args.host_kv_budget_gib:g} GiB host; tp_size {args.tp_size}; steps: {args.steps}; KV {args.kv_cache_dtype}; attention "
           f"{resolve_attention_kernel(args.attention_backend, device, args.enable_deterministic_inference)}"
           + ("; deterministic inference" if args.enable_deterministic_inference else "")
-          + f"; overlap schedule {overlap_label(args, device)}"
-          + f"; two-batch overlap {'on' if args.enable_two_batch_overlap else 'off'}")
+          + f"; overlap schedule {overlap_label(args, device)}")
     print(header)
     for r in results:
         label = r["mode"] + (f"@B{r['fixed_batch']}" if r.get("fixed_batch") else "")
@@ -589,8 +573,7 @@ def run_rank(args, parallel=None) -> int:
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_name,
             "attention_kernel": resolve_attention_kernel(args.attention_backend, device,
                                                          args.enable_deterministic_inference),
-            "overlap_schedule": overlap_label(args, device), "two_batch_overlap": args.enable_two_batch_overlap,
-            "command": " ".join(sys.argv), "args": vars(args)}
+            "overlap_schedule": overlap_label(args, device), "command": " ".join(sys.argv), "args": vars(args)}
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     if ok:
         plot(ok, Path(args.plot))

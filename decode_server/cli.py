@@ -83,12 +83,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="overlap scheduling even on CPU, where it cannot help (tests of its code path)",
     )
-    g.add_argument(
-        "--enable-two-batch-overlap",
-        action="store_true",
-        help="run each decode step of >= 2 requests as two micro-batches on two CUDA streams, so one's HiSparse "
-        "swap-in copies overlap the other's compute (off with --tp-size > 1)",
-    )
     g.add_argument("--random-seed", type=int, default=d.seed, help="seed of requests that give none")
     g.add_argument("--context-length", type=int, default=None, help="cap on prompt + generated tokens")
     g.add_argument(
@@ -204,7 +198,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.random_seed,
         disable_overlap_schedule=args.disable_overlap_schedule,
         force_overlap_schedule=args.force_overlap_schedule,
-        enable_two_batch_overlap=args.enable_two_batch_overlap,
         context_length=args.context_length,
         enable_hisparse=args.enable_hisparse,
         hisparse=HiSparseConfig.from_json(args.hisparse_config),

@@ -118,10 +118,6 @@ class EngineConfig(BaseModel):
     # pass N. On by default on CUDA, off on CPU (nothing overlaps there); `force_overlap_schedule` runs it on CPU.
     disable_overlap_schedule: bool = False
     force_overlap_schedule: bool = False
-    # Two-batch overlap (SGLang's --enable-two-batch-overlap): a decode step of >= 2 requests runs as two
-    # micro-batches whose layers alternate on two CUDA streams, so one's swap-in copies overlap the other's compute
-    # (decode_server/engine/two_batch.py). Off with tensor parallelism (logged).
-    enable_two_batch_overlap: bool = False
 
     # SGLang's --watchdog-timeout: an engine step running longer than this ends the engine process (the server
     # then exits non-zero, so an orchestrator restarts it).

@@ -80,7 +80,7 @@ _captured_metas: dict[tuple, object] = {}
 
 
 def _sched_meta(key: tuple) -> object:
-    """One FlashMLA tile-scheduler object per launch shape and stream: computed by the first call, reused by every later
+    """One FlashMLA tile-scheduler object per launch shape: computed by the first call, reused by every later
     call of that shape (all layers, all steps), as FlashMLA allows while the shapes stay the same (with
     `indices`, FlashMLA plans from (batch, heads, top-k), not from the data).
 
@@ -130,10 +130,7 @@ def sparse_mla_decode_flashmla(
         n = kv.shape[0]
         size = page_size(n)
         cache = kv.view(n // size, size, 1, FP8_ROW_BYTES)
-        # Keyed by stream too: the first call of a shape computes the meta on its stream, and a call of the same
-        # shape on another stream (two-batch overlap's micro-batches) would read it unordered with that work.
-        stream = torch.cuda.current_stream(q.device).cuda_stream
-        meta = _sched_meta((q.device.index, stream, batch, heads, top_k, size))
+        meta = _sched_meta((q.device.index, batch, heads, top_k, size))
         out, lse = mod.flash_mla_with_kvcache(
             q.unsqueeze(1), cache, None, None, D_V, meta, softmax_scale=float(scale), causal=False,
             is_fp8_kvcache=True, indices=indices.unsqueeze(1), use_legacy=True,

@@ -15,7 +15,6 @@ in the same order, which is what makes HiSparse bit-identical to dense.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
 
 import torch
 
@@ -31,32 +30,6 @@ class AttentionBackend(ABC):
     # The extra request row of every table that padded rows of static decode batches use; −1: none (the backend
     # cannot run padded batches, so no CUDA graphs).
     scratch_row: int = -1
-    # Two-batch overlap (decode_server/engine/two_batch.py): the names of the per-forward attributes that hold
-    # one entry per token of a decode batch (set by `begin_forward`, cleared by `end_forward`). A micro-batch of
-    # rows [lo, hi) runs its layers with each of them sliced to [lo, hi) and `_batch` (the batch the backend
-    # serves) set to the micro-batch; everything else the backend holds is shared. Empty: the backend cannot serve
-    # micro-batches.
-    decode_row_state: tuple[str, ...] = ()
-
-    @property
-    def supports_micro_batches(self) -> bool:
-        return bool(self.decode_row_state)
-
-    def micro_batch_state(self, sub: ForwardBatch, lo: int, hi: int) -> dict[str, Any]:
-        """The per-forward state of micro-batch `sub` (rows [lo, hi) of the current decode batch), to install with
-        `swap_state` around each of its layers. Made once per forward (views, no copies)."""
-        state: dict[str, Any] = {"_batch": sub}
-        for name in self.decode_row_state:
-            value = getattr(self, name)
-            state[name] = None if value is None else value[lo:hi]
-        return state
-
-    def swap_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Install per-forward `state` (attribute name → value); returns what it replaced, to swap back."""
-        previous = {name: getattr(self, name) for name in state}
-        for name, value in state.items():
-            setattr(self, name, value)
-        return previous
 
     def begin_forward(self, batch: ForwardBatch) -> None:  # noqa: B027 - optional hook
         """Called once before the first layer (e.g. to compute physical row tables for the batch)."""

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from decode_server.engine.forward_context import ForwardBatch, forward_context
-from decode_server.engine.two_batch import TwoBatchOverlap, model_forward
 
 if TYPE_CHECKING:
     from decode_server.config import EngineConfig
@@ -102,7 +101,7 @@ class DecodeGraphRunner:
     """
 
     def __init__(self, model: Any, backend: AttentionBackend, device: torch.device, buckets: list[int],
-                 index_width: int, two_batch: TwoBatchOverlap | None = None) -> None:
+                 index_width: int) -> None:
         if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets must be ascending distinct positive sizes, got {buckets}")
         if backend.scratch_row < 0 or buckets[-1] > backend.scratch_row:
@@ -113,9 +112,6 @@ class DecodeGraphRunner:
         self.buckets = list(buckets)
         self.max_bs = self.buckets[-1]
         self.index_width = index_width
-        # Two-batch overlap: buckets of >= 2 rows run the padded batch as two micro-batches inside the captured
-        # region (the side stream forks from and joins the capture stream there).
-        self.two_batch = two_batch
         # Static inputs. `_meta` holds, for a bucket bs: positions [0, bs), request rows [bs, 2bs), prefix lengths
         # [2bs, 3bs) and the number of real rows at 3bs, so one contiguous copy fills a step's inputs.
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
@@ -162,7 +158,7 @@ class DecodeGraphRunner:
         bs = batch.batch_size
         batch.pad_mask = self._arange[:bs] >= self._meta[3 * bs : 3 * bs + 1]
         with forward_context(batch, self.backend):
-            hidden = model_forward(self.model, self.input_ids[:bs], batch, self.two_batch)
+            hidden = self.model.forward(self.input_ids[:bs], batch.positions)
         return self.model.compute_logits(hidden)
 
     # -- per step --
@@ -236,8 +232,7 @@ def build_graph_runner(engine: Any) -> tuple[DecodeGraphRunner | None, str | Non
         return None, None
     buckets = resolve_batch_sizes(config.cuda_graph_bs, config.cuda_graph_max_bs,
                                   min(config.max_running_requests, backend.scratch_row))
-    runner = DecodeGraphRunner(engine.model, backend, engine.device, buckets, engine.context_length,
-                               engine.two_batch)
+    runner = DecodeGraphRunner(engine.model, backend, engine.device, buckets, engine.context_length)
     try:
         with torch.inference_mode():
             runner.capture()

@@ -76,8 +76,6 @@ class DenseBackend(AttentionBackend):
     `reference_kernels`: run the PyTorch reference kernels even on CUDA (`--attention-backend torch_native`,
     for MLA / indexer sizes the GPU kernels do not support)."""
 
-    decode_row_state = ("_new_slots", "_query_rows")
-
     def __init__(self, cache: DenseKVCache, reference_kernels: bool = False) -> None:
         self.cache = cache
         self.reference_kernels = reference_kernels

@@ -35,7 +35,6 @@ from decode_server.engine.request import Request, RequestStatus
 from decode_server.engine.sampler import SampledTokens, Sampler, is_greedy, make_generator, token_seed
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.engine.scheduler import ScheduledBatch, Scheduler
-from decode_server.engine.two_batch import TwoBatchOverlap, model_forward, resolve_two_batch_overlap
 from decode_server.engine.types import EngineStats, RequestDelta, TokenLogprob
 from decode_server.errors import (
     CapacityError,
@@ -128,9 +127,6 @@ class Engine:
         self.attention_kernel = resolve_attention_kernel(config.attention_backend, self.device,
                                                          config.enable_deterministic_inference)
         self.kv.backend.attention_kernel = self.attention_kernel
-        # Decode steps as two alternating micro-batches (None: off; decode_server/engine/two_batch.py)
-        self.two_batch: TwoBatchOverlap | None = resolve_two_batch_overlap(config, self.device, self.tp_size,
-                                                                           self.kv.backend)
         # CUDA graphs of the decode step per batch-size bucket (None: every step eager; decode_server/engine/cuda_graph.py)
         self.graph_runner: DecodeGraphRunner | None
         self.graph_runner, self.cuda_graph_error = build_graph_runner(self)
@@ -444,7 +440,7 @@ class Engine:
                 return logits.clone() if self.logits_hook is not None else logits
         with batch_invariant_mode(self.config.enable_deterministic_inference):
             with forward_context(fb, self.kv.backend):
-                hidden = model_forward(self.model, input_ids, fb, self.two_batch)
+                hidden = self.model.forward(input_ids, fb.positions)
             if fb.is_decode and all(sampled):
                 return self.model.compute_logits(hidden)  # one token per request, every one sampled: no gather
             pick = torch.tensor([i for i, s in enumerate(sampled) if s], dtype=torch.int64)

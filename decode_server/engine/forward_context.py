@@ -57,9 +57,6 @@ class ForwardBatch:
     pad_mask: torch.Tensor | None = None
     static: bool = False
     index_width: int | None = None
-    # Two-batch overlap (decode_server/engine/two_batch.py): (i, n) = this is micro-batch i of n of a decode
-    # batch (`sub_batch`); None: a whole batch.
-    micro_batch: tuple[int, int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -87,22 +84,6 @@ class ForwardBatch:
         if self.pad_mask is None:
             return topk
         return topk.masked_fill(self.pad_mask.unsqueeze(1), -1)
-
-    def sub_batch(self, lo: int, hi: int, micro_batch: tuple[int, int]) -> ForwardBatch:
-        """Requests [lo, hi) of a decode batch as a batch of their own: views of this batch's tensors (decode has
-        one token per request, so token i is request i and `token_req` is 0..n-1 again)."""
-        if not self.is_decode or self.num_tokens != self.batch_size:
-            raise ValueError("only decode batches (one token per request) split into micro-batches")
-        if not 0 <= lo < hi <= self.batch_size:
-            raise ValueError(f"rows [{lo}, {hi}) are not a non-empty part of a batch of {self.batch_size}")
-        return ForwardBatch(
-            req_rows=self.req_rows[lo:hi], prefix_lens=self.prefix_lens[lo:hi], extend_lens=self.extend_lens[lo:hi],
-            positions=self.positions[lo:hi], token_req=self.token_req[: hi - lo],
-            req_rows_cpu=self.req_rows_cpu[lo:hi], prefix_lens_cpu=self.prefix_lens_cpu[lo:hi],
-            extend_lens_cpu=self.extend_lens_cpu[lo:hi], is_decode=True,
-            pad_mask=None if self.pad_mask is None else self.pad_mask[lo:hi], static=self.static,
-            index_width=self.index_width, micro_batch=micro_batch,
-        )
 
     @property
     def last_token_indices(self) -> torch.Tensor:
@@ -169,21 +150,6 @@ def forward_context(batch: ForwardBatch, backend: AttentionBackend) -> Iterator[
     finally:
         _current = None
         backend.end_forward(batch)
-
-
-@contextlib.contextmanager
-def use_forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
-    """Inside a forward pass, make `context` (a micro-batch's, decode_server/engine/two_batch.py) the current one
-    for the duration, then restore the pass's own."""
-    global _current
-    outer = _current
-    if outer is None:
-        raise RuntimeError("use_forward_context needs an active forward_context")
-    _current = context
-    try:
-        yield context
-    finally:
-        _current = outer
 
 
 def get_forward_context() -> ForwardContext:

@@ -37,8 +37,6 @@ logger = logging.getLogger(__name__)
 
 
 class HiSparseBackend(AttentionBackend):
-    decode_row_state = ("_query_rows", "_index_rows", "_new_slots", "_new_host_rows", "_seq_lens")
-
     def __init__(self, coordinator: HiSparseCoordinator) -> None:
         self.co = coordinator
         self._batch: ForwardBatch | None = None

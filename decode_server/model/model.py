@@ -7,9 +7,6 @@ Module and parameter names mirror the Hugging Face checkpoints (`model.layers.N.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-from typing import Protocol
-
 import torch
 from torch import nn
 
@@ -21,19 +18,6 @@ from decode_server.model.moe import MoE
 from decode_server.model.rope import RotaryEmbedding
 from decode_server.parallel import layers as parallel_layers
 from decode_server.parallel.state import ParallelState, resolve
-
-
-class MicroBatchHooks(Protocol):
-    """What `forward_two_batch` asks of its caller (decode_server/engine/two_batch.py: streams, forward contexts)."""
-
-    def fork(self) -> None:
-        """The whole batch's inputs (embeddings, rotary tables) are launched: micro-batch 1 may start."""
-
-    def enter(self, index: int) -> AbstractContextManager[None]:
-        """The scope of one layer of micro-batch `index`."""
-
-    def join(self) -> None:
-        """Every layer of both micro-batches is launched: what follows reads both."""
 
 
 class DecoderLayer(nn.Module):
@@ -63,38 +47,14 @@ class DSAModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rope, config.qk_rope_head_dim)
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """Token embeddings [T, hidden] and the rotary tables (cos, sin in the model dtype; cos, sin float32)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos32, sin32 = self.rotary(positions, torch.float32)
-        return x, (cos32.to(x.dtype), sin32.to(x.dtype), cos32, sin32)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, rope = self.embed(input_ids, positions)
+        rope = (cos32.to(x.dtype), sin32.to(x.dtype), cos32, sin32)
         topk: torch.Tensor | None = None
         for layer in self.layers:
             x, topk = layer(x, rope, topk)
         return self.norm(x)
-
-    def forward_two_batch(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, split: int, hooks: MicroBatchHooks
-    ) -> torch.Tensor:
-        """`forward` with the tokens cut at `split` into two micro-batches whose layers run in alternation: layer L
-        of micro-batch 0, layer L of micro-batch 1, layer L+1 of micro-batch 0, ... Each layer of micro-batch i runs
-        inside `hooks.enter(i)`; `hooks.fork()` comes after the embeddings and `hooks.join()` once every layer is
-        launched, before the final norm of the whole batch (the embeddings and rotary tables, which both
-        micro-batches read, stay alive until then). GLM-5 shared layers get their own micro-batch's top-k."""
-        x, rope = self.embed(input_ids, positions)
-        hooks.fork()
-        parts = [(x[:split], tuple(r[:split] for r in rope)), (x[split:], tuple(r[split:] for r in rope))]
-        hidden = [part[0] for part in parts]
-        topk: list[torch.Tensor | None] = [None, None]
-        for layer in self.layers:
-            for i, (_, part_rope) in enumerate(parts):
-                with hooks.enter(i):
-                    hidden[i], topk[i] = layer(hidden[i], part_rope, topk[i])
-        hooks.join()
-        return self.norm(torch.cat(hidden))
 
 
 class DSAForCausalLM(nn.Module):
@@ -149,13 +109,6 @@ class DSAForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
-
-    @torch.no_grad()
-    def forward_two_batch(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, split: int, hooks: MicroBatchHooks
-    ) -> torch.Tensor:
-        """`forward` as two alternating micro-batches (two-batch overlap, decode_server/engine/two_batch.py)."""
-        return self.model.forward_two_batch(input_ids, positions, split, hooks)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -42,14 +42,14 @@ def make_engine(
     chunk: int = 64, max_queued: int = 1024, kv_cache_dtype: str = "auto", attention_backend: str = "auto",
     optimistic: bool = False, prefill_staging_tokens: int | None = None, disable_cuda_graph: bool = False,
     cuda_graph_bs: list[int] | None = None, eager_graph_buckets: list[int] | None = None,
-    overlap: bool | None = None, deterministic: bool = False, two_batch: bool = False,
+    overlap: bool | None = None, deterministic: bool = False,
 ) -> Engine:
     """`optimistic`: admission expects no request to grow past its prompt (new-token ratios 0), so that tight
     budgets force retractions. CUDA graphs follow the engine's defaults (captured on CUDA, none on CPU) and
     `disable_cuda_graph` / `cuda_graph_bs`; `eager_graph_buckets`: instead of graphs, run decode batches padded to
     these buckets through the graph runner's eager path (the very forward that graphs capture, not captured).
     `overlap`: force overlap scheduling on (True) or off (False); None: the device's default. `deterministic`:
-    batch-invariant mode (a request's results do not depend on its batch). `two_batch`: two-batch overlap."""
+    batch-invariant mode (a request's results do not depend on its batch)."""
     model, model_config, tokenizer = tiny
     cfg = EngineConfig(
         device=device, enable_hisparse=hisparse, page_size=PAGE, chunked_prefill_size=chunk,
@@ -60,12 +60,12 @@ def make_engine(
         attention_backend=attention_backend,
         disable_cuda_graph=disable_cuda_graph or eager_graph_buckets is not None, cuda_graph_bs=cuda_graph_bs,
         force_overlap_schedule=overlap is True, disable_overlap_schedule=overlap is False,
-        enable_deterministic_inference=deterministic, enable_two_batch_overlap=two_batch,
+        enable_deterministic_inference=deterministic,
     )
     engine = Engine(cfg, model=model, model_config=model_config, tokenizer=tokenizer)
     if eager_graph_buckets is not None:
         engine.graph_runner = DecodeGraphRunner(engine.model, engine.kv.backend, engine.device, eager_graph_buckets,
-                                                engine.context_length, engine.two_batch)
+                                                engine.context_length)
     if optimistic:
         sched = engine.scheduler
         sched.new_token_ratio = sched.min_new_token_ratio = sched.new_request_ratio = 0.0
