@@ -106,7 +106,7 @@ def _bound_args(gpu, num_recent: int, counters: torch.Tensor | None):
 @pytest.mark.parametrize(("buffer_size", "top_k", "num_recent"), [(256, 128, 4), (4096, 2048, 8)])
 def test_bound_swap_in_matches_unbound_and_reference(row_bytes: int, buffer_size: int, top_k: int,
                                                      num_recent: int) -> None:
-    """The backend's path (`BoundSwapIn`: tables bound once, checks on the first call of a shape) against the
+    """The backend's path (`BoundSwapIn`: tables bound once, checks on the first call of a signature) against the
     unbound call and the reference over a multi-step trace with misses: identical slots, device pool contents,
     buffer tokens, LRU order and counters after every step, while the batch shape changes between steps."""
     rng = random.Random(row_bytes + buffer_size)
@@ -147,7 +147,9 @@ def test_bound_swap_in_matches_unbound_and_reference(row_bytes: int, buffer_size
         assert_rows_resident(state, topk, got_bound.cpu(), bound_state["device_pool"])
         all_lens[keep] += 1
     assert int(counters_ref[1]) > 0, "the trace must load rows from the host pool"
-    assert bound._checked_shapes == {torch.Size([len(lens), top_k]), torch.Size([4, top_k])}
+    # One check per argument signature: the two batch shapes (same dtypes and device every step).
+    assert len(bound._checked_shapes) == 2
+    assert {sig[0][0] for sig in bound._checked_shapes} == {torch.Size([len(lens), top_k]), torch.Size([4, top_k])}
 
 
 def test_bound_swap_in_edge_cases() -> None:
