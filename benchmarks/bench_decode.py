@@ -469,6 +469,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logger.setLevel(logging.INFO)  # this script's progress lines; the server's INFO logs stay off
     args = parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -507,6 +508,20 @@ def _rank_entry(rank: int, args, init_method: str) -> None:
         sys.exit(code)
 
 
+def write_results(args, device: torch.device, results: list[dict]) -> Path:
+    """The JSON of every run so far: written after each run too, so a run cut short (a timeout on a lent GPU)
+    keeps what finished."""
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_name,
+            "attention_kernel": resolve_attention_kernel(args.attention_backend, device,
+                                                         args.enable_deterministic_inference),
+            "overlap_schedule": overlap_label(args, device), "command": " ".join(sys.argv), "args": vars(args)}
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    return out
+
+
 def _ms(value: float | None) -> str:
     return f"{value:>9.2f}" if value is not None else f"{'-':>9}"
 
@@ -537,6 +552,12 @@ def run_rank(args, parallel=None) -> int:
                 logger.warning("skipped %s (miss %s, batch %s) at context %d: %s", mode, miss, fixed, context, exc)
                 results.append({"mode": mode if miss is None else f"hisparse-m{round(miss * 100)}",
                                 "context": context, "fixed_batch": fixed, "error": str(exc)})
+            if reporting:
+                write_results(args, device, results)
+                last = results[-1]
+                if "error" not in last:
+                    logger.info("done: %s context %d batch %d: %.1f tok/s, %.2f ms a step", last["mode"],
+                                   last["context"], last["batch"], last["tokens_per_s"], last["step_ms"])
     ok = [r for r in results if "error" not in r]
     if not reporting:
         return 0 if ok else 1
@@ -568,13 +589,7 @@ def run_rank(args, parallel=None) -> int:
             shm = r["host_pool_shmem_bytes"]
             print(f"{'':<14}host pool {r['host_pool_bytes'] / GIB:.3f} GiB, one copy for {args.tp_size} rank(s)"
                   + (f"; node shared memory taken: {shm / GIB:.3f} GiB" if shm is not None else ""))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_name,
-            "attention_kernel": resolve_attention_kernel(args.attention_backend, device,
-                                                         args.enable_deterministic_inference),
-            "overlap_schedule": overlap_label(args, device), "command": " ".join(sys.argv), "args": vars(args)}
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    out = write_results(args, device, results)
     if ok:
         plot(ok, Path(args.plot))
     print(f"wrote {out} and {args.plot}")
