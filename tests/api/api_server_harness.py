@@ -5,6 +5,7 @@ Servers run with a short context length so that property-based tests cannot ask 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -12,6 +13,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -132,6 +135,34 @@ def wait_until_idle(server: ServerProcess, timeout: float = 30.0) -> dict:
             return stats
         time.sleep(0.1)
     raise AssertionError(f"engine not idle after {timeout} s: {stats}")
+
+
+def post_and_disconnect(
+    url: str, body: dict, working: Callable[[], bool], headers: dict[str, str] | None = None, timeout: float = 30.0
+) -> None:
+    """Send a non-streaming POST, wait until `working()` says the server is generating for it, then hang up
+    without reading the answer.
+
+    A client timeout would race the generation speed (an idle machine once finished 200 tokens before a 1.5 s
+    timeout); this disconnects at a known point of the request instead. Raises if the answer came first."""
+    parts = urllib.parse.urlsplit(url)
+    payload = json.dumps(body).encode()
+    lines = [f"POST {parts.path} HTTP/1.1", f"Host: {parts.netloc}", "Content-Type: application/json",
+             f"Content-Length: {len(payload)}", "Connection: close"]  # fmt: skip
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    with socket.create_connection((parts.hostname, parts.port), timeout=timeout) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + payload)
+        deadline = time.monotonic() + timeout
+        while not working():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the server did not start on the request within {timeout} s")
+            time.sleep(0.005)
+        sock.setblocking(False)
+        try:
+            answered = sock.recv(1)
+        except BlockingIOError:
+            answered = b""
+        assert not answered, "the server answered before the client hung up"
 
 
 def assert_no_orphans(server: ServerProcess, timeout: float = 10.0) -> None:

@@ -10,6 +10,7 @@ import json
 import httpx
 import openai
 import pytest
+from api_server_harness import post_and_disconnect
 from router_harness import MODEL, RouterProcess, Worker, wait_all_idle
 
 from decode_server.engine.llm import LLM
@@ -209,8 +210,8 @@ def test_non_streaming_disconnect_frees_both_workers(router: RouterProcess, work
     everyone = prefill + decode
     wait_all_idle(everyone)
     before = {w.url: w.server.stats()["num_generated_tokens"] for w in everyone}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(router.url + "/v1/completions", json=LONG, timeout=1.5)
+    post_and_disconnect(router.url + "/v1/completions", LONG,
+                        working=lambda: sum(w.server.stats()["num_running_reqs"] for w in decode) == 1)  # fmt: skip
     wait_all_idle(everyone, timeout=20)
     generated = {w.url: w.server.stats()["num_generated_tokens"] - before[w.url] for w in everyone}
     assert all(n < 200 for n in generated.values()), f"a worker ran the request to the end: {generated}"
