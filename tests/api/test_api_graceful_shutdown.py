@@ -13,6 +13,10 @@ from openai import OpenAI
 from tests.api.api_server_harness import ServerProcess, assert_clean_exit
 
 MODEL = "tiny-dsa"
+# Long enough to stay in flight while the test checks the draining server: the checks follow the signal within
+# milliseconds (they poll, no fixed sleep), while 240 tokens of tiny-dsa take over a second even on an idle CI
+# machine (~7 ms a token). A 48-token stream once finished, and the server exited, inside a fixed 0.3 s sleep.
+IN_FLIGHT_TOKENS = 240
 
 
 def _stream_in_thread(url: str, max_tokens: int, result: dict) -> threading.Thread:
@@ -34,18 +38,31 @@ def _stream_in_thread(url: str, max_tokens: int, result: dict) -> threading.Thre
     return thread
 
 
+def _wait_first_chunk(result: dict) -> None:
+    deadline = time.monotonic() + 60
+    while "first_chunk" not in result and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "first_chunk" in result, "the stream never started"
+
+
+def _wait_draining(server: ServerProcess) -> httpx.Response:
+    """Poll /health right after the signal until it leaves rotation (503); returns that answer."""
+    deadline = time.monotonic() + 10
+    while True:
+        health = httpx.get(server.url + "/health", timeout=5)
+        if health.status_code != 200 or time.monotonic() > deadline:
+            return health
+        time.sleep(0.005)
+
+
 def test_sigterm_drains_requests_in_flight() -> None:
     server = ServerProcess("--graceful-shutdown-timeout", "60").wait_ready()
     try:
         result: dict = {}
-        thread = _stream_in_thread(server.url, 48, result)
-        deadline = time.monotonic() + 60
-        while "first_chunk" not in result and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert "first_chunk" in result, "the stream never started"
+        thread = _stream_in_thread(server.url, IN_FLIGHT_TOKENS, result)
+        _wait_first_chunk(result)
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        health = httpx.get(server.url + "/health", timeout=5)
+        health = _wait_draining(server)
         assert health.status_code == 503, health.text
         refused = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 2},
                              timeout=10)  # fmt: skip
@@ -61,12 +78,10 @@ def test_second_signal_aborts_what_is_left() -> None:
     server = ServerProcess("--graceful-shutdown-timeout", "600").wait_ready()
     try:
         result: dict = {}
-        thread = _stream_in_thread(server.url, 200, result)
-        deadline = time.monotonic() + 60
-        while "first_chunk" not in result and time.monotonic() < deadline:
-            time.sleep(0.01)
+        thread = _stream_in_thread(server.url, IN_FLIGHT_TOKENS, result)
+        _wait_first_chunk(result)
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        assert _wait_draining(server).status_code == 503
         assert server.proc.poll() is None, "the server must wait for the stream (600 s drain)"
         t0 = time.monotonic()
         code = server.stop(signal.SIGTERM, timeout=30)
