@@ -52,6 +52,7 @@ from decode_server.engine.sampling_params import SamplingParams
 from decode_server.errors import DecodeServerError
 from decode_server.hisparse.coordinator import HiSparseCoordinator, HiSparseLayout
 from decode_server.model import build_random_model, load_config
+from kernels.dispatch import copy_rows
 from kernels.indexer_ref import quantize_index_keys
 
 logger = logging.getLogger("bench_decode")
@@ -219,26 +220,35 @@ def shmem_bytes() -> int:
 
 
 class SyntheticKV:
-    """One random context (MLA rows, encoded for the KV dtype, and indexer keys) copied into every request."""
+    """One random context (MLA rows, encoded for the KV dtype, and indexer keys) copied into every request.
+
+    HiSparse host rows are written by the row-copy kernel from a device copy of the context when the run is on a
+    GPU (the host pool is pinned, written through its UVA address at PCIe speed): a CPU `index_copy_` of 656-byte
+    rows runs at ~1 GB/s, which made filling a 40 GiB host pool take most of a bench run's device time. The first
+    request's rows are read back and compared, so a wrong fill cannot pass unnoticed."""
 
     def __init__(self, context: int, kv_dtype: torch.dtype, device: torch.device, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
         rows = torch.randn(context, 576, generator=gen) * 0.5
         self.rows = encode_row_bytes(rows, kv_dtype)  # [context, row bytes] uint8, as the host pool holds them
+        self.rows_src = self.rows.to(device)  # what the host pool is filled from (a GPU copy on GPU runs)
+        self.positions = torch.arange(context, device=device)
         keys, self.scales = quantize_index_keys(torch.randn(context, 128, generator=gen))
         self.keys = keys
         self.rows_dev = encode_rows(rows, kv_dtype).to(device)  # as the dense pool holds them
         self.keys_dev, self.scales_dev = keys.to(device), self.scales.to(device)
+        self.checked = False
 
     def inject(self, engine: Engine, req: Request, context: int) -> None:
         kv = engine.kv
         row = req.row
         if isinstance(kv, HiSparseCoordinator):
-            host_rows = kv.host.rows.slots(row, context).long().cpu()
-            data = self.rows
+            pool = kv.host.kv  # [L, N, row bytes]
+            host_rows = kv.host.rows.slots(row, context).long().to(self.positions.device)
+            copy_rows(self.rows_src.expand(pool.shape[0], -1, -1), pool, self.positions, host_rows)
+            if not self.checked:
+                self._check_host_rows(pool, host_rows)
             idx_rows = kv.indexer.rows.slots(row, context).long()
-            for layer in range(kv.layout.num_layers):
-                kv.host.kv[layer].index_copy_(0, host_rows, data)
             for layer in range(kv.indexer.keys.shape[0]):  # layers that own indexer keys
                 kv.indexer.keys[layer, idx_rows] = self.keys_dev
                 kv.indexer.scales[layer, idx_rows] = self.scales_dev
@@ -250,6 +260,15 @@ class SyntheticKV:
             for layer in range(cache.index_keys.shape[0]):  # layers that own indexer keys
                 cache.index_keys[layer, slots] = self.keys_dev
                 cache.index_scales[layer, slots] = self.scales_dev
+
+    def _check_host_rows(self, pool: torch.Tensor, host_rows: torch.Tensor) -> None:
+        if self.positions.device.type == "cuda":
+            torch.cuda.synchronize(self.positions.device)
+        rows = host_rows.cpu()
+        for layer in {0, pool.shape[0] - 1}:
+            if not torch.equal(pool[layer].index_select(0, rows), self.rows):
+                raise RuntimeError(f"host pool layer {layer} does not hold the injected rows")
+        self.checked = True
 
 
 def fill(engine: Engine, synthetic: SyntheticKV, context: int, max_len: int, limit: int, seed: int) -> int:
@@ -368,11 +387,16 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
     max_len = context + args.warmup + args.steps + 4  # room for every step; nothing finishes while timed
     cap = fixed_batch or args.max_batch
     shmem_before = shmem_bytes()
+    t_build = time.perf_counter()
     engine = build_engine(args, model, model_config, mode, context, max_len, cap, parallel)
+    build_s = time.perf_counter() - t_build
     kv_dtype = engine.kv_dtype
     name = mode if miss_rate is None else f"hisparse-m{round(miss_rate * 100)}"
     synthetic = SyntheticKV(context, kv_dtype, device, args.seed)
+    t_fill = time.perf_counter()
     batch = fill(engine, synthetic, context, max_len, cap, args.seed)
+    sync(device)
+    fill_s = time.perf_counter() - t_fill
     host_pool = getattr(getattr(engine.kv, "host", None), "nbytes", 0)
     if parallel is not None:
         import torch.distributed as dist
@@ -417,7 +441,7 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
         "hit_rate": (h1 - h0) / selected if selected else None,
         "pcie_bytes_per_step": ((up1 - up0) + (down1 - down0)) / args.steps,
         "h2d_bytes_per_step": (up1 - up0) / args.steps, "d2h_bytes_per_step": (down1 - down0) / args.steps,
-        "tp_size": args.tp_size, "host_pool_bytes": host_pool,
+        "tp_size": args.tp_size, "host_pool_bytes": host_pool, "build_s": build_s, "fill_s": fill_s,
         "host_pool_shmem_bytes": shmem_used if parallel is not None and host_pool else None,
         **spans, **graphs,
     }
@@ -556,8 +580,9 @@ def run_rank(args, parallel=None) -> int:
                 write_results(args, device, results)
                 last = results[-1]
                 if "error" not in last:
-                    logger.info("done: %s context %d batch %d: %.1f tok/s, %.2f ms a step", last["mode"],
-                                   last["context"], last["batch"], last["tokens_per_s"], last["step_ms"])
+                    logger.info("done: %s context %d batch %d: %.1f tok/s, %.2f ms a step (engine built in %.1f s,"
+                                " KV filled in %.1f s)", last["mode"], last["context"], last["batch"],
+                                last["tokens_per_s"], last["step_ms"], last["build_s"], last["fill_s"])
     ok = [r for r in results if "error" not in r]
     if not reporting:
         return 0 if ok else 1

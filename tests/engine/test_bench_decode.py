@@ -72,3 +72,18 @@ def test_bench_decode_gpu_preflight(tmp_path):
     assert by_mode[("hisparse-m15", None)]["hit_rate"] < 1.0
     # Every timed step replayed a CUDA graph (captured after the synthetic top-k was installed).
     assert all(r["cuda_graph"] and r["graph_replays"] >= 3 and r["graph_capture_s"] > 0 for r in results), results
+
+
+def test_bench_decode_fill_is_checked(tmp_path, monkeypatch):
+    """The synthetic KV fill reads back the first request's host rows: a copy that wrote nothing is reported as
+    that run's error instead of timing a pool of zeros; the dense run beside it is unaffected."""
+    spec = importlib.util.spec_from_file_location("bench_decode_fill", ROOT / "benchmarks" / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "copy_rows", lambda *args: None)
+    out = tmp_path / "r.json"
+    bench.main(["--smoke", "--contexts", "192", "--miss-rates", "--batch-sizes", "--steps", "2", "--out", str(out),
+                "--plot", str(tmp_path / "r.png")])  # fmt: skip
+    results = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert "does not hold the injected rows" in results["hisparse"]["error"]
+    assert "error" not in results["dense"] and results["dense"]["fill_s"] >= 0
