@@ -163,7 +163,9 @@ def test_wait_idle_waits_for_running_requests(venv: Path, server: str) -> None:
     started = threading.Event()
 
     def long_request() -> None:
-        body = {"model": "tiny-dsa", "prompt": "hello", "max_tokens": 16, "ignore_eos": True, "stream": True}
+        # 240 tokens (the server's context is 256) take over a second on tiny-dsa; 16 once finished before the
+        # first wait-idle (0.14 s to start, 0.2 s timeout) looked.
+        body = {"model": "tiny-dsa", "prompt": "hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", server + "/v1/completions", json=body, timeout=120) as resp:
             for _ in resp.iter_lines():
                 started.set()
