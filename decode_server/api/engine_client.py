@@ -59,6 +59,10 @@ from decode_server.errors import (
 logger = logging.getLogger(__name__)
 
 WATCHDOG_PERIOD_S = 0.2
+# How long a dead engine's last message (FatalMsg: why it died) may still be on its way after the process is gone.
+# The engine sends it just before exiting, but the watchdog can see the exit before the receive loop has read it;
+# without this wait the error said "exit code 1" instead of, say, which tensor-parallel rank was killed.
+DEATH_REASON_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -401,6 +405,9 @@ class EngineClient:
             self._check_heartbeat()
         if self.closing:
             return
+        deadline = time.monotonic() + DEATH_REASON_GRACE_S
+        while not self.death_reason and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # the receive loop may still deliver the engine's FatalMsg
         self.dead = True
         code = self._process.exitcode
         self.death_reason = self.death_reason or f"exit code {code}"

@@ -273,3 +273,47 @@ def test_cli_generate_offline(capsys: pytest.CaptureFixture[str]) -> None:
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [x["prompt"] for x in lines] == ["Hello", "World"]
     assert all(len(x["token_ids"]) == 3 and x["finish_reason"] == "length" for x in lines)
+
+
+class _ExitedProcess:
+    """A child process that has already exited with code 1 (what the watchdog finds after an engine crash)."""
+
+    pid = 12345
+    exitcode = 1
+
+    def is_alive(self) -> bool:
+        return False
+
+
+def test_engine_death_reason_arriving_after_the_exit_is_kept() -> None:
+    """The engine sends why it dies (FatalMsg) just before it exits; when the watchdog sees the exit first, the
+    reason that arrives right after still names the death (not a bare "exit code 1")."""
+    import asyncio
+
+    from decode_server.api.engine_client import EngineClient
+    from decode_server.api.messages import FatalMsg, encode
+    from decode_server.config import EngineConfig
+
+    async def scenario() -> tuple[str, bool]:
+        client = EngineClient(EngineConfig(device="cpu"))
+        client._process = _ExitedProcess()  # type: ignore[assignment]
+        receiver = asyncio.create_task(client._receive_loop())
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 1000)
+        push.connect(client.from_engine_addr)
+
+        async def late_reason() -> None:
+            await asyncio.sleep(0.1)  # after the watchdog's first look at the process
+            push.send(encode(FatalMsg("tensor-parallel rank 1 (pid 7) died (signal SIGKILL)")))
+
+        sender = asyncio.create_task(late_reason())
+        await client._watchdog()
+        await sender
+        receiver.cancel()
+        push.close()
+        client.close_sockets()
+        return client.death_reason, client.dead
+
+    reason, dead = asyncio.run(scenario())
+    assert dead
+    assert reason == "tensor-parallel rank 1 (pid 7) died (signal SIGKILL)"
