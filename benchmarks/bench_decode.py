@@ -532,10 +532,14 @@ def _rank_entry(rank: int, args, init_method: str) -> None:
         sys.exit(code)
 
 
+def describe_device(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
 def write_results(args, device: torch.device, results: list[dict]) -> Path:
     """The JSON of every run so far: written after each run too, so a run cut short (a timeout on a lent GPU)
     keeps what finished."""
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    device_name = describe_device(device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_name,
@@ -586,7 +590,7 @@ def run_rank(args, parallel=None) -> int:
     ok = [r for r in results if "error" not in r]
     if not reporting:
         return 0 if ok else 1
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    device_name = describe_device(device)
     header = (f"{'mode':<14}{'context':>8}{'batch':>7}{'tok/s':>11}{'step ms':>10}{'hit rate':>10}"
               f"{'PCIe MB/step':>14}{'fwd ms':>9}{'idx ms':>9}{'attn ms':>9}{'swap ms':>9}")
     print(f"device: {device_name}; config: {args.config}; budget: {args.device_kv_budget_gib:g} GiB device, "
