@@ -84,7 +84,7 @@ class Engine:
     `parallel` (a `decode_server.parallel.ParallelState`) makes this engine one tensor-parallel rank: its model
     holds this rank's shard, its memory budgets are agreed with the other ranks, the HiSparse host pool is the
     node's shared one, and every rank must be driven with the same calls in the same order
-    (decode_server/api/tp_ranks.py does that).
+    (decode_server/runtime/tp_ranks.py does that).
     """
 
     def __init__(

@@ -1,17 +1,16 @@
-"""Tensor-parallel engine ranks: one engine process per rank, driven in lockstep by rank 0.
+"""A rank group: one engine process per rank on one node, rank 0 talking to the api, ranks 1..N-1 its children.
 
-Layout (`--tp-size N`): the api process spawns rank 0 (today's engine process, `engine_process.py`); rank 0
-resolves the model (generating `tiny-dsa` once), launches ranks 1..N-1 as its own children
-(`python -m decode_server.api.tp_ranks`), and all N join one torch.distributed group (NCCL on CUDA plus a gloo
-`cpu_group`; gloo only on CPU). Every rank builds the same `Engine(config, parallel=state)`: its model shard, its
-own device pools, and the node's one shared HiSparse host pool.
+What every multi-rank layout shares, whatever the ranks do with the api's messages: the device of each rank,
+the torch.distributed rendezvous (`init_rank`), launching and watching ranks 1..N-1 (`RankSupervisor`), and the
+bodies of rank 0 (`run_group_driver`, inside the engine process) and of the other ranks (`run_group_worker`).
+How the ranks share the work is the caller's `RankLoops`: the loop rank 0 runs, the loop the others run, and
+the module whose `python -m` starts them. Tensor parallelism's lockstep loops are decode_server/runtime/tp_ranks.py.
 
-Every loop iteration rank 0 drains the api's messages (new requests, aborts, stats queries, shutdown), gives each
-sampled request without a seed one drawn from `--random-seed`'s stream, and broadcasts the list over `cpu_group`
-(`broadcast_object_list`); every rank applies the same messages in the same order and then calls
-`engine.step()`, so their schedulers, pools and samplers stay identical. Only rank 0 answers the api (acceptances,
-deltas, stats, heartbeats). A stats query is a collective: every rank's counters, pool usage and a running digest
-of the tokens it produced are gathered into `EngineStats.tp_ranks`, so divergence is visible.
+Layout (`--tp-size N`): the api process spawns rank 0 (the engine process, decode_server/runtime/engine_process.py);
+rank 0 resolves the model (generating `tiny-dsa` once), launches ranks 1..N-1 as its own children, and all N
+join one torch.distributed group (NCCL on CUDA plus a gloo `cpu_group`; gloo only on CPU). Every rank builds the
+same `Engine(config, parallel=state)`: its model shard, its own device pools, and the node's one shared HiSparse
+host pool.
 
 Supervision: ranks 1..N-1 die with rank 0 (parent-death signal, and they exit when their parent changes); a
 thread of rank 0 watches them, and when one exits unexpectedly it tells the api (`FatalMsg`), ends the others and
@@ -24,46 +23,40 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import hashlib
 import logging
 import os
-import random
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import zmq
 
-from decode_server.api.engine_process import (
-    EngineLoop,
-    _die_with_parent,
-    _load_factory,
-    describe_engine,
-    run_with_heartbeat,
-)
-from decode_server.api.messages import FatalMsg, GenerateMsg, ReadyMsg, ToEngine, decode_to_engine, encode
 from decode_server.config import EngineConfig
-from decode_server.engine.sampler import is_greedy
-from decode_server.engine.types import TPRankStats
 from decode_server.parallel.state import ParallelState, destroy_parallel, init_parallel
+from decode_server.runtime.describe import describe_engine
+from decode_server.runtime.heartbeat import run_with_heartbeat
+from decode_server.runtime.lifetime import die_with_parent, leave_signals_to_parent, load_factory
+from decode_server.runtime.loop import EngineLoop
+from decode_server.runtime.messages import FatalMsg, ReadyMsg, encode
 
-logger = logging.getLogger("decode_server.tp_ranks")
+logger = logging.getLogger(__name__)
 
 SUPERVISE_PERIOD_S = 0.2
 RANK_EXIT_TIMEOUT_S = 10.0
+CONFIG_ENV = "DECODE_SERVER_ENGINE_CONFIG"  # how rank 0 hands the config to ranks 1..N-1
 
 
 # ---------------------------------------------------------------------------------------------- set-up helpers
 
 
-def check_tp_devices(config: EngineConfig) -> None:
+def check_rank_devices(config: EngineConfig) -> None:
     """`--tp-size N` on CUDA needs N visible GPUs (rank r uses cuda:r); on CPU every rank shares the host."""
     if config.tp_size <= 1 or config.device == "cpu":
         return
@@ -87,7 +80,7 @@ def free_tcp_port() -> int:
 
 
 def init_rank(config: EngineConfig, rank: int, init_method: str) -> ParallelState:
-    """Join the tensor-parallel group; returns this rank's `ParallelState`."""
+    """Join the group; returns this rank's `ParallelState`."""
     device = rank_device(config, rank)  # init_parallel makes it the current CUDA device
     if device.type == "cpu":
         # Ranks share the host's cores: one rank's threads per core share, or their spin-waits starve each other.
@@ -96,112 +89,30 @@ def init_rank(config: EngineConfig, rank: int, init_method: str) -> ParallelStat
                          timeout_s=config.watchdog_timeout)  # fmt: skip
 
 
-def build_engine(config: EngineConfig, parallel: Any, engine_factory: str) -> Any:
-    return _load_factory(engine_factory)(config, parallel=parallel)
+def build_rank_engine(config: EngineConfig, parallel: ParallelState, engine_factory: str) -> Any:
+    return load_factory(engine_factory)(config, parallel=parallel)
 
 
-# ---------------------------------------------------------------------------------------------- the loops
+def leave_group(parallel: ParallelState) -> None:
+    with contextlib.suppress(Exception):
+        destroy_parallel(parallel)
 
 
-class _NoReplies:
-    """The reply socket of ranks > 0: only rank 0 talks to the api."""
-
-    def send(self, data: bytes, *args: Any) -> None:
-        pass
+# ---------------------------------------------------------------------------------------------- how ranks share work
 
 
-class _TPLoop(EngineLoop):
-    """What every rank does alike: apply a broadcast list of messages, step, digest what it produced."""
+@dataclass(frozen=True)
+class RankLoops:
+    """How the ranks of a group share the work.
 
-    def __init__(self, engine: Any, pull: Any, push: Any, parent_pid: int | None, parallel: Any) -> None:
-        super().__init__(engine, pull, push, parent_pid)
-        self.parallel = parallel
-        self._digest = hashlib.blake2b(digest_size=8)
+    `driver(engine, pull, push, parent_pid, parallel, config, supervisor)`: rank 0's loop, which alone talks to
+    the api (its sockets `pull`/`push`) and must set `supervisor.stopping` when it stops on a shutdown;
+    `follower(engine, parent_pid, parallel, config)`: the loop of ranks 1..N-1; `worker_module`: the module whose
+    `python -m` runs ranks 1..N-1 (it calls `run_group_worker` with these loops)."""
 
-    def _apply(self, msgs: list[ToEngine]) -> None:
-        for msg in msgs:
-            self._handle(msg)
-            if self.stopping:
-                return
-
-    def _broadcast(self, msgs: list[ToEngine] | None) -> list[ToEngine]:
-        box: list[Any] = [msgs]
-        dist.broadcast_object_list(box, src=0, group=self.parallel.cpu_group)
-        return list(box[0])
-
-    def _on_deltas(self, deltas: list[Any]) -> None:
-        for delta in deltas:
-            self._digest.update(f"{delta.rid}:{delta.new_token_ids}:{delta.finished};".encode())
-        super()._on_deltas(deltas)
-
-    def _rank_stats(self) -> TPRankStats:
-        stats = self.engine.stats()
-        return TPRankStats(
-            tp_rank=self.parallel.tp_rank, pid=os.getpid(), num_steps=stats.num_steps,
-            num_generated_tokens=stats.num_generated_tokens, token_digest=self._digest.hexdigest(),
-            host_pages_used=stats.host_pages.used, device_slots_used=stats.device_slots.used,
-            indexer_slots_used=stats.indexer_slots.used, dense_kv_slots_used=stats.dense_kv_slots.used,
-        )  # fmt: skip
-
-    def _stats(self) -> Any:
-        """Collective: every rank's view goes to rank 0, which reports them beside its own stats."""
-        mine = self._rank_stats()
-        gathered: list[Any] | None = [None] * self.parallel.tp_size if self.parallel.tp_rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0, group=self.parallel.cpu_group)
-        stats = self.engine.stats()
-        if gathered is not None:
-            stats.tp_ranks = list(gathered)
-        return stats
-
-
-class DriverLoop(_TPLoop):
-    """Rank 0: the api's messages, seeded and broadcast, then applied here like everywhere."""
-
-    def __init__(self, engine: Any, pull: Any, push: Any, parent_pid: int | None, parallel: Any,
-                 seed: int, supervisor: RankSupervisor) -> None:  # fmt: skip
-        super().__init__(engine, pull, push, parent_pid, parallel)
-        self._seeds = random.Random(seed)
-        self.supervisor = supervisor
-
-    def _handle(self, msg: ToEngine) -> None:
-        super()._handle(msg)
-        if self.stopping:  # a shutdown: the other ranks exit now too, which is no failure
-            self.supervisor.stopping = True
-
-    def _receive(self) -> None:
-        msgs: list[ToEngine] = []
-        if self.pull.poll(self._poll_timeout_ms()):
-            while True:
-                try:
-                    data = self.pull.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                msgs.append(self._seeded(decode_to_engine(data)))
-        # A broadcast every iteration, even an empty one, keeps the ranks in step; a hung peer shows as a long
-        # "step" to the heartbeat's watchdog.
-        self.step_started = time.monotonic()
-        try:
-            self._apply(self._broadcast(msgs))
-        finally:
-            self.step_started = None
-
-    def _seeded(self, msg: ToEngine) -> ToEngine:
-        """A sampled request without a seed gets one here, before the broadcast: every rank's generator for it
-        is then the same, and so is every token it samples."""
-        if isinstance(msg, GenerateMsg) and msg.params.seed is None and not is_greedy(msg.params):
-            params = msg.params.model_copy(update={"seed": self._seeds.getrandbits(63)})
-            return dataclasses.replace(msg, params=params)
-        return msg
-
-
-class FollowerLoop(_TPLoop):
-    """Ranks 1..N-1: rank 0's messages from the broadcast, no replies."""
-
-    def __init__(self, engine: Any, parent_pid: int | None, parallel: Any) -> None:
-        super().__init__(engine, None, _NoReplies(), parent_pid, parallel)
-
-    def _receive(self) -> None:
-        self._apply(self._broadcast(None))
+    driver: Callable[..., EngineLoop]
+    follower: Callable[..., EngineLoop]
+    worker_module: str
 
 
 # ---------------------------------------------------------------------------------------------- rank 0
@@ -211,13 +122,14 @@ class RankSupervisor:
     """Rank 0's children, ranks 1..N-1: launched, watched by a thread, ended with rank 0."""
 
     def __init__(self, config: EngineConfig, init_method: str, log_level: str, engine_factory: str,
-                 fatal_address: str, ctx: zmq.Context) -> None:  # fmt: skip
+                 fatal_address: str, ctx: zmq.Context, worker_module: str) -> None:  # fmt: skip
         self.config = config
         self.init_method = init_method
         self.log_level = log_level
         self.engine_factory = engine_factory
         self.fatal_address = fatal_address
         self.ctx = ctx
+        self.worker_module = worker_module
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.stopping = False
         self.failure: str | None = None
@@ -226,13 +138,13 @@ class RankSupervisor:
     def start(self) -> None:
         config_json = self.config.model_dump_json()
         for rank in range(1, self.config.tp_size):
-            args = [sys.executable, "-m", "decode_server.api.tp_ranks", "--rank", str(rank), "--init-method",
+            args = [sys.executable, "-m", self.worker_module, "--rank", str(rank), "--init-method",
                     self.init_method, "--parent-pid", str(os.getpid()), "--log-level", self.log_level,
                     "--engine-factory", self.engine_factory]  # fmt: skip
-            env = dict(os.environ, DECODE_SERVER_ENGINE_CONFIG=config_json)
+            env = dict(os.environ, **{CONFIG_ENV: config_json})
             self.procs[rank] = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL)
             logger.info("tensor-parallel rank %d started (pid %d)", rank, self.procs[rank].pid)
-        self._thread = threading.Thread(target=self._watch, name="tp-supervisor", daemon=True)
+        self._thread = threading.Thread(target=self._watch, name="rank-supervisor", daemon=True)
         self._thread.start()
 
     @property
@@ -287,8 +199,9 @@ class RankSupervisor:
                     proc.wait(5)
 
 
-def run_driver_process(config: EngineConfig, ctx: zmq.Context, pull: zmq.Socket, push: zmq.Socket,
-                       from_engine_addr: str, parent_pid: int, log_level: str, engine_factory: str) -> int:  # fmt: skip
+def run_group_driver(config: EngineConfig, ctx: zmq.Context, pull: zmq.Socket, push: zmq.Socket,
+                     from_engine_addr: str, parent_pid: int, log_level: str, engine_factory: str,
+                     loops: RankLoops) -> int:  # fmt: skip
     """Rank 0's body inside the engine process (sockets already connected); returns the exit code."""
     from decode_server.model import resolve_model_path
 
@@ -296,19 +209,20 @@ def run_driver_process(config: EngineConfig, ctx: zmq.Context, pull: zmq.Socket,
     parallel = None
     exit_code = 0
     try:
-        check_tp_devices(config)
+        check_rank_devices(config)
         resolve_model_path(config.model_path)  # generate tiny-dsa here once, before any rank reads it
         init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
-        supervisor = RankSupervisor(config, init_method, log_level, engine_factory, from_engine_addr, ctx)
+        supervisor = RankSupervisor(config, init_method, log_level, engine_factory, from_engine_addr, ctx,
+                                    loops.worker_module)  # fmt: skip
         supervisor.start()
         parallel = init_rank(config, 0, init_method)
-        engine = build_engine(config, parallel, engine_factory)
+        engine = build_rank_engine(config, parallel, engine_factory)
         info = describe_engine(engine, config)
         info.update(tp_size=config.tp_size, ep_size=config.ep_size, tp_rank_pids=supervisor.pids,
                     host_pool_shared=bool(config.enable_hisparse))  # fmt: skip
         push.send(encode(ReadyMsg(os.getpid(), info)))
-        run_with_heartbeat(DriverLoop(engine, pull, push, parent_pid, parallel, config.seed, supervisor), ctx,
-                           from_engine_addr, config.watchdog_timeout)
+        loop = loops.driver(engine, pull, push, parent_pid, parallel, config, supervisor)
+        run_with_heartbeat(loop, ctx, from_engine_addr, config.watchdog_timeout)
     except Exception as exc:
         reason = supervisor.failure_reason() if supervisor is not None else None
         message = reason or f"{type(exc).__name__}: {exc}"
@@ -320,49 +234,39 @@ def run_driver_process(config: EngineConfig, ctx: zmq.Context, pull: zmq.Socket,
         if supervisor is not None:
             supervisor.terminate(RANK_EXIT_TIMEOUT_S if exit_code == 0 else 0.5)
         if parallel is not None and exit_code == 0:
-            _leave_group(parallel)
+            leave_group(parallel)
         push.close(linger=1000)
         pull.close(linger=0)
         ctx.term()
     return exit_code
 
 
-def _leave_group(parallel: ParallelState) -> None:
-    with contextlib.suppress(Exception):
-        destroy_parallel(parallel)
-
-
 # ---------------------------------------------------------------------------------------------- ranks 1..N-1
 
 
-def worker_main(argv: list[str] | None = None) -> int:
-    """Entry point of ranks 1..N-1 (launched by rank 0 only)."""
-    parser = argparse.ArgumentParser(prog="decode_server.api.tp_ranks")
+def run_group_worker(argv: list[str] | None, loops: RankLoops) -> int:
+    """Body of ranks 1..N-1 (launched by rank 0's `RankSupervisor` only); returns the exit code."""
+    parser = argparse.ArgumentParser(prog=loops.worker_module)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--init-method", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--engine-factory", required=True)
     args = parser.parse_args(argv)
-    _die_with_parent()
+    die_with_parent()
     if os.getppid() != args.parent_pid:  # rank 0 died before the parent-death signal was armed
         return 1
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    leave_signals_to_parent()  # rank 0 decides when the group stops
     logging.basicConfig(level=args.log_level.upper(), force=True,
                         format=f"%(asctime)s %(levelname)s engine rank {args.rank} %(name)s: %(message)s")  # fmt: skip
-    config = EngineConfig.model_validate_json(os.environ["DECODE_SERVER_ENGINE_CONFIG"])
+    config = EngineConfig.model_validate_json(os.environ[CONFIG_ENV])
     parallel = init_rank(config, args.rank, args.init_method)
     try:
-        engine = build_engine(config, parallel, args.engine_factory)
-        FollowerLoop(engine, args.parent_pid, parallel).run()
+        engine = build_rank_engine(config, parallel, args.engine_factory)
+        loops.follower(engine, args.parent_pid, parallel, config).run()
     except Exception:
         if os.getppid() == args.parent_pid:
             logger.exception("tensor-parallel rank %d failed", args.rank)
         return 1
-    _leave_group(parallel)
+    leave_group(parallel)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(worker_main())
