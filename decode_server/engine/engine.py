@@ -20,7 +20,8 @@ from decode_server.config import EngineConfig
 from decode_server.engine.cuda_graph import DecodeGraphRunner, build_graph_runner
 from decode_server.engine.dense_kv import DenseKVManager
 from decode_server.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
-from decode_server.engine.forward_context import ForwardBatch, forward_context
+from decode_server.engine.forward_batch import ForwardBatch
+from decode_server.engine.forward_context import forward_context
 from decode_server.engine.kernel_support import REFERENCE_BACKEND, check_kernel_support
 from decode_server.engine.kv_manager import KVManager
 from decode_server.engine.kv_rows import CacheGeometry, check_fp8_row_format

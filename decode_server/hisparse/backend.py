@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from decode_server.engine.attention_backend import AttentionBackend
-from decode_server.engine.forward_context import ForwardBatch
+from decode_server.engine.forward_batch import ForwardBatch
 from decode_server.engine.kv_rows import attention_rows, encode_row_bytes
 from decode_server.hisparse import ops
 
@@ -69,7 +69,7 @@ class HiSparseBackend(AttentionBackend):
 
     @property
     def scratch_row(self) -> int:
-        """The request row that padded rows of static decode batches use (forward_context.SCRATCH_SLOTS)."""
+        """The request row that padded rows of static decode batches use (forward_batch.SCRATCH_SLOTS)."""
         return self.co.buffers.scratch_row
 
     # -- per forward --
