@@ -21,7 +21,7 @@ After the last chunk the coordinator preloads the buffer.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -29,15 +29,40 @@ from decode_server.engine.attention_backend import AttentionBackend
 from decode_server.engine.forward_batch import ForwardBatch
 from decode_server.engine.kv_rows import attention_rows, encode_row_bytes
 from decode_server.hisparse import ops
-
-if TYPE_CHECKING:
-    from decode_server.hisparse.coordinator import HiSparseCoordinator
+from decode_server.hisparse.counters import HiSparseCounters
+from decode_server.hisparse.device_buffer import DeviceBufferPool
+from decode_server.hisparse.host_pool import HostKVPool
+from decode_server.hisparse.indexer_pool import IndexerKeyPool
+from decode_server.hisparse.prefill_staging import PrefillStaging
 
 logger = logging.getLogger(__name__)
 
 
+class HiSparseMemory(Protocol):
+    """What the backend reads and orders of the HiSparse memory's owner (`HiSparseCoordinator`, which builds its
+    backend): the pools, the counters, the backup stream and the ordering of backups."""
+
+    kv_dtype: torch.dtype
+    device: torch.device
+    reference_kernels: bool  # PyTorch reference attention / indexer even on CUDA
+    index_slot: dict[int, int]  # layer id → its layer in the indexer-key cache
+    kv_lora_rank: int
+    host: HostKVPool
+    buffers: DeviceBufferPool
+    indexer: IndexerKeyPool
+    counters: HiSparseCounters
+    staging: PrefillStaging | None
+    backup_stream: torch.cuda.Stream | None
+
+    def set_pending_backup(self, event: torch.cuda.Event | None, rows: list[int] | None = None) -> None:
+        """Record the newest backup (and the request rows whose rows it copies)."""
+
+    def wait_backup_on_current_stream(self) -> None:
+        """Make the current stream wait for the last backup."""
+
+
 class HiSparseBackend(AttentionBackend):
-    def __init__(self, coordinator: HiSparseCoordinator) -> None:
+    def __init__(self, coordinator: HiSparseMemory) -> None:
         self.co = coordinator
         self._batch: ForwardBatch | None = None
         self._query_rows: torch.Tensor | None = None
@@ -57,13 +82,13 @@ class HiSparseBackend(AttentionBackend):
             ops.bind_swap_in(bufs.buffer_slots, bufs.buffer_tokens[layer], bufs.lru_order[layer],
                              coordinator.host.rows.table, coordinator.host.kv[layer], bufs.kv[layer],
                              bufs.num_recent, coordinator.counters.swap[layer])
-            for layer in range(coordinator.layout.num_layers)
+            for layer in range(bufs.num_layers)
         ]
-        self._attention_rows = [attention_rows(bufs.kv[layer], coordinator.kv_dtype)
-                                for layer in range(coordinator.layout.num_layers)]
+        self._attention_rows = [attention_rows(bufs.kv[layer], coordinator.kv_dtype) for layer in range(bufs.num_layers)]
         # Static decode batches (CUDA graphs): the new tokens' slots and host rows, written inside the forward
-        # (so inside the graph), read by the backup after it. One entry per request row at most.
-        rows = coordinator.layout.max_reqs
+        # (so inside the graph), read by the backup after it. One entry per request row at most (rows
+        # 0..scratch_row-1: the scratch row's index is the number of request rows).
+        rows = bufs.scratch_row
         self._static_new_slots = torch.zeros(rows, dtype=torch.int64, device=coordinator.device)
         self._static_new_host_rows = torch.zeros(rows, dtype=torch.int64, device=coordinator.device)
 
