@@ -34,6 +34,7 @@ from decode_server.hisparse.device_buffer import DeviceBufferPool
 from decode_server.hisparse.host_pool import HostKVPool
 from decode_server.hisparse.indexer_pool import IndexerKeyPool
 from decode_server.hisparse.prefill_staging import PrefillStaging
+from kernels import SwapInTables
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +79,17 @@ class HiSparseBackend(AttentionBackend):
         # One bound swap-in per layer (tables, pools and counters bound once): without CUDA graphs the swap-in's host
         # time is on the step's critical path, once per layer (docs/kernels.md). A profiler may wrap the entries.
         bufs = coordinator.buffers
+        host = coordinator.host
         self.swaps = [
-            ops.bind_swap_in(bufs.buffer_slots, bufs.buffer_tokens[layer], bufs.lru_order[layer],
-                             coordinator.host.rows.table, coordinator.host.kv[layer], bufs.kv[layer],
-                             bufs.num_recent, coordinator.counters.swap[layer])
+            ops.bind_swap_in(SwapInTables(
+                buffer_slots=bufs.buffer_slots, buffer_tokens=bufs.buffer_tokens[layer],
+                lru_order=bufs.lru_order[layer], host_rows=host.rows.table, host_pool=host.kv[layer],
+                device_pool=bufs.kv[layer], num_recent=bufs.num_recent, counters=coordinator.counters.swap[layer],
+            ))
             for layer in range(bufs.num_layers)
         ]
-        self._attention_rows = [attention_rows(bufs.kv[layer], coordinator.kv_dtype) for layer in range(bufs.num_layers)]
+        self._attention_rows = [attention_rows(bufs.kv[layer], coordinator.kv_dtype)
+                                for layer in range(bufs.num_layers)]
         # Static decode batches (CUDA graphs): the new tokens' slots and host rows, written inside the forward
         # (so inside the graph), read by the backup after it. One entry per request row at most (rows
         # 0..scratch_row-1: the scratch row's index is the number of request rows).
