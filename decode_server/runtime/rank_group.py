@@ -56,6 +56,12 @@ CONFIG_ENV = "DECODE_SERVER_ENGINE_CONFIG"  # how rank 0 hands the config to ran
 # ---------------------------------------------------------------------------------------------- set-up helpers
 
 
+def group_size(config: EngineConfig) -> int:
+    """Engine processes in the group: `--tp-size` (as in SGLang, a data-parallel attention layout would split these
+    same ranks into attention groups rather than add processes)."""
+    return config.tp_size
+
+
 def check_rank_devices(config: EngineConfig) -> None:
     """`--tp-size N` on CUDA needs N visible GPUs (rank r uses cuda:r); on CPU every rank shares the host."""
     if config.tp_size <= 1 or config.device == "cpu":
@@ -84,7 +90,7 @@ def init_rank(config: EngineConfig, rank: int, init_method: str) -> ParallelStat
     device = rank_device(config, rank)  # init_parallel makes it the current CUDA device
     if device.type == "cpu":
         # Ranks share the host's cores: one rank's threads per core share, or their spin-waits starve each other.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // group_size(config)))
     return init_parallel(rank, config.tp_size, config.ep_size, init_method, device,
                          timeout_s=config.watchdog_timeout)  # fmt: skip
 
@@ -137,7 +143,7 @@ class RankSupervisor:
 
     def start(self) -> None:
         config_json = self.config.model_dump_json()
-        for rank in range(1, self.config.tp_size):
+        for rank in range(1, group_size(self.config)):
             args = [sys.executable, "-m", self.worker_module, "--rank", str(rank), "--init-method",
                     self.init_method, "--parent-pid", str(os.getpid()), "--log-level", self.log_level,
                     "--engine-factory", self.engine_factory]  # fmt: skip
