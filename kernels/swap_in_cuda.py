@@ -25,7 +25,7 @@ def swap_in_cuda(
     pinned (or on that GPU). Asynchronous on the current stream.
 
     `check=False` skips the Python argument checks (ValueErrors with clear messages; ~5 µs of host time per call,
-    measured in docs/benchmarks.md) for a caller that already passed the same tables and pools with checks, as
+    measured in docs/benchmarks-history.md) for a caller that already passed the same tables and pools with checks, as
     `kernels.BoundSwapIn` does for every top-k shape after its first; the extension keeps its own checks."""
     if check:
         check_swap_in_cuda_args(top_k_tokens, seq_lens, req_rows, tables)
