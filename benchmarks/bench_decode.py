@@ -506,7 +506,7 @@ def launch_ranks(args) -> int:
     """One process per rank (torch.multiprocessing, spawn); rank 0 reports. Non-zero if any rank fails."""
     import torch.multiprocessing as mp
 
-    from decode_server.api.tp_ranks import free_tcp_port
+    from decode_server.runtime.rank_group import free_tcp_port
 
     if args.device == "cuda" and torch.cuda.device_count() < args.tp_size:
         raise SystemExit(f"--tp-size {args.tp_size} needs {args.tp_size} GPUs; {torch.cuda.device_count()} visible")
@@ -522,7 +522,7 @@ def launch_ranks(args) -> int:
 
 
 def _rank_entry(rank: int, args, init_method: str) -> None:
-    from decode_server.api.tp_ranks import init_rank
+    from decode_server.runtime.rank_group import init_rank
 
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
     config = EngineConfig(device=args.device, tp_size=args.tp_size)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import device_name, host_us_per_call, kernel_times_us, pinned_h2d_gbps, time_gpu_us  # noqa: E402
 
 from kernels.swap_in_cuda import swap_in_cuda  # noqa: E402
+from kernels.swap_in_tables import SwapInTables  # noqa: E402
 
 logger = logging.getLogger("bench_swap_in")
 NUM_RECENT = 4
@@ -93,6 +94,7 @@ def run_case(host_pool: torch.Tensor, device_pool: torch.Tensor, batch: int, buf
     live_tokens = torch.empty((batch, buffer_size), dtype=torch.int32, device=dev)
     live_lru = torch.empty_like(live_tokens)
     counters = torch.zeros(2, dtype=torch.int64, device=dev)
+    tables = SwapInTables(slots, live_tokens, live_lru, host_rows, host_pool, device_pool, NUM_RECENT, counters)
     state = {"i": 0}
 
     def reset() -> None:
@@ -103,8 +105,7 @@ def run_case(host_pool: torch.Tensor, device_pool: torch.Tensor, batch: int, buf
 
     def call() -> None:
         topk = workloads[state["i"]][0]
-        swap_in_cuda(topk, seq_lens, req_rows, slots, live_tokens, live_lru, host_rows, host_pool, device_pool,
-                     NUM_RECENT, counters)
+        swap_in_cuda(topk, seq_lens, req_rows, tables)
 
     reset()
     counters.zero_()
@@ -138,7 +139,6 @@ def host_overhead(batches: list[int], buffer_size: int = 4096, top_k: int = 2048
     import kernels
     from kernels.cuda_ext import load_extension
     from kernels.swap_in_cuda import bind_swap_in_cuda
-    from kernels.swap_in_ref import check_swap_in_args
 
     dev = "cuda"
     ext = load_extension()
@@ -154,19 +154,21 @@ def host_overhead(batches: list[int], buffer_size: int = 4096, top_k: int = 2048
         req_rows = torch.arange(batch, dtype=torch.int64, device=dev)
         topk, tokens, lru, _ = make_workload(batch, buffer_size, top_k, 0.0, seq_len)
         counters = torch.zeros(2, dtype=torch.int64, device=dev)
-        args = (topk, seq_lens, req_rows, slots, tokens, lru, host_rows, host_pool, device_pool, NUM_RECENT, counters)
+        tables = SwapInTables(slots, tokens, lru, host_rows, host_pool, device_pool, NUM_RECENT, counters)
+        batch_args = (topk, seq_lens, req_rows)
+        ext_args = (*batch_args, *tables.extension_args())  # the extension's own argument list
 
-        def previous(a=args) -> None:  # the wrapper before this change: Python checks, then the extension
-            check_swap_in_args(*a)
-            if not a[7].is_cuda and not a[7].is_pinned():
+        def previous(b=batch_args, t=tables, a=ext_args) -> None:  # the wrapper before checks could be skipped
+            t.check(*b)
+            if not t.host_pool.is_cuda and not t.host_pool.is_pinned():
                 raise ValueError("host_pool must be pinned")
             ext.swap_in(*a)
 
-        bound = kernels.BoundSwapIn(*args[3:])
-        context = bind_swap_in_cuda(*args[3:])  # what BoundSwapIn calls once a shape is checked
-        entry = {"extension": lambda a=args: ext.swap_in(*a),
-                 "kernels.swap_in, checked": lambda a=args: kernels.swap_in(*a),
-                 "kernels.swap_in(check=False)": lambda a=args: kernels.swap_in(*a, check=False),
+        bound = kernels.BoundSwapIn(tables)
+        context = bind_swap_in_cuda(tables)  # what BoundSwapIn calls once a shape is checked
+        entry = {"extension": lambda a=ext_args: ext.swap_in(*a),
+                 "kernels.swap_in, checked": lambda b=batch_args, t=tables: kernels.swap_in(*b, t),
+                 "kernels.swap_in(check=False)": lambda b=batch_args, t=tables: kernels.swap_in(*b, t, check=False),
                  "previous wrapper": previous,
                  "BoundSwapIn (backend path)": lambda f=bound, t=topk, s=seq_lens, r=req_rows: f(t, s, r),
                  "SwapInContext alone": lambda f=context, t=topk, s=seq_lens, r=req_rows: f(t, s, r)}

@@ -415,9 +415,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             server_config_from_args(args)  # validate before starting anything
             if engine_config.tp_size > 1:
-                from decode_server.api.tp_ranks import check_tp_devices
+                from decode_server.runtime.rank_group import check_rank_devices
 
-                check_tp_devices(engine_config)
+                check_rank_devices(engine_config)
         elif engine_config.tp_size > 1:
             raise ValueError("--tp-size > 1 runs one engine process per rank: use `decode-server serve`")
     except (ValidationError, ValueError) as exc:

@@ -4,8 +4,9 @@ Nothing is compiled at import: the CUDA extension is built on first CUDA use (ke
 
 from kernels.dispatch import BoundSwapIn, backup_rows, copy_rows, indexer_topk, sparse_mla_decode, swap_in
 from kernels.fp8_rows import pack_fp8_rows, unpack_fp8_rows
+from kernels.swap_in_tables import SwapInTables
 
 __all__ = [
-    "BoundSwapIn", "backup_rows", "copy_rows", "indexer_topk", "pack_fp8_rows", "sparse_mla_decode", "swap_in",
-    "unpack_fp8_rows",
+    "BoundSwapIn", "SwapInTables", "backup_rows", "copy_rows", "indexer_topk", "pack_fp8_rows", "sparse_mla_decode",
+    "swap_in", "unpack_fp8_rows",
 ]

@@ -6,44 +6,35 @@ GPU modules are imported lazily so that importing `kernels` needs neither Triton
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from kernels.fp8_rows import FP8_ROW_BYTES, unpack_fp8_rows
 from kernels.indexer_ref import indexer_topk_ref
 from kernels.sparse_mla_ref import D_V, sparse_mla_decode_ref
-from kernels.swap_in_ref import check_swap_in_args, swap_in_ref
+from kernels.swap_in_ref import swap_in_ref
+from kernels.swap_in_tables import SwapInTables
 
 
 def swap_in(
-    top_k_tokens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    req_rows: torch.Tensor,
-    buffer_slots: torch.Tensor,
-    buffer_tokens: torch.Tensor,
-    lru_order: torch.Tensor,
-    host_rows: torch.Tensor,
-    host_pool: torch.Tensor,
-    device_pool: torch.Tensor,
-    num_recent: int,
-    counters: torch.Tensor | None = None,
+    top_k_tokens: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor, tables: SwapInTables,
     check: bool = True,
-) -> torch.Tensor:
-    """HiSparse swap-in for one layer (semantics: kernels/swap_in_ref.py). CUDA kernel when the device pool
-    is on a GPU (host pool pinned), the reference otherwise. `check=False`: see `swap_in_cuda` (the reference
-    always checks). A caller that swaps in repeatedly with the same tables binds them once: `BoundSwapIn`."""
-    args = (top_k_tokens, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
-            device_pool, num_recent, counters)
-    if device_pool.is_cuda:
+) -> torch.Tensor:  # fmt: skip
+    """HiSparse swap-in of one batch against one layer's `tables` (semantics: kernels/swap_in_ref.py). CUDA kernel
+    when the device pool is on a GPU (host pool pinned), the reference otherwise. `check=False`: see
+    `swap_in_cuda` (the reference always checks). A caller that swaps in repeatedly against the same tables binds
+    them once: `BoundSwapIn`."""
+    if tables.device_pool.is_cuda:
         from kernels.swap_in_cuda import swap_in_cuda
 
-        return swap_in_cuda(*args, check=check)
-    return swap_in_ref(*args)
+        return swap_in_cuda(top_k_tokens, seq_lens, req_rows, tables, check=check)
+    return swap_in_ref(top_k_tokens, seq_lens, req_rows, tables)
 
 
 class BoundSwapIn:
-    """`swap_in` for one layer with everything but the batch bound once: `bound(top_k_tokens, seq_lens, req_rows)`
-    equals `swap_in(top_k_tokens, seq_lens, req_rows, *bound.tables)`.
+    """`swap_in` for one layer with its tables bound once: `bound(top_k_tokens, seq_lens, req_rows)` equals
+    `swap_in(top_k_tokens, seq_lens, req_rows, bound.tables)`.
 
     Why: the HiSparse backend swaps in once per layer per decode step, and without CUDA graphs that host time is on
     the step's critical path. On the GPU the call goes straight to the extension's `SwapInContext` (three tensors
@@ -51,29 +42,19 @@ class BoundSwapIn:
     first call of each top-k shape only, since the bound tables are the same for every call. On the CPU it calls
     the reference, which checks every call. The bound tensors must not be resized or re-pointed while it lives."""
 
-    def __init__(
-        self,
-        buffer_slots: torch.Tensor,
-        buffer_tokens: torch.Tensor,
-        lru_order: torch.Tensor,
-        host_rows: torch.Tensor,
-        host_pool: torch.Tensor,
-        device_pool: torch.Tensor,
-        num_recent: int,
-        counters: torch.Tensor | None = None,
-    ) -> None:
-        self.tables = (buffer_slots, buffer_tokens, lru_order, host_rows, host_pool, device_pool, num_recent, counters)
+    def __init__(self, tables: SwapInTables) -> None:
+        self.tables = tables
         self._checked_shapes: set[tuple] = set()
-        self._check: Callable[..., object]
+        self._check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
         self._run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-        if device_pool.is_cuda:
+        if tables.device_pool.is_cuda:
             from kernels.swap_in_cuda import bind_swap_in_cuda, check_swap_in_cuda_args
 
-            self._check = check_swap_in_cuda_args
-            self._run = bind_swap_in_cuda(*self.tables)
+            self._check = partial(check_swap_in_cuda_args, tables=tables)
+            self._run = bind_swap_in_cuda(tables)
         else:
-            self._check = check_swap_in_args
-            self._run = self._run_reference
+            self._check = tables.check
+            self._run = partial(swap_in_ref, tables=tables)
 
     def __call__(self, top_k_tokens: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor) -> torch.Tensor:
         # Checked once per signature (shape, dtype and device of each argument), not just per top-k shape: every
@@ -82,12 +63,9 @@ class BoundSwapIn:
         # (a seq_lens of the wrong length, 2026-11-23; cause not established), so it must not be the first.
         signature = tuple((t.shape, t.dtype, t.device) for t in (top_k_tokens, seq_lens, req_rows))
         if signature not in self._checked_shapes:
-            self._check(top_k_tokens, seq_lens, req_rows, *self.tables)
+            self._check(top_k_tokens, seq_lens, req_rows)
             self._checked_shapes.add(signature)
         return self._run(top_k_tokens, seq_lens, req_rows)
-
-    def _run_reference(self, top_k_tokens: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor) -> torch.Tensor:
-        return swap_in_ref(top_k_tokens, seq_lens, req_rows, *self.tables)
 
 
 # Query rows per reference call: bounds the gathered rows (chunk × K × D fp32) so a long prefill's memory grows

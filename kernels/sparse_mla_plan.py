@@ -10,8 +10,8 @@ import math
 D_V = 512
 
 # Cost-model constants for `choose_splits` (H200, Triton 3.6), fitted to the split sweep of
-# benchmarks/bench_sparse_mla.py --splits (H 64 and 128, B 1…256, both row formats; docs/benchmarks.md): µs per
-# BLOCK_N = 64 tile of one 64-head program (bf16 rows, FP8 rows), fixed µs per program (q load, epilogue),
+# benchmarks/bench_sparse_mla.py --splits (H 64 and 128, B 1…256, both row formats; docs/benchmarks-history.md):
+# µs per BLOCK_N = 64 tile of one 64-head program (bf16 rows, FP8 rows), fixed µs per program (q load, epilogue),
 # effective bandwidth of the fp32 partial outputs (written by the split programs, read back by the combine kernel;
 # partly from L2), and the combine launch.
 _TILE_US = {False: 4.2, True: 9.5}
@@ -47,7 +47,7 @@ def choose_splits(batch: int, num_heads: int, top_k: int, block_h: int, block_n:
     tiles = top_k // block_n
     programs_per_split = batch * (num_heads // block_h)
     if fp8 and block_h >= 64 and programs_per_split * tiles <= 2 * num_sms:
-        # Measured (docs/benchmarks.md, split sweep): with FP8 rows, two waves of one-tile programs beat one wave
+        # Measured (docs/benchmarks-history.md, split sweep): with FP8 rows, two waves of one-tile programs beat one wave
         # of two-tile programs (e.g. 6 programs per split: 34.0–34.4 µs at 32 splits vs 36.1–37.1 at 16), which
         # the wave model prices the other way round; so while every tile as its own split fits in two waves,
         # split all the way.
@@ -63,7 +63,7 @@ def choose_splits(batch: int, num_heads: int, top_k: int, block_h: int, block_n:
 
 
 # Smallest batch from which FlashMLA beats the Triton kernel, per (heads, FP8 rows), measured on the H200 with
-# K = 2048 (benchmarks/bench_sparse_mla.py --flashmla, docs/benchmarks.md; Triton µs vs FlashMLA µs): bf16 H128
+# K = 2048 (benchmarks/bench_sparse_mla.py --flashmla, docs/benchmarks-history.md; Triton µs vs FlashMLA µs): bf16 H128
 # B 16: 56 vs 64, B 20: 89 vs 65; bf16 H64 B 32: 58 vs 67, B 40: 92 vs 68; FP8 H128 B 1: 19.6 vs 20.6, B 2: 21.6
 # vs 19.6; FP8 H64 B 3: 21.1 vs 22.2, B 4: 23.2 vs 21.1. FlashMLA's bf16 kernel is its sparse prefill kernel:
 # ~57 µs even for one query.

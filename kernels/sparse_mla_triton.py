@@ -227,7 +227,7 @@ def _num_sms(device_index: int) -> int:
 
 
 def default_config(num_heads: int, fp8: bool) -> dict[str, int]:
-    """Block sizes by head count (measured on an H200, docs/benchmarks.md): 64 heads per program at most."""
+    """Block sizes by head count (measured on an H200, docs/benchmarks-history.md): 64 heads per program at most."""
     block_h = min(num_heads, 64)
     return {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 8 if block_h == 64 else 4, "num_stages": 2}
 

@@ -1,8 +1,10 @@
 """HiSparse swap-in, PyTorch reference (the CPU path of the engine and the oracle of the CUDA kernel).
 
 For one layer and a batch, map each request's top-k token positions to device slots, loading the misses
-from the host pool into least-recently-used device slots. The layout is docs/architecture.md "HiSparse
-memory layout"; in short, for request row r with `seq_len` tokens (the current one included):
+from the host pool into least-recently-used device slots. The layer's tables are one `SwapInTables`
+(kernels/swap_in_tables.py), which also holds the argument checks every implementation shares. The layout is
+docs/architecture.md "HiSparse memory layout"; in short, for request row r with `seq_len` tokens (the current one
+included):
 
 - fast path, seq_len <= D: token t sits at LRU position t, slot `buffer_slots[r, t]`. Nothing is read or
   written besides the output (the coordinator keeps `buffer_tokens[r] = arange(D)` for such requests).
@@ -24,74 +26,18 @@ from __future__ import annotations
 
 import torch
 
-
-def check_swap_in_args(
-    top_k_tokens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    req_rows: torch.Tensor,
-    buffer_slots: torch.Tensor,
-    buffer_tokens: torch.Tensor,
-    lru_order: torch.Tensor,
-    host_rows: torch.Tensor,
-    host_pool: torch.Tensor,
-    device_pool: torch.Tensor,
-    num_recent: int,
-    counters: torch.Tensor | None,
-) -> tuple[int, int, int]:
-    """Validate shapes and dtypes shared by every swap-in implementation; returns (B, K, D)."""
-    if top_k_tokens.dim() != 2 or top_k_tokens.dtype != torch.int32:
-        raise ValueError(f"top_k_tokens must be [B, K] int32, got {tuple(top_k_tokens.shape)} {top_k_tokens.dtype}")
-    batch, top_k = top_k_tokens.shape
-    if seq_lens.shape != (batch,) or req_rows.shape != (batch,):
-        raise ValueError(f"seq_lens and req_rows must be [{batch}], got {tuple(seq_lens.shape)}, {tuple(req_rows.shape)}")
-    if buffer_tokens.dim() != 2 or lru_order.shape != buffer_tokens.shape:
-        raise ValueError("buffer_tokens and lru_order must both be [max_reqs, D] (one layer)")
-    for name, t in (("buffer_slots", buffer_slots), ("buffer_tokens", buffer_tokens), ("lru_order", lru_order),
-                    ("host_rows", host_rows)):
-        if t.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {t.dtype}")
-    buffer_size = buffer_tokens.shape[1]
-    if num_recent < 1:
-        raise ValueError(f"num_recent must be >= 1 (the current token lives in the recent ring), got {num_recent}")
-    if buffer_slots.dim() != 2 or buffer_slots.shape[1] != buffer_size + num_recent:
-        raise ValueError(
-            f"buffer_slots must be [max_reqs, D + R] = [*, {buffer_size + num_recent}], got {tuple(buffer_slots.shape)}"
-        )
-    if buffer_size < top_k:
-        raise ValueError(
-            f"device buffer size D={buffer_size} must be >= top_k K={top_k}: each miss needs an LRU slot "
-            "that no selected token occupies"
-        )
-    if host_pool.dim() != 2 or device_pool.dim() != 2 or host_pool.shape[1] != device_pool.shape[1]:
-        raise ValueError(
-            f"host_pool and device_pool must be [N, row_bytes] with equal row_bytes, got "
-            f"{tuple(host_pool.shape)} and {tuple(device_pool.shape)}"
-        )
-    if host_pool.dtype != torch.uint8 or device_pool.dtype != torch.uint8:
-        raise ValueError("host_pool and device_pool must be uint8 row tensors")
-    if counters is not None and (counters.shape != (2,) or counters.dtype != torch.int64):
-        raise ValueError("counters must be a [2] int64 tensor (hits, misses) or None")
-    return batch, top_k, buffer_size
+from kernels.swap_in_tables import SwapInTables
 
 
 def swap_in_ref(
-    top_k_tokens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    req_rows: torch.Tensor,
-    buffer_slots: torch.Tensor,
-    buffer_tokens: torch.Tensor,
-    lru_order: torch.Tensor,
-    host_rows: torch.Tensor,
-    host_pool: torch.Tensor,
-    device_pool: torch.Tensor,
-    num_recent: int,
-    counters: torch.Tensor | None = None,
+    top_k_tokens: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor, tables: SwapInTables
 ) -> torch.Tensor:
-    """Map top-k positions [B, K] to device slots [B, K] int32 (−1 stays −1); see the module docstring."""
-    batch, top_k, buffer_size = check_swap_in_args(
-        top_k_tokens, seq_lens, req_rows, buffer_slots, buffer_tokens, lru_order, host_rows, host_pool,
-        device_pool, num_recent, counters,
-    )
+    """Map top-k positions [B, K] to device slots [B, K] int32 (−1 stays −1) against one layer's `tables`,
+    updating them; see the module docstring."""
+    batch, top_k, buffer_size = tables.check(top_k_tokens, seq_lens, req_rows)
+    buffer_slots, buffer_tokens, lru_order = tables.buffer_slots, tables.buffer_tokens, tables.lru_order
+    host_rows, host_pool, device_pool = tables.host_rows, tables.host_pool, tables.device_pool
+    num_recent, counters = tables.num_recent, tables.counters
     device = top_k_tokens.device
     out = torch.full((batch, top_k), -1, dtype=torch.int32, device=device)
     if batch == 0:

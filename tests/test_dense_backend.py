@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from decode_server.engine.dense_backend import DenseBackend, DenseKVCache
-from decode_server.engine.forward_context import SCRATCH_SLOTS, ForwardBatch, forward_context
+from decode_server.engine.forward_batch import SCRATCH_SLOTS, ForwardBatch
+from decode_server.engine.forward_context import forward_context
 from decode_server.engine.kv_alloc import OutOfSlotsError, PagedAllocator, RequestTokenTable
 from kernels.indexer_ref import quantize_index_keys
 

@@ -28,7 +28,18 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from decode_server.api.messages import (
+from decode_server.config import EngineConfig
+from decode_server.disagg.bootstrap_info import BootstrapInfo
+from decode_server.engine.sampling_params import SamplingParams
+from decode_server.engine.types import EngineStats, RequestDelta
+from decode_server.errors import (
+    DecodeServerError,
+    EngineDeadError,
+    EngineNotRespondingError,
+    QueueFullError,
+    ServerShuttingDownError,
+)
+from decode_server.runtime.messages import (
     AbortMsg,
     AcceptedMsg,
     DeltasMsg,
@@ -43,17 +54,6 @@ from decode_server.api.messages import (
     ToEngine,
     decode_from_engine,
     encode,
-)
-from decode_server.config import EngineConfig
-from decode_server.disagg.bootstrap_info import BootstrapInfo
-from decode_server.engine.sampling_params import SamplingParams
-from decode_server.engine.types import EngineStats, RequestDelta
-from decode_server.errors import (
-    DecodeServerError,
-    EngineDeadError,
-    EngineNotRespondingError,
-    QueueFullError,
-    ServerShuttingDownError,
 )
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class EngineClient:
 
     async def start(self, ready_timeout_s: float = 600.0) -> dict[str, Any]:
         """Spawn the engine process and wait until it has loaded the model; returns its `ReadyMsg.info`."""
-        from decode_server.api.engine_process import DEFAULT_ENGINE_FACTORY, run_engine_process
+        from decode_server.runtime.engine_process import DEFAULT_ENGINE_FACTORY, run_engine_process
 
         ctx = multiprocessing.get_context("spawn")
         self._process = ctx.Process(

@@ -29,10 +29,10 @@ _worker_tokenizer: Any = None
 
 def _init_worker(model_dir: str) -> None:
     global _worker_tokenizer
-    from decode_server.api.engine_process import _die_with_parent
     from decode_server.model.tokenizer import Tokenizer
+    from decode_server.runtime.lifetime import die_with_parent
 
-    _die_with_parent()
+    die_with_parent()
     # Ctrl-C reaches the whole process group; the api process shuts the pool down itself.
     import signal
 

@@ -1,4 +1,7 @@
-"""What the engine process's loop asks of a PD role, the pieces both roles share, and `build_role`."""
+"""What the engine process's loop asks of a PD role and the pieces both roles share.
+
+The engine process picks the role of `--disaggregation-mode` (`decode_server.runtime.engine_process.build_role`);
+the roles import this module, never the other way round."""
 
 from __future__ import annotations
 
@@ -127,16 +130,3 @@ class PDRole(ABC):
     @abstractmethod
     def _disagg_stats(self) -> DisaggStats:
         """Implemented by PrefillRole and DecodeRole."""
-
-
-def build_role(engine: Any, cfg: DisaggregationConfig) -> PDRole | None:
-    """The role of `--disaggregation-mode` (None when colocated)."""
-    if cfg.mode == "prefill":
-        from decode_server.disagg.prefill_role import PrefillRole
-
-        return PrefillRole(engine, cfg)
-    if cfg.mode == "decode":
-        from decode_server.disagg.decode_role import DecodeRole
-
-        return DecodeRole(engine, cfg)
-    return None

@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from decode_server.engine.forward_context import ForwardBatch
+from decode_server.engine.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

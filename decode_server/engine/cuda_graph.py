@@ -2,7 +2,7 @@
 `--disable-cuda-graph`).
 
 A decode batch of b requests runs as the smallest captured bucket bs >= b: rows b..bs-1 are padding. Padded rows
-are requests of the backends' scratch row (forward_context.SCRATCH_SLOTS): each decodes its "first token" at
+are requests of the backends' scratch row (forward_batch.SCRATCH_SLOTS): each decodes its "first token" at
 position 0 into a scratch slot that no request owns, and its top-k is masked to -1, so it reads no KV, loads
 nothing, moves no LRU state and counts no swap-in hit; its new row is never backed up. What a step needs that
 changes from step to step (input ids, positions, request rows, prefix lengths, the number of real rows) is copied
@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from decode_server.engine.forward_context import ForwardBatch, forward_context
+from decode_server.engine.forward_batch import ForwardBatch
+from decode_server.engine.forward_context import forward_context
 
 if TYPE_CHECKING:
     from decode_server.config import EngineConfig

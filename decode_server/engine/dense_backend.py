@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from decode_server.engine.attention_backend import AttentionBackend
-from decode_server.engine.forward_context import SCRATCH_SLOTS, ForwardBatch, map_scratch_row
+from decode_server.engine.forward_batch import SCRATCH_SLOTS, ForwardBatch, map_scratch_row
 from decode_server.engine.kv_alloc import PagedAllocator, RequestTokenTable
 from decode_server.engine.kv_rows import CacheGeometry, encode_rows, storage_layout
 from decode_server.model import batch_invariant
@@ -51,7 +51,7 @@ class DenseKVCache:
         self.device = torch.device(device)
         self.allocator = PagedAllocator(num_slots, page_size, name="dense KV")
         # One more table row than request rows and SCRATCH_SLOTS rows past the allocator's: padded rows of static
-        # decode batches write there (forward_context.SCRATCH_SLOTS).
+        # decode batches write there (forward_batch.SCRATCH_SLOTS).
         self.scratch_row = max_requests
         self.tokens = RequestTokenTable(self.allocator, max_requests + 1, max_context, self.device)
         self.scratch_slot = self.allocator.num_slots
@@ -85,7 +85,7 @@ class DenseBackend(AttentionBackend):
 
     @property
     def scratch_row(self) -> int:
-        """The request row that padded rows of static decode batches use (forward_context.SCRATCH_SLOTS)."""
+        """The request row that padded rows of static decode batches use (forward_batch.SCRATCH_SLOTS)."""
         return self.cache.scratch_row
 
     # -- memory management (called by the scheduler, outside forward passes) --

@@ -20,7 +20,8 @@ from decode_server.config import EngineConfig
 from decode_server.engine.cuda_graph import DecodeGraphRunner, build_graph_runner
 from decode_server.engine.dense_kv import DenseKVManager
 from decode_server.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
-from decode_server.engine.forward_context import ForwardBatch, forward_context
+from decode_server.engine.forward_batch import ForwardBatch
+from decode_server.engine.forward_context import forward_context
 from decode_server.engine.kernel_support import REFERENCE_BACKEND, check_kernel_support
 from decode_server.engine.kv_manager import KVManager
 from decode_server.engine.kv_rows import CacheGeometry, check_fp8_row_format
@@ -84,7 +85,7 @@ class Engine:
     `parallel` (a `decode_server.parallel.ParallelState`) makes this engine one tensor-parallel rank: its model
     holds this rank's shard, its memory budgets are agreed with the other ranks, the HiSparse host pool is the
     node's shared one, and every rank must be driven with the same calls in the same order
-    (decode_server/api/tp_ranks.py does that).
+    (decode_server/runtime/tp_ranks.py does that).
     """
 
     def __init__(

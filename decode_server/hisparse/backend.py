@@ -21,23 +21,49 @@ After the last chunk the coordinator preloads the buffer.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from decode_server.engine.attention_backend import AttentionBackend
-from decode_server.engine.forward_context import ForwardBatch
+from decode_server.engine.forward_batch import ForwardBatch
 from decode_server.engine.kv_rows import attention_rows, encode_row_bytes
 from decode_server.hisparse import ops
-
-if TYPE_CHECKING:
-    from decode_server.hisparse.coordinator import HiSparseCoordinator
+from decode_server.hisparse.counters import HiSparseCounters
+from decode_server.hisparse.device_buffer import DeviceBufferPool
+from decode_server.hisparse.host_pool import HostKVPool
+from decode_server.hisparse.indexer_pool import IndexerKeyPool
+from decode_server.hisparse.prefill_staging import PrefillStaging
+from kernels import SwapInTables
 
 logger = logging.getLogger(__name__)
 
 
+class HiSparseMemory(Protocol):
+    """What the backend reads and orders of the HiSparse memory's owner (`HiSparseCoordinator`, which builds its
+    backend): the pools, the counters, the backup stream and the ordering of backups."""
+
+    kv_dtype: torch.dtype
+    device: torch.device
+    reference_kernels: bool  # PyTorch reference attention / indexer even on CUDA
+    index_slot: dict[int, int]  # layer id → its layer in the indexer-key cache
+    kv_lora_rank: int
+    host: HostKVPool
+    buffers: DeviceBufferPool
+    indexer: IndexerKeyPool
+    counters: HiSparseCounters
+    staging: PrefillStaging | None
+    backup_stream: torch.cuda.Stream | None
+
+    def set_pending_backup(self, event: torch.cuda.Event | None, rows: list[int] | None = None) -> None:
+        """Record the newest backup (and the request rows whose rows it copies)."""
+
+    def wait_backup_on_current_stream(self) -> None:
+        """Make the current stream wait for the last backup."""
+
+
 class HiSparseBackend(AttentionBackend):
-    def __init__(self, coordinator: HiSparseCoordinator) -> None:
+    def __init__(self, coordinator: HiSparseMemory) -> None:
         self.co = coordinator
         self._batch: ForwardBatch | None = None
         self._query_rows: torch.Tensor | None = None
@@ -53,23 +79,27 @@ class HiSparseBackend(AttentionBackend):
         # One bound swap-in per layer (tables, pools and counters bound once): without CUDA graphs the swap-in's host
         # time is on the step's critical path, once per layer (docs/kernels.md). A profiler may wrap the entries.
         bufs = coordinator.buffers
+        host = coordinator.host
         self.swaps = [
-            ops.bind_swap_in(bufs.buffer_slots, bufs.buffer_tokens[layer], bufs.lru_order[layer],
-                             coordinator.host.rows.table, coordinator.host.kv[layer], bufs.kv[layer],
-                             bufs.num_recent, coordinator.counters.swap[layer])
-            for layer in range(coordinator.layout.num_layers)
+            ops.bind_swap_in(SwapInTables(
+                buffer_slots=bufs.buffer_slots, buffer_tokens=bufs.buffer_tokens[layer],
+                lru_order=bufs.lru_order[layer], host_rows=host.rows.table, host_pool=host.kv[layer],
+                device_pool=bufs.kv[layer], num_recent=bufs.num_recent, counters=coordinator.counters.swap[layer],
+            ))
+            for layer in range(bufs.num_layers)
         ]
         self._attention_rows = [attention_rows(bufs.kv[layer], coordinator.kv_dtype)
-                                for layer in range(coordinator.layout.num_layers)]
+                                for layer in range(bufs.num_layers)]
         # Static decode batches (CUDA graphs): the new tokens' slots and host rows, written inside the forward
-        # (so inside the graph), read by the backup after it. One entry per request row at most.
-        rows = coordinator.layout.max_reqs
+        # (so inside the graph), read by the backup after it. One entry per request row at most (rows
+        # 0..scratch_row-1: the scratch row's index is the number of request rows).
+        rows = bufs.scratch_row
         self._static_new_slots = torch.zeros(rows, dtype=torch.int64, device=coordinator.device)
         self._static_new_host_rows = torch.zeros(rows, dtype=torch.int64, device=coordinator.device)
 
     @property
     def scratch_row(self) -> int:
-        """The request row that padded rows of static decode batches use (forward_context.SCRATCH_SLOTS)."""
+        """The request row that padded rows of static decode batches use (forward_batch.SCRATCH_SLOTS)."""
         return self.co.buffers.scratch_row
 
     # -- per forward --

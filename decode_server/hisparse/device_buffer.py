@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from decode_server.engine.forward_context import SCRATCH_SLOTS, map_scratch_row
+from decode_server.engine.forward_batch import SCRATCH_SLOTS, map_scratch_row
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class DeviceBufferPool:
         num_slots = num_buffers * self.slots_per_buffer
         # SCRATCH_SLOTS slots past the buffers and one more request row (the scratch row, whose only slot is the
         # first scratch slot): padded rows of static decode batches write their token there and, their top-k
-        # masked, read nothing (forward_context.SCRATCH_SLOTS).
+        # masked, read nothing (forward_batch.SCRATCH_SLOTS).
         self.kv = torch.zeros((num_layers, num_slots + SCRATCH_SLOTS, row_bytes), dtype=torch.uint8, device=device)
         self.scratch_row = max_reqs
         rows = max_reqs + 1

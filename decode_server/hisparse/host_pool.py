@@ -44,7 +44,7 @@ class HostKVPool:
         else:
             self.kv = torch.empty((num_layers, num_rows, row_bytes), dtype=torch.uint8, pin_memory=pin)
         # One table row more than request rows: the scratch row of padded decode batches, which maps no host row
-        # (its top-k is masked and its new token is never backed up: forward_context.SCRATCH_SLOTS).
+        # (its top-k is masked and its new token is never backed up: forward_batch.SCRATCH_SLOTS).
         self.scratch_row = max_reqs
         self.rows = RequestTokenTable(PagedAllocator(num_rows, page_size, name="host KV"), max_reqs + 1, max_ctx,
                                       device)

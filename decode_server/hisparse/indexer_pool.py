@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from decode_server.engine.forward_context import SCRATCH_SLOTS, map_scratch_row
+from decode_server.engine.forward_batch import SCRATCH_SLOTS, map_scratch_row
 from decode_server.engine.kv_alloc import PagedAllocator, RequestTokenTable
 
 INDEX_HEAD_DIM = 128
@@ -24,7 +24,7 @@ class IndexerKeyPool:
     ) -> None:
         num_rows = num_pages * page_size
         # SCRATCH_SLOTS rows past the allocator's and one more table row: padded rows of static decode batches
-        # write their keys there (forward_context.SCRATCH_SLOTS).
+        # write their keys there (forward_batch.SCRATCH_SLOTS).
         total = num_rows + SCRATCH_SLOTS
         self.keys = torch.zeros((num_layers, total, head_dim), dtype=torch.float8_e4m3fn, device=device)
         self.scales = torch.zeros((num_layers, total), dtype=torch.float32, device=device)

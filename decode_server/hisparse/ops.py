@@ -14,9 +14,9 @@ import kernels
 from decode_server.engine import dense_backend
 
 
-def bind_swap_in(*args, **kwargs) -> kernels.BoundSwapIn:
+def bind_swap_in(tables: kernels.SwapInTables) -> kernels.BoundSwapIn:
     """One layer's swap-in with its tables bound once (`kernels.BoundSwapIn`); the backend makes one per layer."""
-    return kernels.BoundSwapIn(*args, **kwargs)
+    return kernels.BoundSwapIn(tables)
 
 
 def backup_rows(

@@ -37,7 +37,7 @@ import contextlib
 import torch
 
 import kernels
-from decode_server.engine.forward_context import ForwardBatch
+from decode_server.engine.forward_batch import ForwardBatch
 from decode_server.engine.kv_alloc import RequestTokenTable
 
 # Staging rows are allocated in multiples of this (FlashMLA views an FP8 pool as pages of up to 64 rows).

@@ -18,8 +18,8 @@ import httpx
 import zmq
 from api_server_harness import ServerProcess, assert_no_orphans
 
-from decode_server.api.engine_process import Heartbeat
-from decode_server.api.messages import FatalMsg, HeartbeatMsg, decode_from_engine
+from decode_server.runtime.heartbeat import Heartbeat
+from decode_server.runtime.messages import FatalMsg, HeartbeatMsg, decode_from_engine
 
 HEARTBEAT_TIMEOUT = 1.5
 WATCHDOG_TIMEOUT = 8.0

@@ -16,7 +16,7 @@ from decode_server.engine.cuda_graph import (
     graphs_off_reason,
     resolve_batch_sizes,
 )
-from decode_server.engine.forward_context import SCRATCH_SLOTS, ForwardBatch
+from decode_server.engine.forward_batch import SCRATCH_SLOTS, ForwardBatch
 
 
 def test_default_batch_sizes() -> None:

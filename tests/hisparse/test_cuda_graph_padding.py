@@ -9,7 +9,7 @@ import pytest
 import torch
 from harness import TOP_K, Arrival, assert_identical, make_engine, random_prompt, run_script
 
-from decode_server.engine.forward_context import SCRATCH_SLOTS
+from decode_server.engine.forward_batch import SCRATCH_SLOTS
 
 BUCKETS = [2, 4]  # batches of 3 and 4 run as 4, batches of 5 or 6 run eagerly unpadded
 SMALL = {"device_budget": 8 << 20, "host_budget": 16 << 20}  # pools for this workload (fills and copies are cheap)

@@ -14,10 +14,11 @@ def test_recent_tokens_are_ring_hits_with_the_right_rows(tiny_cpu, monkeypatch):
     checked = {"recent": 0, "previous": 0}
     original = ops.bind_swap_in
 
-    def binding(buffer_slots, buffer_tokens, lru_order, host_rows, host_pool, device_pool, num_recent, counters):
-        swap = original(buffer_slots, buffer_tokens, lru_order, host_rows, host_pool, device_pool, num_recent,
-                        counters)
-        D, R = buffer_tokens.shape[1], num_recent
+    def binding(tables):
+        swap = original(tables)
+        buffer_slots, host_rows, host_pool, device_pool = (tables.buffer_slots, tables.host_rows, tables.host_pool,
+                                                           tables.device_pool)  # fmt: skip
+        D, R = tables.buffer_tokens.shape[1], tables.num_recent
 
         def checking(top_k, seq_lens, req_rows):
             out = swap(top_k, seq_lens, req_rows)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import SwapInTables
+
 POISON = 0xFF  # a byte pattern that reads as NaN in bf16, fp32 and e4m3
 
 
@@ -30,6 +32,11 @@ class SwapState:
     host_pool: torch.Tensor
     device_pool: torch.Tensor
     prev_topk: list[list[int]] = field(default_factory=list)
+
+    def tables(self, counters: torch.Tensor | None = None) -> SwapInTables:
+        """This state's tables, pools and `counters` as the swap-in takes them (the same tensors, updated in place)."""
+        return SwapInTables(self.buffer_slots, self.buffer_tokens, self.lru_order, self.host_rows, self.host_pool,
+                            self.device_pool, self.num_recent, counters)  # fmt: skip
 
     def clone(self) -> SwapState:
         return SwapState(

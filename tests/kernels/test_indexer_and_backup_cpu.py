@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from kernels import backup_rows, indexer_topk
+from kernels import SwapInTables, backup_rows, indexer_topk
 from kernels.indexer_gpu import indexer_topk_batched
 from kernels.indexer_ref import indexer_topk_ref, quantize_index_keys
 from kernels.swap_in_ref import swap_in_ref
@@ -42,18 +44,18 @@ def test_backup_rows_cpu_copies_all_layers() -> None:
 
 def test_swap_in_rejects_bad_arguments() -> None:
     i32 = torch.int32
-    args = dict(
-        top_k_tokens=torch.zeros(1, 4, dtype=i32), seq_lens=torch.tensor([10]), req_rows=torch.tensor([0]),
+    batch = dict(top_k_tokens=torch.zeros(1, 4, dtype=i32), seq_lens=torch.tensor([10]), req_rows=torch.tensor([0]))
+    tables = SwapInTables(
         buffer_slots=torch.zeros(1, 6, dtype=i32), buffer_tokens=torch.zeros(1, 4, dtype=i32),
         lru_order=torch.zeros(1, 4, dtype=i32), host_rows=torch.zeros(1, 16, dtype=i32),
         host_pool=torch.zeros(16, 8, dtype=torch.uint8), device_pool=torch.zeros(8, 8, dtype=torch.uint8),
         num_recent=2, counters=None,
     )
     with pytest.raises(ValueError, match="num_recent"):
-        swap_in_ref(**{**args, "num_recent": 0})
+        swap_in_ref(**batch, tables=dataclasses.replace(tables, num_recent=0))
     with pytest.raises(ValueError, match="D \\+ R"):
-        swap_in_ref(**{**args, "num_recent": 3})
+        swap_in_ref(**batch, tables=dataclasses.replace(tables, num_recent=3))
     with pytest.raises(ValueError, match="int32"):
-        swap_in_ref(**{**args, "top_k_tokens": torch.zeros(1, 4, dtype=torch.int64)})
+        swap_in_ref(**{**batch, "top_k_tokens": torch.zeros(1, 4, dtype=torch.int64)}, tables=tables)
     with pytest.raises(ValueError, match="row_bytes"):
-        swap_in_ref(**{**args, "device_pool": torch.zeros(8, 4, dtype=torch.uint8)})
+        swap_in_ref(**batch, tables=dataclasses.replace(tables, device_pool=torch.zeros(8, 4, dtype=torch.uint8)))

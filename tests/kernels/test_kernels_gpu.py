@@ -8,7 +8,15 @@ import pytest
 import torch
 from kernels_swap_traces import POISON, assert_rows_resident, make_state, next_topk, write_current_token
 
-from kernels import BoundSwapIn, backup_rows, indexer_topk, pack_fp8_rows, sparse_mla_decode, swap_in
+from kernels import (
+    BoundSwapIn,
+    SwapInTables,
+    backup_rows,
+    indexer_topk,
+    pack_fp8_rows,
+    sparse_mla_decode,
+    swap_in,
+)
 from kernels.dispatch import sparse_mla_decode_rows_ref
 from kernels.indexer_ref import index_scores_ref, indexer_topk_ref, quantize_index_keys
 from kernels.swap_in_ref import swap_in_ref
@@ -33,6 +41,12 @@ def _to_gpu_state(state):
     }
 
 
+def _gpu_tables(gpu, num_recent: int, counters: torch.Tensor | None) -> SwapInTables:
+    """The swap-in's view of `_to_gpu_state`'s copies (the same tensors, updated in place by each call)."""
+    return SwapInTables(gpu["buffer_slots"], gpu["buffer_tokens"], gpu["lru_order"], gpu["host_rows"],
+                        gpu["host_pool"], gpu["device_pool"], num_recent, counters)
+
+
 def _write_current_token_gpu(state, gpu) -> None:
     d, big_r = state.buffer_size, state.num_recent
     for r, n in zip(state.req_rows.tolist(), state.seq_lens.tolist(), strict=True):
@@ -52,12 +66,9 @@ def run_gpu_trace(seed: int, seq_lens: list[int], buffer_size: int, top_k: int, 
         write_current_token(state)
         _write_current_token_gpu(state, gpu)
         topk = next_topk(rng, state, top_k, overlap)
-        expect = swap_in_ref(topk, state.seq_lens, state.req_rows, state.buffer_slots, state.buffer_tokens,
-                             state.lru_order, state.host_rows, state.host_pool, state.device_pool, num_recent,
-                             counters_ref)
-        got = swap_in(topk.to(DEV), state.seq_lens.to(DEV), state.req_rows.to(DEV), gpu["buffer_slots"],
-                      gpu["buffer_tokens"], gpu["lru_order"], gpu["host_rows"], gpu["host_pool"],
-                      gpu["device_pool"], num_recent, counters_gpu)
+        expect = swap_in_ref(topk, state.seq_lens, state.req_rows, state.tables(counters_ref))
+        got = swap_in(topk.to(DEV), state.seq_lens.to(DEV), state.req_rows.to(DEV),
+                      _gpu_tables(gpu, num_recent, counters_gpu))
         torch.cuda.synchronize()
         assert torch.equal(got.cpu(), expect), "slots differ from the reference"
         assert torch.equal(gpu["buffer_tokens"].cpu(), state.buffer_tokens), "buffer_tokens differ"
@@ -93,13 +104,7 @@ def test_swap_in_cuda_rejects_small_buffer() -> None:
     gpu = _to_gpu_state(st)
     topk = torch.zeros(1, 32, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="must be >= top_k"):
-        swap_in(topk, st.seq_lens.to(DEV), st.req_rows.to(DEV), gpu["buffer_slots"], gpu["buffer_tokens"],
-                gpu["lru_order"], gpu["host_rows"], gpu["host_pool"], gpu["device_pool"], 2, None)
-
-
-def _bound_args(gpu, num_recent: int, counters: torch.Tensor | None):
-    return (gpu["buffer_slots"], gpu["buffer_tokens"], gpu["lru_order"], gpu["host_rows"], gpu["host_pool"],
-            gpu["device_pool"], num_recent, counters)
+        swap_in(topk, st.seq_lens.to(DEV), st.req_rows.to(DEV), _gpu_tables(gpu, 2, None))
 
 
 @pytest.mark.parametrize("row_bytes", [656, 1152])
@@ -118,7 +123,7 @@ def test_bound_swap_in_matches_unbound_and_reference(row_bytes: int, buffer_size
     counters_ref = torch.zeros(2, dtype=torch.int64)
     counters_unbound = torch.zeros(2, dtype=torch.int64, device=DEV)
     counters_bound = torch.zeros(2, dtype=torch.int64, device=DEV)
-    bound = BoundSwapIn(*_bound_args(bound_state, num_recent, counters_bound))
+    bound = BoundSwapIn(_gpu_tables(bound_state, num_recent, counters_bound))
     all_rows, all_lens, all_prev = state.req_rows.clone(), state.seq_lens.clone(), state.prev_topk
     for step in range(steps):
         # Every other step a sub-batch (a new shape: checked once, then bound calls only).
@@ -131,11 +136,9 @@ def test_bound_swap_in_matches_unbound_and_reference(row_bytes: int, buffer_size
         topk = next_topk(rng, state, top_k, overlap=0.5)
         for j, i in enumerate(keep):
             all_prev[i] = state.prev_topk[j]
-        expect = swap_in_ref(topk, state.seq_lens, state.req_rows, state.buffer_slots, state.buffer_tokens,
-                             state.lru_order, state.host_rows, state.host_pool, state.device_pool, num_recent,
-                             counters_ref)
+        expect = swap_in_ref(topk, state.seq_lens, state.req_rows, state.tables(counters_ref))
         got_unbound = swap_in(topk.to(DEV), state.seq_lens.to(DEV), state.req_rows.to(DEV),
-                              *_bound_args(unbound, num_recent, counters_unbound))
+                              _gpu_tables(unbound, num_recent, counters_unbound))
         got_bound = bound(topk.to(DEV), state.seq_lens.to(DEV), state.req_rows.to(DEV))
         torch.cuda.synchronize()
         assert got_bound.shape == expect.shape and got_bound.dtype == torch.int32
@@ -160,7 +163,7 @@ def test_bound_swap_in_edge_cases() -> None:
     d, k, r = 64, 32, 2
     state = make_state(rng, [d + 10, 3 * d], d, r, 656, max_steps=2)
     gpu, ref_gpu = _to_gpu_state(state), _to_gpu_state(state)
-    bound = BoundSwapIn(*_bound_args(gpu, r, None))
+    bound = BoundSwapIn(_gpu_tables(gpu, r, None))
     empty = bound(torch.zeros(0, k, dtype=torch.int32, device=DEV), torch.zeros(0, dtype=torch.int64, device=DEV),
                   torch.zeros(0, dtype=torch.int64, device=DEV))
     assert empty.shape == (0, k) and empty.dtype == torch.int32 and empty.is_cuda
@@ -168,7 +171,7 @@ def test_bound_swap_in_edge_cases() -> None:
     _write_current_token_gpu(state, gpu)
     _write_current_token_gpu(state, ref_gpu)
     topk = next_topk(rng, state, k, overlap=0.0).to(DEV)
-    expect = swap_in(topk, state.seq_lens.to(DEV), state.req_rows.to(DEV), *_bound_args(ref_gpu, r, None))
+    expect = swap_in(topk, state.seq_lens.to(DEV), state.req_rows.to(DEV), _gpu_tables(ref_gpu, r, None))
     got = bound(topk, state.seq_lens.int(), state.req_rows.int())  # CPU int32: converted in the extension
     torch.cuda.synchronize()
     assert torch.equal(got, expect) and torch.equal(gpu["device_pool"], ref_gpu["device_pool"])
@@ -189,7 +192,7 @@ def test_bound_swap_in_rejects_unpinned_host_pool() -> None:
     gpu = _to_gpu_state(state)
     gpu["host_pool"] = state.host_pool  # pageable
     with pytest.raises(ValueError, match="pinned"):
-        BoundSwapIn(*_bound_args(gpu, 2, None))
+        BoundSwapIn(_gpu_tables(gpu, 2, None))
 
 
 def _nan_poisoned_pool(rows: torch.Tensor, n_slots: int, fp8: bool, gen: torch.Generator):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +17,8 @@ from kernels_swap_traces import (
     write_current_token,
 )
 
-from kernels import BoundSwapIn, dispatch, swap_in
+import kernels
+from kernels import BoundSwapIn, SwapInTables, swap_in
 from kernels.swap_in_ref import swap_in_ref
 
 
@@ -30,8 +34,7 @@ def run_trace(seed: int, seq_lens: list[int], buffer_size: int, top_k: int, num_
         write_current_token(sim)
         topk = next_topk(rng, ref, top_k, overlap)
         sim.prev_topk = [list(x) for x in ref.prev_topk]
-        slots = impl(topk, ref.seq_lens, ref.req_rows, ref.buffer_slots, ref.buffer_tokens, ref.lru_order,
-                     ref.host_rows, ref.host_pool, ref.device_pool, num_recent, counters)
+        slots = impl(topk, ref.seq_lens, ref.req_rows, ref.tables(counters))
         expect, hits, misses = brute_force_swap_in(sim, topk)
         total_hits += hits
         total_misses += misses
@@ -68,8 +71,7 @@ def test_fast_path_is_identity_and_touches_nothing() -> None:
     st = make_state(rng, [5, 9], buffer_size=16, num_recent=2, row_bytes=16, max_steps=1)
     before = st.clone()
     topk = torch.tensor([[4, 0, -1, 2], [8, -1, -1, 1]], dtype=torch.int32)
-    slots = swap_in_ref(topk, st.seq_lens, st.req_rows, st.buffer_slots, st.buffer_tokens, st.lru_order,
-                        st.host_rows, st.host_pool, st.device_pool, 2, None)
+    slots = swap_in_ref(topk, st.seq_lens, st.req_rows, st.tables())
     rows = st.req_rows.long()
     for b in range(2):
         for i in range(4):
@@ -92,12 +94,11 @@ def test_lru_order_after_one_step() -> None:
     counters = torch.zeros(2, dtype=torch.int64)
     # seq_len 40: token 39 is in the ring; 13 and 11 hit; 5 and 7 miss.
     topk = torch.tensor([[5, 13, 39, 7, 11, -1]], dtype=torch.int32)
+    tables = SwapInTables(buffer_slots, buffer_tokens, lru, host_rows, host_pool, device_pool, 1, counters)
     with pytest.raises(ValueError, match="must be >= top_k"):
-        swap_in_ref(topk, torch.tensor([40]), torch.tensor([0]), buffer_slots, buffer_tokens, lru, host_rows,
-                    host_pool, device_pool, 1, counters)
+        swap_in_ref(topk, torch.tensor([40]), torch.tensor([0]), tables)
     topk = torch.tensor([[5, 13, 39, 7]], dtype=torch.int32)
-    slots = swap_in_ref(topk, torch.tensor([40]), torch.tensor([0]), buffer_slots, buffer_tokens, lru, host_rows,
-                        host_pool, device_pool, 1, counters)
+    slots = swap_in_ref(topk, torch.tensor([40]), torch.tensor([0]), tables)
     # hit: position 3 (token 13). Evictable in LRU order: 2, 0, 1 → 5 takes 2, 7 takes 0. Stale: 1.
     assert slots.tolist() == [[102, 103, 104, 100]]
     assert buffer_tokens.tolist() == [[7, 11, 5, 13]]
@@ -111,26 +112,25 @@ def test_bound_swap_in_on_cpu_is_reference() -> None:
     """`BoundSwapIn` (the HiSparse backend's per-layer path) on CPU tensors: the reference over a whole trace."""
     bound: dict[str, BoundSwapIn] = {}
 
-    def impl(top_k, seq_lens, req_rows, *tables):
-        swap = bound.setdefault("swap", BoundSwapIn(*tables))
-        assert all(a is b for a, b in zip(swap.tables, tables, strict=True))  # the trace keeps its tables
+    def impl(top_k, seq_lens, req_rows, tables):
+        swap = bound.setdefault("swap", BoundSwapIn(tables))
+        assert all(getattr(swap.tables, f.name) is getattr(tables, f.name) for f in dataclasses.fields(tables))
         return swap(top_k, seq_lens, req_rows)
 
     run_trace(seed=9, seq_lens=[20, 50, 23], buffer_size=24, top_k=8, num_recent=2, overlap=0.5, steps=6, impl=impl)
 
 
-def test_bound_swap_in_checks_each_shape_once(monkeypatch) -> None:
+def test_bound_swap_in_checks_each_shape_once() -> None:
     calls: list[tuple[int, ...]] = []
-    original = dispatch.check_swap_in_args
+    state = make_state(random.Random(2), [10, 40], buffer_size=16, num_recent=2, row_bytes=8, max_steps=4)
+    swap = BoundSwapIn(state.tables())
+    original = swap._check  # the bound check (the CPU reference behind it checks every call on its own)
 
     def counting(top_k, *args):
         calls.append(tuple(top_k.shape))
         return original(top_k, *args)
 
-    monkeypatch.setattr(dispatch, "check_swap_in_args", counting)
-    state = make_state(random.Random(2), [10, 40], buffer_size=16, num_recent=2, row_bytes=8, max_steps=4)
-    swap = BoundSwapIn(state.buffer_slots, state.buffer_tokens, state.lru_order, state.host_rows, state.host_pool,
-                       state.device_pool, 2)
+    swap._check = counting
     for k in (8, 8, 4, 8, 4):
         swap(torch.full((2, k), -1, dtype=torch.int32), state.seq_lens, state.req_rows)
     assert calls == [(2, 8), (2, 4)]
@@ -141,3 +141,22 @@ def test_bound_swap_in_checks_each_shape_once(monkeypatch) -> None:
     assert calls[-1] == (2, 8) and len(calls) == 4
     with pytest.raises(ValueError, match="must be \\[B, K\\] int32"):  # an int64 top-k of a checked shape
         swap(torch.full((2, 8), -1, dtype=torch.int64), state.seq_lens, state.req_rows)
+
+
+def test_tables_unpack_in_the_extension_argument_order() -> None:
+    """The CUDA path passes `SwapInTables.extension_args()` to the extension's `swap_in` (after the batch) and to
+    `SwapInContext`: their parameters in kernels/csrc/hisparse_kernels.cu must be the tables' fields, in order."""
+    source = (Path(kernels.__file__).parent / "csrc" / "hisparse_kernels.cu").read_text()
+    fields = [f.name for f in dataclasses.fields(SwapInTables)]
+    context = re.search(r'class_<SwapInContext>.*?pybind11::init<.*?>>\(\),(.*?)\)\s*\.def\("__call__"', source, re.S)
+    assert context is not None
+    assert re.findall(r'arg\("(\w+)"\)', context.group(1)) == fields
+    unbound = re.search(r"torch::Tensor swap_in\((.*?)\)\s*\{", source, re.S)
+    assert unbound is not None
+    params = [p.split()[-1] for p in unbound.group(1).split(",")]
+    assert params == ["top_k", "seq_lens", "req_rows", *fields]
+    state = make_state(random.Random(1), [10], buffer_size=16, num_recent=2, row_bytes=8, max_steps=1)
+    counters = torch.zeros(2, dtype=torch.int64)
+    args = state.tables(counters).extension_args()
+    assert [type(a) for a in args[:6]] == [torch.Tensor] * 6 and args[6] == 2 and type(args[6]) is int
+    assert all(a is getattr(state, f) for a, f in zip(args[:6], fields[:6], strict=True)) and args[7] is counters

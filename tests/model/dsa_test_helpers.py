@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from decode_server.engine.attention_backend import AttentionBackend
-from decode_server.engine.forward_context import ForwardBatch, forward_context
+from decode_server.engine.forward_batch import ForwardBatch
+from decode_server.engine.forward_context import forward_context
 from kernels.indexer_ref import index_scores_ref
 
 

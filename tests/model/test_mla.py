@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from dsa_test_helpers import ListBackend, forward_tokens, small_model
 
-from decode_server.engine.forward_context import ForwardBatch, forward_context
+from decode_server.engine.forward_batch import ForwardBatch
+from decode_server.engine.forward_context import forward_context
 from decode_server.model.rope import apply_rope_interleaved
 
 

@@ -13,7 +13,8 @@ from test_mla import naive_mla
 
 from decode_server.config import EngineConfig, HiSparseConfig
 from decode_server.engine.engine import Engine
-from decode_server.engine.forward_context import ForwardBatch, forward_context
+from decode_server.engine.forward_batch import ForwardBatch
+from decode_server.engine.forward_context import forward_context
 from decode_server.engine.kernel_support import check_kernel_support, gpu_kernel_problems
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.model import ModelConfig, load_config

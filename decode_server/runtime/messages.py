@@ -1,5 +1,7 @@
 """Typed messages between the api process and the engine process, one family per direction, one codec.
 
+The api's `EngineClient` and the runtime's engine loop both import this module, which needs no torch.
+
 api → engine (`ToEngine`): `GenerateMsg`, `AbortMsg`, `StatsQueryMsg`, `ShutdownMsg`.
 engine → api (`FromEngine`): `ReadyMsg`, `AcceptedMsg`, `RejectedMsg`, `DeltasMsg`, `StatsMsg`, `FatalMsg`,
 `HeartbeatMsg`.
@@ -109,7 +111,7 @@ class FatalMsg:
 
 @dataclass(frozen=True)
 class HeartbeatMsg:
-    """Sent by a thread of the engine process every `HEARTBEAT_PERIOD_S`, whatever the loop is doing.
+    """Sent by a thread of the engine process every `heartbeat.HEARTBEAT_PERIOD_S`, whatever the loop is doing.
 
     `num_loops` counts loop iterations (progress); `step_running_s` is how long the current `Engine.step()` has
     been running (0 between steps), so the api can tell "alive, in a long step" from "stopped" (no heartbeat)."""
