@@ -30,16 +30,6 @@ RUN python3 -m venv /opt/build \
 FROM ${CPU_BASE_IMAGE} AS cpu
 ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
-ARG TORCH_VERSION=2.13.0
-# Where the CPU build of torch comes from (docs/deploy.md): PyTorch's CPU index, which serves its dependencies
-# too; or, when TORCH_FIND_LINKS names a directory of wheels holding it (a URL), that directory, with the
-# dependencies from the ordinary index. Both empty: the ordinary index's torch (on PyPI the CUDA build, ~5 GB
-# more). A CPU source that yields a CUDA build fails the build. (DL3013: torch is pinned; hadolint reads the
-# "$@" of source options as an unpinned package.)
-ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG TORCH_FIND_LINKS=
-# Extras installed with the wheel (`pd`: the non-CUDA build of the mooncake transfer engine, for PD roles).
-ARG EXTRAS=pd
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH \
     HISPARSE_CACHE_DIR=/var/cache/hisparse \
@@ -50,6 +40,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN apt-get update \
     && apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4 \
     && rm -rf /var/lib/apt/lists/*
+# torch's arguments are declared here, after the apt step: every ARG in scope is part of each later RUN's cache key.
+ARG TORCH_VERSION=2.13.0
+# Where the CPU build of torch comes from (docs/deploy.md): PyTorch's CPU index, which serves its dependencies
+# too; or, when TORCH_FIND_LINKS names a directory of wheels holding it (a URL), that directory, with the
+# dependencies from the ordinary index. Both empty: the ordinary index's torch (on PyPI the CUDA build, ~5 GB
+# more). A CPU source that yields a CUDA build fails the build. (DL3013: torch is pinned; hadolint reads the
+# "$@" of source options as an unpinned package.)
+ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_FIND_LINKS=
 # hadolint ignore=DL3013
 RUN python3 -m venv /opt/venv \
     && if [ -n "${TORCH_FIND_LINKS}" ]; then set -- --find-links "${TORCH_FIND_LINKS}"; \
@@ -59,6 +58,8 @@ RUN python3 -m venv /opt/venv \
     && if [ "$#" -gt 0 ]; then python -c "import sys, torch; sys.exit(torch.version.cuda and \
        f'torch {torch.__version__} is a CUDA build: the CPU source has no CPU build of torch=={sys.argv[1]}')" \
        "${TORCH_VERSION}"; fi
+# Extras installed with the wheel (`pd`: the non-CUDA build of the mooncake transfer engine, for PD roles).
+ARG EXTRAS=pd
 COPY --from=wheel /wheels /wheels
 RUN pip install --no-cache-dir "/wheels/$(cat /wheels/wheel-name.txt)[${EXTRAS}]" \
     && rm -rf /wheels \

@@ -104,6 +104,10 @@ def check_libs(roots: Sequence[Path], allowed: Sequence[str], allow_driver: bool
     from decode_server import shared_libs
 
     roots = list(roots) or shared_libs.default_roots()
+    absent = [str(r) for r in roots if not r.is_dir()]
+    if absent:  # a typo or a changed package layout would otherwise pass unchecked
+        logger.error("check-libs: no such directory: %s", ", ".join(absent))
+        return 1
     allowed = [*allowed, *(shared_libs.DRIVER_LIBRARIES if allow_driver else ())]
     report = shared_libs.check(roots, allowed)
     for line in report.lines():

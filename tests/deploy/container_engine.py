@@ -361,8 +361,10 @@ def local_cpu_torch_wheel(config: dict[str, str], version: str) -> Path | None:
 
 
 @contextlib.contextmanager
-def serve_wheel(wheel: Path) -> Iterator[str]:
-    """A directory listing holding only `wheel`, served on 127.0.0.1 (a pip --find-links URL) for the block."""
+def serve_wheel(wheel: Path, port_file: Path | None = None) -> Iterator[str]:
+    """A directory listing holding only `wheel`, served on 127.0.0.1 (a pip --find-links URL) for the block.
+    The URL is a build argument, and so part of the build cache's key: `port_file` keeps the port from one run
+    to the next (a new one only when that port is taken), so that a later build reuses the torch layer."""
     with tempfile.TemporaryDirectory(prefix="hs-wheels-") as tmp:
         (Path(tmp) / wheel.name).symlink_to(wheel)
 
@@ -370,7 +372,14 @@ def serve_wheel(wheel: Path) -> Iterator[str]:
             def log_message(self, *args: object) -> None:
                 pass
 
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=tmp))
+        handler = functools.partial(Quiet, directory=tmp)
+        try:
+            port = int(port_file.read_text()) if port_file else 0
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+        except (OSError, ValueError):
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        if port_file:
+            port_file.write_text(str(server.server_address[1]))
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         try:

@@ -64,7 +64,8 @@ def image(engine: Engine) -> str:
     wheel = container_engine.local_cpu_torch_wheel(config, container_engine.torch_version(REPO / "Dockerfile"))
     with contextlib.ExitStack() as stack:
         if wheel is not None:
-            args["TORCH_FIND_LINKS"] = stack.enter_context(container_engine.serve_wheel(wheel))
+            served = container_engine.serve_wheel(wheel, port_file=container_engine.CACHE / "wheel-port")
+            args["TORCH_FIND_LINKS"] = stack.enter_context(served)
             logger.info("torch from %s", wheel)
         build_args = [a for k, v in args.items() for a in ("--build-arg", f"{k}={v}")]
         progress = ["--progress", "plain"] if engine.buildkit else []

@@ -64,6 +64,20 @@ def test_served_wheel_is_a_find_links_page(tmp_path: Path) -> None:
             wheel.read_bytes())
 
 
+def test_served_wheel_keeps_its_port(tmp_path: Path) -> None:
+    """The URL is part of the build cache's key: the same port next time, a new one only when it is taken."""
+    wheel = tmp_path / "w.whl"
+    wheel.write_bytes(b"x")
+    port_file = tmp_path / "port"
+    with (
+        container_engine.serve_wheel(wheel, port_file) as first,
+        container_engine.serve_wheel(wheel, port_file) as taken,  # first's port is in use: another
+    ):
+        assert taken != first
+    with container_engine.serve_wheel(wheel, port_file) as again:
+        assert again == taken
+
+
 def test_torch_version_is_read_from_the_dockerfile() -> None:
     from deploy_checks import REPO
 

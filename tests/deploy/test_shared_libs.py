@@ -67,6 +67,8 @@ def test_ops_check_libs_exit_status(tree: Path) -> None:
     assert allowed.returncode == 0 and "every library linked by 3 shared objects" in allowed.stderr
     (tree / "pkg" / "_ext.so").unlink()
     assert ops(str(tree)).returncode == 0
+    absent = ops(str(tree), str(tree / "no-such-package"))
+    assert absent.returncode == 1 and "no such directory" in absent.stderr
 
 
 def test_this_environment_resolves_every_library() -> None:
