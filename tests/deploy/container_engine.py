@@ -223,7 +223,11 @@ def _start_dockerd(stack: contextlib.ExitStack) -> Engine:
         ok, why = _answers(docker, env)
         if ok:
             logger.info("dockerd pid %d up on %s (data-root %s)", proc.pid, sock, data_root)
-            return Engine(docker, env, buildkit=True, dockerd_pid=proc.pid, scratch=scratch)
+            engine = Engine(docker, env, buildkit=True, dockerd_pid=proc.pid, scratch=scratch)
+            # The engine and its data-root are the tests' alone: drop what an interrupted run left behind.
+            engine.run("container", "prune", "-f", check=False)
+            engine.run("network", "prune", "-f", check=False)
+            return engine
         time.sleep(0.5)
     tail = log_path.read_text(errors="replace").splitlines()[-30:]
     raise AssertionError(f"dockerd did not come up ({why}; exit {proc.poll()}):\n" + "\n".join(tail))

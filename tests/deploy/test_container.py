@@ -71,12 +71,13 @@ def image(engine: Engine) -> str:
         progress = ["--progress", "plain"] if engine.buildkit else []
         started = time.monotonic()
         built = engine.run("build", "--network", "host", *progress, "--target", "cpu", *build_args, "-t", IMAGE,
-                           str(REPO), timeout=3000)  # fmt: skip
+                           str(REPO), timeout=3000, check=False)  # fmt: skip
     build_s = time.monotonic() - started
-    (container_engine.CACHE / "build.log").write_text(built.stdout + built.stderr)
+    log = container_engine.CACHE / "build.log"
+    log.write_text(built.stdout + built.stderr)
+    assert built.returncode == 0, f"docker build failed (whole log: {log}):\n{built.stderr[-6000:]}"
     cached = len(re.findall(r"^#\d+ CACHED$", built.stderr, re.MULTILINE))
-    logger.info("base %.0f s, image build %.0f s (%d steps cached; log in %s)", base_s, build_s, cached,
-                container_engine.CACHE / "build.log")  # fmt: skip
+    logger.info("base %.0f s, image build %.0f s (%d steps cached; log in %s)", base_s, build_s, cached, log)
     # The previous build's layers, now untagged, and build cache beyond a few GB.
     engine.run("image", "prune", "-f", check=False)
     if engine.buildkit:
