@@ -72,7 +72,8 @@ def shared_objects(roots: Iterable[Path]) -> Iterator[Path]:
 def unresolved(library: Path) -> list[str]:
     """Sonames `ldd` cannot resolve for one shared object ([] for one it cannot inspect, e.g. another arch)."""
     result = subprocess.run(["ldd", str(library)], capture_output=True, text=True, timeout=60)
-    return [m.group(1) for line in result.stdout.splitlines() if (m := _NOT_FOUND.match(line))]
+    found = [m.group(1) for line in result.stdout.splitlines() if (m := _NOT_FOUND.match(line))]
+    return list(dict.fromkeys(found))  # ldd repeats a soname that several of the object's dependencies lack
 
 
 def check(roots: Iterable[Path], allowed: Iterable[str] = ()) -> Report:
