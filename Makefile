@@ -12,7 +12,7 @@ SERVE_ARGS ?=
 UP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve serve-pd test test-gpu lint bench clean ibverbs
+.PHONY: install serve serve-pd test test-image test-gpu lint bench clean system-libs
 
 install: $(STAMP)
 
@@ -22,26 +22,32 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test,bench]"
 	$(PY) -m pip install -q -e ".[$$($(PY) -c "$$PD_EXTRA_PY")]"
-	@$(MAKE) --no-print-directory ibverbs
+	@$(MAKE) --no-print-directory system-libs
 	touch $(STAMP)
 
 # The PD extra matching torch's CUDA runtime: pd (CPU), pd-cuda12, pd-cuda13 (see pyproject.toml).
 export PD_EXTRA_PY := import torch; v = torch.version.cuda; print("pd-cuda" + v.split(".")[0] if v else "pd")
 
-# mooncake's transfer engine loads libibverbs.so.1 even for TCP. Install it quietly where we can (root with
-# apt-get), only if missing; elsewhere say what is missing (the PD transfer tests fail without it).
-ibverbs:
-	@if ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then :; \
+# System libraries that mooncake's transfer engine links even for TCP (soname:Debian package). Install the missing
+# ones quietly where we can (root with apt-get); elsewhere say what is missing (PD transfers fail without them).
+# `python -m decode_server.ops check-libs` lists every library the installed wheels link and cannot find.
+SYSTEM_LIBS := libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4
+
+system-libs:
+	@missing=""; for pair in $(SYSTEM_LIBS); do \
+		ldconfig -p 2>/dev/null | grep -q "$${pair%%:*} " || missing="$$missing $${pair#*:}"; \
+	done; \
+	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing libibverbs1 (needed by the mooncake transfer engine, even for TCP)"; \
+		echo "installing$$missing (needed by the mooncake transfer engine, even for TCP)"; \
 		export DEBIAN_FRONTEND=noninteractive; \
-		apt-get install -y -qq libibverbs1 >/dev/null 2>&1 || \
-		{ apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libibverbs1 >/dev/null; } || \
-		echo "WARNING: apt-get could not install libibverbs1; PD transfers (tests/transfer) will fail" >&2; \
+		apt-get install -y -qq $$missing >/dev/null 2>&1 || \
+		{ apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $$missing >/dev/null; } || \
+		echo "WARNING: apt-get could not install$$missing; PD transfers (tests/transfer) will fail" >&2; \
 	else \
-		echo "WARNING: libibverbs.so.1 is missing and cannot be installed here (needs root and apt-get)." >&2; \
-		echo "  Install libibverbs1 (Debian/Ubuntu) or rdma-core (RHEL/Fedora) for PD transfers;" >&2; \
-		echo "  tests/transfer and --disaggregation-mode prefill|decode fail without it." >&2; \
+		echo "WARNING: missing system packages:$$missing (Debian/Ubuntu names) and they cannot be installed" >&2; \
+		echo "  here (needs root and apt-get). Install them (RHEL/Fedora: rdma-core, numactl-libs, libcurl);" >&2; \
+		echo "  tests/transfer and --disaggregation-mode prefill|decode fail without them." >&2; \
 	fi
 
 serve: $(STAMP)
@@ -53,7 +59,12 @@ serve-pd: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -m "not gpu and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not gpu and not slow and not image" $(PYTEST_ARGS)
+
+# Builds the CPU image and runs the compose deployment in a Docker engine of its own (docs/deploy.md): run it
+# before submitting a change to the Dockerfile, deploy/ or the dependencies; CI runs it after `make test`.
+test-image: $(STAMP)
+	$(PY) -m pytest -q -m image tests/deploy/test_container.py $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)

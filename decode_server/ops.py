@@ -6,6 +6,8 @@
   defaults to $DECODE_SERVER_HEALTH_URL so that one image probes whichever role it runs).
 - `wait-idle URL`: poll a server's /metrics until no request runs or waits (a Kubernetes preStop hook, so a pod
   being stopped finishes its in-flight requests before SIGTERM, which aborts them).
+- `check-libs [PATH ...]`: exit 1 naming every system library that a shared object under site-packages (or the
+  PATHs) links but the loader cannot find (the images run it at build time; decode_server/shared_libs.py).
 
 Standard library only (besides the kernel build), so a probe costs one interpreter start, not a torch import.
 """
@@ -98,6 +100,27 @@ def build_kernels(archs: Sequence[str], cache_dir: Path) -> int:
     return 0
 
 
+def check_libs(roots: Sequence[Path], allowed: Sequence[str], allow_driver: bool) -> int:
+    from decode_server import shared_libs
+
+    roots = list(roots) or shared_libs.default_roots()
+    absent = [str(r) for r in roots if not r.is_dir()]
+    if absent:  # a typo or a changed package layout would otherwise pass unchecked
+        logger.error("check-libs: no such directory: %s", ", ".join(absent))
+        return 1
+    allowed = [*allowed, *(shared_libs.DRIVER_LIBRARIES if allow_driver else ())]
+    report = shared_libs.check(roots, allowed)
+    for line in report.lines():
+        logger.error("check-libs: %s", line)
+    where = ", ".join(str(r) for r in roots)
+    if report.missing:
+        logger.error("check-libs: %d of the %d shared objects under %s link missing libraries",
+                     len({p for users in report.missing.values() for p in users}), report.checked, where)  # fmt: skip
+        return 1
+    logger.info("check-libs: every library linked by %d shared objects under %s resolves", report.checked, where)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m decode_server.ops", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--timeout", type=float, default=300.0, help="give up (exit 1) after this many seconds")
     w.add_argument("--interval", type=float, default=1.0)
     w.add_argument("--settle", type=int, default=2, help="consecutive idle polls needed")
+    c = sub.add_parser("check-libs", help="exit 1 if a shared object under site-packages links a missing library")
+    c.add_argument("paths", nargs="*", type=Path, help="directories to search (default: site-packages)")
+    c.add_argument("--allow", action="append", default=[], metavar="SONAME", help="a library known to be absent")
+    c.add_argument("--allow-driver", action="store_true",
+                   help="allow the GPU driver's libraries (libcuda.so.1 ...), mounted only when a container starts")
     return parser
 
 
@@ -125,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return build_kernels(args.arch, args.cache_dir)
     if args.command == "probe":
         return probe(args.url, args.timeout)
+    if args.command == "check-libs":
+        return check_libs(args.paths, args.allow, args.allow_driver)
     return wait_idle(args.url, args.timeout, args.interval, args.settle)
 
 

@@ -34,20 +34,29 @@ _INSTALL_HINT = (
 )
 
 
+# System libraries the mooncake wheels link even for TCP, by the Debian/Ubuntu package that provides each.
+_SYSTEM_LIBRARIES = {"libibverbs": "libibverbs1", "libnuma": "libnuma1", "libcurl": "libcurl4",
+                     "libmlx5": "ibverbs-providers"}  # fmt: skip
+
+
+def install_hint(import_error: str) -> str:
+    """What to install, from the text of the ImportError that `import mooncake.engine` raised."""
+    for library, package in _SYSTEM_LIBRARIES.items():
+        if f"{library}." in import_error:
+            return (f"the mooncake wheel needs the system library {package} even for TCP: apt-get install "
+                    f"{package} (`python -m decode_server.ops check-libs` lists every missing library)")  # fmt: skip
+    if "libcudart" in import_error:
+        return ("this mooncake wheel is built for another CUDA version; CPU machines take "
+                "mooncake-transfer-engine-non-cuda, CUDA 13 hosts mooncake-transfer-engine-cuda13")  # fmt: skip
+    return _INSTALL_HINT
+
+
 def _engine_class():
     """Import mooncake's TransferEngine with an error that says what to install."""
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
-        text = str(exc)
-        if "libibverbs" in text:
-            hint = "the mooncake wheel needs the system library libibverbs1 even for TCP: apt-get install libibverbs1"
-        elif "libcudart" in text:
-            hint = ("this mooncake wheel is built for another CUDA version; CPU machines take "
-                    "mooncake-transfer-engine-non-cuda, CUDA 13 hosts mooncake-transfer-engine-cuda13")
-        else:
-            hint = _INSTALL_HINT
-        raise ImportError(f"cannot load mooncake transfer engine ({text}); {hint}") from exc
+        raise ImportError(f"cannot load mooncake transfer engine ({exc}); {install_hint(str(exc))}") from exc
     return TransferEngine
 
 

@@ -55,9 +55,20 @@ def dockerfile_stages(text: str) -> dict[str, list[str]]:
     return stages
 
 
+# System packages of the libraries mooncake's transfer engine links (the image test checks them all with ldd).
+RUNTIME_PACKAGES = ("libibverbs1", "libnuma1", "libcurl4")
+
+
 def image_problems(text: str) -> list[str]:
     problems = []
     stages = dockerfile_stages(text)
+    if re.match(r"(\s*#[^\n]*\n)*\s*#\s*syntax\s*=", text, re.IGNORECASE):
+        problems.append("a `# syntax=` directive: BuildKit would fetch its frontend from a registry")
+    bases = set(re.findall(r"^ARG (\w+)=", text.split("\nFROM ", 1)[0], re.MULTILINE))
+    for stage, lines in stages.items():
+        base = lines[0].split()[1]
+        if base not in stages and not (base.startswith("${") and base[2:-1] in bases):
+            problems.append(f"{stage}: FROM {base} is neither a build argument nor a stage")
     if not re.search(r"^ARG BASE_IMAGE=nvidia/cuda:\S+-runtime-", text, re.MULTILINE):
         problems.append("no ARG BASE_IMAGE defaulting to a CUDA runtime image")
     if list(stages)[-1] != "cuda" or "FROM ${BASE_IMAGE} AS cuda" not in stages["cuda"][0]:
@@ -78,6 +89,12 @@ def image_problems(text: str) -> list[str]:
             problems.append(f"{target}: does not install the project's wheel with its extras")
         if re.search(r"(API_KEY|TOKEN|PASSWORD|SECRET)\S*=", joined):
             problems.append(f"{target}: a secret-looking value is baked in")
+        apt = " ".join(line for line in lines if "apt-get install" in line).split()
+        for package in RUNTIME_PACKAGES:
+            if package not in apt:
+                problems.append(f"{target}: does not install {package}")
+        if "python -m decode_server.ops check-libs" not in joined:
+            problems.append(f"{target}: does not check the libraries its wheels link (ops check-libs)")
     if "python -m decode_server.ops build-kernels" not in "\n".join(stages.get("cuda-build", [])):
         problems.append("the CUDA extension is not built at image build time")
     if "COPY --from=cuda-build /opt/hisparse/kernels" not in "\n".join(stages.get("cuda", [])):
@@ -105,6 +122,13 @@ def test_image_check_catches_mistakes() -> None:
     assert "the CUDA extension is not built at image build time" in image_problems(
         text.replace("python -m decode_server.ops build-kernels", "true"))
     assert "cuda: a secret-looking value is baked in" in image_problems(text + "ENV DECODE_SERVER_API_KEY=sk-1\n")
+    assert "cpu: does not install libcurl4" in image_problems(text.replace("libnuma1 libcurl4", "libnuma1", 1))
+    assert "a `# syntax=` directive: BuildKit would fetch its frontend from a registry" in image_problems(
+        "# syntax=docker/dockerfile:1\n" + text)
+    assert "wheel: FROM python:3.11-slim is neither a build argument nor a stage" in image_problems(
+        text.replace("FROM ${CPU_BASE_IMAGE} AS wheel", "FROM python:3.11-slim AS wheel"))
+    assert "cuda: does not check the libraries its wheels link (ops check-libs)" in image_problems(
+        text.replace("check-libs --allow-driver", "--help"))
     admitted = [p for p in docker_context_paths() if p != "kernels"]
     assert context_problems(admitted) == [".dockerignore keeps kernels out of the build context"]
 
@@ -152,6 +176,7 @@ def compose_problems(compose: dict[str, Any]) -> list[str]:
             problems.append(f"{name}: the default (CPU) services must not need a GPU")
         if svc.get("read_only") is not True or svc.get("cap_drop") != ["ALL"]:
             problems.append(f"{name}: not read-only with all capabilities dropped")
+        problems += [f"{name}: {p}" for p in tmpfs_problems(svc.get("tmpfs", []))]
         if ns.command != "router":
             if svc.get("ports"):
                 problems.append(f"{name}: publishes a worker port to the host")
@@ -175,6 +200,24 @@ def compose_problems(compose: dict[str, Any]) -> list[str]:
                 problems.append(f"{name}: {url} but {match.group(1)} listens on {target_ns.port}")
             if bootstrap and target_ns is not None and int(bootstrap) != target_ns.disaggregation_bootstrap_port:
                 problems.append(f"{name}: bootstrap port {bootstrap} != {match.group(1)}'s")
+    return problems
+
+
+IMAGE_UID = "10001"
+CACHE_DIR = "/var/cache/hisparse"  # the image's $HISPARSE_CACHE_DIR (the tiny-dsa checkpoint, Triton's cache)
+
+
+def tmpfs_problems(mounts: list[str] | str) -> list[str]:
+    """Docker mounts a tmpfs as root 0755, noexec: one the server writes must be given to the image's user, and
+    the cache must allow exec (Triton loads the launchers it compiles there). /tmp is made world-writable."""
+    problems = []
+    for mount in [mounts] if isinstance(mounts, str) else mounts:
+        path, _, options = mount.partition(":")
+        opts = dict(o.partition("=")[::2] for o in options.split(",") if o)
+        if path != "/tmp" and opts.get("uid") != IMAGE_UID and not opts.get("mode", "").endswith("777"):
+            problems.append(f"tmpfs {path} is not writable by uid {IMAGE_UID} (root 0755 by default)")
+        if path == CACHE_DIR and "exec" not in opts:
+            problems.append(f"tmpfs {path} is noexec (Triton cannot load what it compiles)")
     return problems
 
 
@@ -210,6 +253,11 @@ def test_compose_check_catches_mistakes(compose: dict[str, Any]) -> None:
     broken = copy.deepcopy(compose)
     broken["services"]["decode"]["healthcheck"]["test"][-1] = "http://127.0.0.1:30001/health"
     assert "decode: healthcheck does not probe its own port 30000" in compose_problems(broken)
+    broken = copy.deepcopy(compose)
+    broken["services"]["prefill"]["tmpfs"] = ["/tmp", CACHE_DIR]
+    assert f"prefill: tmpfs {CACHE_DIR} is not writable by uid 10001 (root 0755 by default)" in compose_problems(
+        broken)
+    assert f"prefill: tmpfs {CACHE_DIR} is noexec (Triton cannot load what it compiles)" in compose_problems(broken)
     broken = copy.deepcopy(compose)
     del broken["services"]["decode-gpu"]["deploy"]
     assert "decode-gpu: GPU profile service reserves no GPU" in compose_problems(broken)
