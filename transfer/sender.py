@@ -402,7 +402,7 @@ class KVSender:
                     return
                 r = self._rooms.get(msg.room)
                 if r is None:
-                    self._early.setdefault(msg.room, (msg.reason, time.monotonic()))
+                    self._early[msg.room] = (msg.reason, time.monotonic())  # an abort replaces a destination
                 else:
                     self._end(r, RoomState.ABORTED, f"aborted by decode: {msg.reason}", FailureCause.PEER,
                               event=RoomEventKind.ABORTED)
