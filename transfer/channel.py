@@ -59,7 +59,13 @@ class ControlChannel:
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-                sock.connect(endpoint)
+                try:
+                    sock.connect(endpoint)
+                except zmq.ZMQError as exc:  # a peer's reply_to that is no endpoint at all
+                    sock.close(0)
+                    logger.warning("control message %s not sent: cannot connect to %r: %s", type(msg).__name__,
+                                   endpoint[:200], exc)
+                    return False
                 self._push[endpoint] = sock
             try:
                 sock.send(data, zmq.NOBLOCK)
