@@ -425,12 +425,23 @@ def _cmd_generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     return 0
 
 
+def _check_secret_file(args: argparse.Namespace) -> None:
+    """The PD secret file must be readable and long enough before anything starts (SecretError says why). Not
+    a config validator: configs are also built where the file does not exist (manifest checks, other hosts)."""
+    path = getattr(args, "disaggregation_auth_secret_file", None)
+    if path:
+        from transfer.auth import load_secret
+
+        load_secret(path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "router":
         try:
             config = router_config_from_args(args)
+            _check_secret_file(args)
         except (ValidationError, ValueError) as exc:
             parser.error(str(exc))
         _setup_logging(args.log_level)
@@ -449,6 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine_config = engine_config_from_args(args)
         if args.command == "serve":
             server_config_from_args(args)  # validate before starting anything
+            _check_secret_file(args)
             if engine_config.tp_size > 1:
                 from decode_server.api.tp_ranks import check_tp_devices
 

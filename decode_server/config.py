@@ -80,14 +80,6 @@ class DisaggregationConfig(BaseModel):
     def enabled(self) -> bool:
         return self.mode != "null"
 
-    @model_validator(mode="after")
-    def _secret_readable(self) -> DisaggregationConfig:
-        if self.auth_secret_file:
-            from transfer.auth import load_secret
-
-            load_secret(self.auth_secret_file)  # SecretError (a ValueError) says what is wrong
-        return self
-
 
 # Sparse MLA kernel on CUDA; "auto": FlashMLA on Hopper when its wheel imports, else Triton (SGLang's flag);
 # "torch_native": the PyTorch reference attention / indexer kernels even on CUDA (any MLA / indexer size).

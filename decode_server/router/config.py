@@ -111,13 +111,10 @@ class RouterConfig(BaseModel):
     @model_validator(mode="after")
     def _security_files(self) -> RouterConfig:
         from decode_server.config import check_tls_files
-        from transfer.auth import load_secret
 
         check_tls_files(self.ssl_keyfile, self.ssl_certfile)
         if self.ca_cert_path and not os.access(self.ca_cert_path, os.R_OK):
             raise ValueError(f"--ca-cert-path {self.ca_cert_path!r} is not a readable file")
-        if self.disaggregation_auth_secret_file:
-            load_secret(self.disaggregation_auth_secret_file)
         return self
 
     @model_validator(mode="after")

@@ -49,7 +49,7 @@ def _sealed(auth: PDAuth, body: dict, endpoint: str, envelope: str) -> bytes:
 
 
 @given(data=st.binary(max_size=4096) | maps.map(lambda m: msgpack.packb(m, use_bin_type=True)))
-@settings(max_examples=1500, deadline=None, derandomize=True, database=None)
+@settings(max_examples=600, deadline=None, derandomize=True, database=None)
 def test_decoder_returns_a_typed_message_or_a_protocol_error(data):
     try:
         msg, reply_to, envelope = decode_envelope(data)
