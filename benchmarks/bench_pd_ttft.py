@@ -10,6 +10,12 @@ every path up first. Prints a Markdown table and writes JSON.
 
     python benchmarks/bench_pd_ttft.py                      # CPU, 4096-token prompt, 5 runs each
     python benchmarks/bench_pd_ttft.py --device cuda --prompt-tokens 8192
+    # the cost of the PD control plane's authentication (issue 25): two PD pairs, one with a cluster secret,
+    # requests alternating between them (the router's room ticket is made here, as the router makes it)
+    python benchmarks/bench_pd_ttft.py --auth both --skip-colocated --prompt-tokens 512 --runs 11
+
+With `--auth on|both` the JSON also holds the CPU time of the authentication work one PD request costs
+(`auth_cpu_us_per_request`: two sealed and opened control frames, one ticket signed and verified twice).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import socket
 import statistics
 import subprocess
@@ -86,6 +93,28 @@ def _stream_first_token(url: str, body: dict, t0: float, out: dict, key: str) ->
                 raise RuntimeError(f"{url}: {line}")
 
 
+def _auth_cpu_us_per_request(auth: object, n: int = 2000) -> float:
+    """CPU time (µs) of the authentication work of one PD request once the peers know each other: the ROOM and
+    the STATUS frame sealed, opened and checked for replay, and the router's ticket signed once and verified by
+    both servers."""
+    from transfer.auth import PDAuth, ReplayGuard
+    from transfer.messages import RoomRequest, Status, decode_envelope, encode
+
+    assert isinstance(auth, PDAuth)
+    guard = ReplayGuard(auth.window_s)
+    room = RoomRequest(secrets.randbits(128), "127.0.0.1:15000", 512, 3, RoomRequest.pack_rows(list(range(512))))
+    t0 = time.process_time()
+    for _ in range(n):
+        for msg in (room, Status(room.room, True, dest_digest=bytes(32))):
+            frame = auth.seal(encode(msg, "tcp://127.0.0.1:1", envelope=PDAuth.envelope("tcp://127.0.0.1:2")))
+            _, _, env = decode_envelope(auth.open(frame))
+            guard.check(env["ts"], env["nonce"])
+        ticket = auth.sign_ticket("127.0.0.1", 8998, room.room)
+        auth.verify_ticket(ticket, "127.0.0.1", 8998, room.room)
+        auth.verify_ticket(ticket, "127.0.0.1", 8998, room.room)
+    return (time.process_time() - t0) / n * 1e6
+
+
 def _transfer_latency(decode: Server) -> tuple[float, int]:
     d = httpx.get(decode.url + "/server_info", timeout=10).json()["stats"]["disagg"]
     return d["latency_sum_s"], d["latency_count"]
@@ -98,17 +127,38 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--chunked-prefill-size", type=int, default=2048)
+    ap.add_argument("--auth", choices=["off", "on", "both"], default="off",
+                    help="PD pair with a cluster secret (on), without (off), or one of each, alternating (both)")
+    ap.add_argument("--skip-colocated", action="store_true", help="PD pair(s) only")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "pd_ttft.json"))
     args = ap.parse_args()
     context = args.prompt_tokens + args.max_tokens + 16
     chunk = ["--chunked-prefill-size", str(args.chunked_prefill_size)]
     bootstrap_port = _free_port()
-    colocated = Server("colocated", [*HISPARSE, *chunk], args.device, context)
-    colocated_dense = Server("colocated-dense", chunk, args.device, context)
-    prefill = Server("prefill", ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
-                                 str(bootstrap_port), *chunk], args.device, context)
-    decode = Server("decode", ["--disaggregation-mode", "decode", *HISPARSE, *chunk], args.device, context)
-    servers = [colocated, colocated_dense, prefill, decode]
+    from transfer.auth import PDAuth
+
+    secret_dir = tempfile.mkdtemp(prefix="bench-pd-auth-")
+    secret_file = os.path.join(secret_dir, "secret")
+    with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write(secrets.token_bytes(32).hex())
+    auth = PDAuth.from_file(secret_file)
+    colocated = colocated_dense = None
+    servers: list[Server] = []
+    if not args.skip_colocated:
+        colocated = Server("colocated", [*HISPARSE, *chunk], args.device, context)
+        colocated_dense = Server("colocated-dense", chunk, args.device, context)
+        servers += [colocated, colocated_dense]
+    pairs: list[tuple[str, Server, Server, int, PDAuth | None]] = []  # (key, prefill, decode, bootstrap port, auth)
+    for mode in (["off", "on"] if args.auth == "both" else [args.auth]):
+        key = "pd" if args.auth != "both" else f"pd_auth_{mode}"
+        extra = ["--disaggregation-auth-secret-file", secret_file] if mode == "on" else []
+        bootstrap_port = _free_port()
+        prefill = Server(f"prefill-{mode}", ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                                             str(bootstrap_port), *chunk, *extra], args.device, context)
+        decode = Server(f"decode-{mode}", ["--disaggregation-mode", "decode", *HISPARSE, *chunk, *extra],
+                        args.device, context)
+        servers += [prefill, decode]
+        pairs.append((key, prefill, decode, bootstrap_port, auth if mode == "on" else None))
     rows: list[dict] = []
     try:
         for s in servers:
@@ -119,42 +169,61 @@ def main() -> int:
             body = {"model": "tiny-dsa", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
                     "ignore_eos": True, "stream": True, "logprobs": 0}
             times: dict[str, float] = {}
-            for server, key in ((colocated, "colocated"), (colocated_dense, "colocated_dense")):
+            if colocated is not None and colocated_dense is not None:
+                for server, key in ((colocated, "colocated"), (colocated_dense, "colocated_dense")):
+                    t0 = time.perf_counter()
+                    _stream_first_token(server.url, body, t0, times, key)
+            # with two pairs, which goes first alternates from run to run (a drift in load hits both alike)
+            for key, prefill, decode, bootstrap_port, pair_auth in (pairs if run % 2 else pairs[::-1]):
+                room = secrets.randbits(128)  # as the router draws rooms
+                pd_body = dict(body, bootstrap_host="127.0.0.1", bootstrap_port=bootstrap_port, bootstrap_room=room)
+                lat_sum, lat_n = _transfer_latency(decode)
                 t0 = time.perf_counter()
-                _stream_first_token(server.url, body, t0, times, key)
-            pd_body = dict(body, bootstrap_host="127.0.0.1", bootstrap_port=bootstrap_port, bootstrap_room=10_000 + run)
-            lat_sum, lat_n = _transfer_latency(decode)
-            t0 = time.perf_counter()
-            threads = [threading.Thread(target=_stream_first_token, args=(s.url, pd_body, t0, times, key))
-                       for s, key in ((prefill, "prefill_done"), (decode, "pd"))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            lat_sum2, lat_n2 = _transfer_latency(decode)
-            times["transfer_latency"] = (lat_sum2 - lat_sum) / max(1, lat_n2 - lat_n)
-            times["pd_minus_prefill_answered"] = times["pd"] - times["prefill_done"]
+                if pair_auth is not None:  # the router's ticket, made here as the router makes it (in the timing)
+                    pd_body["bootstrap_auth"] = pair_auth.sign_ticket("127.0.0.1", bootstrap_port, room)
+                threads = [threading.Thread(target=_stream_first_token, args=(s.url, pd_body, t0, times, k))
+                           for s, k in ((prefill, f"{key}_prefill_done"), (decode, key))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                lat_sum2, lat_n2 = _transfer_latency(decode)
+                times[f"{key}_transfer_latency"] = (lat_sum2 - lat_sum) / max(1, lat_n2 - lat_n)
+                times[f"{key}_minus_prefill_answered"] = times[key] - times[f"{key}_prefill_done"]
             if run >= 0:
                 rows.append(times)
-                print(f"run {run}: colocated {times['colocated']:.3f} s (dense {times['colocated_dense']:.3f} s), PD "
-                      f"{times['pd']:.3f} s (prefill answered "
-                      f"{times['prefill_done']:.3f} s, room latency {times['transfer_latency']:.3f} s)", flush=True)
+                print(f"run {run}: " + ", ".join(f"{k} {v:.3f} s" for k, v in times.items()), flush=True)
     finally:
         for s in servers:
             s.stop()
+        os.unlink(secret_file)
+        os.rmdir(secret_dir)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    ratio = med["pd"] / med["colocated"]
-    print(f"\n| prompt | runs | colocated HiSparse TTFT | colocated dense TTFT | PD TTFT | PD / colocated HiSparse | "
-          f"PD / colocated dense | prefill answered | PD − prefill answered |\n|---|---|---|---|---|---|---|---|---|\n"
-          f"| {args.prompt_tokens} | {args.runs} | {med['colocated']:.3f} s | {med['colocated_dense']:.3f} s | "
-          f"{med['pd']:.3f} s | {ratio:.3f} | {med['pd'] / med['colocated_dense']:.3f} | {med['prefill_done']:.3f} s | "
-          f"{med['pd_minus_prefill_answered']:.3f} s |  (medians over runs)")
+    result: dict = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "host": platform.node(),
+                    "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(), "args": vars(args), "runs": rows,
+                    "median": med}  # fmt: skip
+    if colocated is not None and "pd" in med:
+        ratio = med["pd"] / med["colocated"]
+        result.update(pd_over_colocated=ratio, pd_over_colocated_dense=med["pd"] / med["colocated_dense"])
+        print(f"\n| prompt | runs | colocated HiSparse TTFT | colocated dense TTFT | PD TTFT | PD / colocated HiSparse | "
+              f"PD / colocated dense | prefill answered | PD − prefill answered |\n|---|---|---|---|---|---|---|---|---|\n"
+              f"| {args.prompt_tokens} | {args.runs} | {med['colocated']:.3f} s | {med['colocated_dense']:.3f} s | "
+              f"{med['pd']:.3f} s | {ratio:.3f} | {med['pd'] / med['colocated_dense']:.3f} | "
+              f"{med['pd_prefill_done']:.3f} s | {med['pd_minus_prefill_answered']:.3f} s |  (medians over runs)")
+    if args.auth != "off":
+        result["auth_cpu_us_per_request"] = _auth_cpu_us_per_request(auth)
+        print(f"authentication CPU per PD request (2 frames sealed+opened, 1 ticket signed + 2 verified): "
+              f"{result['auth_cpu_us_per_request']:.1f} µs")
+    if args.auth == "both":
+        on, off = med["pd_auth_on"], med["pd_auth_off"]
+        per_run = sorted(r["pd_auth_on"] / r["pd_auth_off"] for r in rows)
+        result["pd_auth_on_over_off"] = on / off
+        result["per_run_ratio_median"] = statistics.median(per_run)
+        print(f"\n| prompt | runs | PD TTFT, auth off | PD TTFT, auth on | on / off (medians) | on / off per run: "
+              f"median (min–max) |\n|---|---|---|---|---|---|\n| {args.prompt_tokens} | {args.runs} | {off:.3f} s | "
+              f"{on:.3f} s | {on / off:.4f} | {statistics.median(per_run):.4f} ({per_run[0]:.3f}–{per_run[-1]:.3f}) |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "date": datetime.now(UTC).isoformat(timespec="seconds"), "host": platform.node(),
-        "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(), "args": vars(args), "runs": rows,
-        "median": med, "pd_over_colocated": ratio, "pd_over_colocated_dense": med["pd"] / med["colocated_dense"],
-    }, indent=2))
+    Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     return 0
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -164,6 +165,22 @@ def _add_disaggregation_args(p: argparse.ArgumentParser) -> None:
                    metavar="SECONDS", help="decode: health checks of each prefill peer's bootstrap server")
     g.add_argument("--disaggregation-heartbeat-max-failures", type=int, default=d.heartbeat_max_failures,
                    help="decode: missed heartbeats after which a prefill peer's requests fail")
+    _add_auth_secret_arg(g)
+
+
+def _add_auth_secret_arg(g: Any) -> None:
+    from transfer.auth import SECRET_FILE_ENV
+
+    g.add_argument("--disaggregation-auth-secret-file", default=os.environ.get(SECRET_FILE_ENV) or None,
+                   metavar="PATH",
+                   help="file holding the deployment's shared secret (at least 32 bytes, e.g. `openssl rand -hex 32`): "
+                   "authenticates the PD control plane (bootstrap, control messages, the router's room tickets); "
+                   f"default ${SECRET_FILE_ENV}; unset: unauthenticated, with a warning (docs/pd.md)")
+
+
+def _add_tls_args(g: Any) -> None:
+    g.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="serve HTTPS: the TLS private key (PEM)")
+    g.add_argument("--ssl-certfile", default=None, metavar="PATH", help="serve HTTPS: the TLS certificate chain (PEM)")
 
 
 def disaggregation_config_from_args(args: argparse.Namespace) -> DisaggregationConfig:
@@ -180,6 +197,7 @@ def disaggregation_config_from_args(args: argparse.Namespace) -> DisaggregationC
         transfer_timeout_s=args.disaggregation_transfer_timeout,
         heartbeat_interval_s=args.disaggregation_heartbeat_interval,
         heartbeat_max_failures=args.disaggregation_heartbeat_max_failures,
+        auth_secret_file=args.disaggregation_auth_secret_file,
     )
 
 
@@ -223,6 +241,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         engine_heartbeat_timeout=args.engine_heartbeat_timeout,
         graceful_shutdown_timeout=args.graceful_shutdown_timeout,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
     )
 
 
@@ -257,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT stop accepting requests (/health 503) and let those in flight finish for up to "
         "this long before aborting them (0: abort at once); a second signal stops at once",
     )
+    _add_tls_args(g)
     _add_disaggregation_args(serve)
 
     gen = sub.add_parser("generate", help="generate offline, in this process (no server)")
@@ -297,6 +318,15 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=d.host)
     g.add_argument("--port", type=int, default=d.port)
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' (not on /health, /metrics)")
+    _add_tls_args(g)
+    g = p.add_argument_group("workers' security")
+    g.add_argument("--worker-api-key", default=None,
+                   help="sent as 'Authorization: Bearer <key>' on every request to a worker (their --api-key), "
+                   "instead of the client's own credentials")
+    g.add_argument("--ca-cert-path", default=None, metavar="PATH",
+                   help="CA certificate(s) (PEM) that https:// worker URLs are verified with (default: the system's)")
+    _add_auth_secret_arg(g)
+    g = p.add_argument_group("routing")
     g.add_argument("--request-timeout-secs", type=float, default=d.request_timeout_secs,
                    help="longest wait for decode's answer, and for each chunk of a stream")  # fmt: skip
     g.add_argument("--connect-timeout-secs", type=float, default=d.connect_timeout_secs)
@@ -337,6 +367,11 @@ def router_config_from_args(args: argparse.Namespace) -> Any:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        worker_api_key=args.worker_api_key,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ca_cert_path=args.ca_cert_path,
+        disaggregation_auth_secret_file=args.disaggregation_auth_secret_file,
         request_timeout_secs=args.request_timeout_secs,
         connect_timeout_secs=args.connect_timeout_secs,
         health_check_interval_secs=args.health_check_interval_secs,
@@ -390,12 +425,23 @@ def _cmd_generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     return 0
 
 
+def _check_secret_file(args: argparse.Namespace) -> None:
+    """The PD secret file must be readable and long enough before anything starts (SecretError says why). Not
+    a config validator: configs are also built where the file does not exist (manifest checks, other hosts)."""
+    path = getattr(args, "disaggregation_auth_secret_file", None)
+    if path:
+        from transfer.auth import load_secret
+
+        load_secret(path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "router":
         try:
             config = router_config_from_args(args)
+            _check_secret_file(args)
         except (ValidationError, ValueError) as exc:
             parser.error(str(exc))
         _setup_logging(args.log_level)
@@ -414,6 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine_config = engine_config_from_args(args)
         if args.command == "serve":
             server_config_from_args(args)  # validate before starting anything
+            _check_secret_file(args)
             if engine_config.tp_size > 1:
                 from decode_server.runtime.rank_group import check_rank_devices
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -70,6 +71,10 @@ class DisaggregationConfig(BaseModel):
     transfer_timeout_s: float = Field(default=30.0, ge=5, description="one mooncake batch write (its minimum is 5 s)")
     heartbeat_interval_s: float = Field(default=5.0, gt=0, description="decode: health checks of each prefill peer")
     heartbeat_max_failures: int = Field(default=2, ge=1, description="missed heartbeats that fail a peer's rooms")
+    auth_secret_file: str | None = Field(
+        default=None, description="file holding the cluster secret that authenticates the PD control plane "
+        "(bootstrap, control messages, the router's room tickets); None: unauthenticated (a loud warning)",
+    )  # fmt: skip
 
     @property
     def enabled(self) -> bool:
@@ -192,7 +197,24 @@ class ServerConfig(BaseModel):
     # Seconds without a heartbeat from the engine process before /health answers 503 and in-flight requests fail;
     # after `EngineConfig.watchdog_timeout` seconds of silence the api process kills the engine and exits.
     engine_heartbeat_timeout: float = Field(default=10.0, gt=0)
+    # TLS for deployments without a service mesh (uvicorn's options): both files or neither.
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
     # On SIGTERM/SIGINT: stop taking requests (/health 503, new requests 503) and let the ones in flight finish for
     # up to this many seconds before aborting them; 0 aborts them at once. Kubernetes' terminationGracePeriodSeconds
     # must be longer.
     graceful_shutdown_timeout: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerConfig:
+        check_tls_files(self.ssl_keyfile, self.ssl_certfile)
+        return self
+
+
+def check_tls_files(keyfile: str | None, certfile: str | None) -> None:
+    """`--ssl-keyfile` and `--ssl-certfile` come together, and both must be readable files."""
+    if bool(keyfile) != bool(certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile must be given together")
+    for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile)):
+        if path and not os.access(path, os.R_OK):
+            raise ValueError(f"{flag} {path!r} is not a readable file")

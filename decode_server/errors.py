@@ -67,6 +67,12 @@ class AuthenticationError(DecodeServerError):
     error_type = "authentication_error"
 
 
+class PDAuthenticationError(AuthenticationError):
+    """A PD request whose bootstrap fields were not signed by an authenticated router (`bootstrap_auth`)."""
+
+    error_type = "pd_authentication_error"
+
+
 class ServerShuttingDownError(DecodeServerError):
     """The server is stopping (SIGINT/SIGTERM); requests still in flight are aborted with this."""
 

@@ -7,6 +7,10 @@ first, then both servers (each stops its own engine process), and kills any proc
 the grace period: nothing outlives it. Should `up` itself be killed with SIGKILL, Linux's parent-death signal
 still sends SIGTERM to every child.
 
+The PD control plane is always authenticated: unless `--disaggregation-auth-secret-file` names one, `up` writes a
+fresh secret (`secrets.token_bytes`, hex) into a 0600 file in a private temporary directory, gives it to all three
+processes, and removes it when it stops.
+
 This module only starts processes: it imports neither the engine nor torch.
 """
 
@@ -16,11 +20,14 @@ import argparse
 import contextlib
 import ctypes
 import os
+import secrets
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -57,6 +64,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bootstrap-port", type=int, default=0, help="prefill's bootstrap server; 0: a free port")
     g.add_argument("--policy", choices=["round_robin", "random", "least_load"], default="round_robin")
     g.add_argument("--api-key", default=None, help="required by the router and both servers")
+    g.add_argument("--disaggregation-auth-secret-file", default=None, metavar="PATH",
+                   help="the PD secret shared by the three processes; default: a fresh one in a 0600 temporary "
+                   "file, removed on exit")
     g.add_argument("--context-length", type=int, default=None)
     g.add_argument("--hisparse-config", default=None, metavar="JSON", help="decode server's HiSparse settings")
     g.add_argument("--transfer-backend", default="mooncake", choices=["mooncake"])
@@ -185,6 +195,9 @@ def plan(args: argparse.Namespace) -> list[Child]:
         common += ["--context-length", str(args.context_length)]
     if args.api_key:
         common += ["--api-key", args.api_key]
+    secret = ["--disaggregation-auth-secret-file", args.disaggregation_auth_secret_file] \
+        if args.disaggregation_auth_secret_file else []  # fmt: skip
+    common += secret
     prefill = [*cli, "serve", *common, "--port", str(prefill_port)]
     decode = [*cli, "serve", *common, "--port", str(decode_port), "--enable-hisparse"]
     if args.hisparse_config:
@@ -202,7 +215,8 @@ def plan(args: argparse.Namespace) -> list[Child]:
               # One local user: one router process is plenty (`--router-args "--router-processes 4"` for more).
               "--router-processes", "1"]  # fmt: skip
     if args.api_key:
-        router += ["--api-key", args.api_key]
+        router += ["--api-key", args.api_key, "--worker-api-key", args.api_key]
+    router += secret
     router += shlex.split(args.router_args)
     return [
         Child("prefill", prefill, prefill_url),
@@ -211,12 +225,32 @@ def plan(args: argparse.Namespace) -> list[Child]:
     ]
 
 
+def write_secret_file() -> str:
+    """A fresh 32-byte secret (hex) in a 0600 file inside a new 0700 temporary directory; returns the file."""
+    directory = tempfile.mkdtemp(prefix="hisparse-up-")  # 0700, ours
+    path = os.path.join(directory, "pd-auth-secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_bytes(32).hex())
+    return path
+
+
 def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.colocated_workers and not pd_roles_available():
         parser.error("this build's servers have no PD roles (--disaggregation-mode); use --colocated-workers")
     if args.port == 0:
         args.port = free_port(args.host)
+    generated = None
+    if not args.disaggregation_auth_secret_file:
+        generated = args.disaggregation_auth_secret_file = write_secret_file()
+    try:
+        return _run(args)
+    finally:
+        if generated is not None:
+            shutil.rmtree(os.path.dirname(generated), ignore_errors=True)
 
+
+def _run(args: argparse.Namespace) -> int:
     def out(line: str) -> None:
         print(line, flush=True)
 

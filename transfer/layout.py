@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # Version of our control protocol (messages.py and the bootstrap routes). Bump on any wire change.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: 128-bit rooms (16 bytes on the wire), STATUS carries the destination digest
 
 
 @dataclass(frozen=True)

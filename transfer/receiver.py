@@ -9,6 +9,13 @@ Page safety: a room reports its end only when prefill cannot write into its page
 status from prefill, on prefill's ABORT, on prefill's ABORT_ACK after our ABORT, or when prefill is declared dead
 (heartbeat misses). Our own aborts and waiting timeouts first wait for the ACK (state ABORTING), at most
 `abort_ack_timeout_s`.
+
+Who may end a room: STATUS, ABORT and ABORT_ACK of a room are taken only from the endpoint of the prefill the room
+was sent to, and a SUCCESS only if its destination digest equals that of the destination we registered for the
+room (rows, aux row, token count, our session): a completion claimed for any other regions fails the room. With a
+cluster secret (`auth`) every control message and bootstrap answer is authenticated too; a prefill that refuses
+our authentication (or answers without it) fails its rooms at once, cause `auth`, instead of being retried.
+Refusals are logged once and counted in `stats.rejected`.
 """
 
 from __future__ import annotations
@@ -22,10 +29,20 @@ from enum import Enum
 
 import numpy as np
 
-from transfer.bootstrap import BootstrapClient, BootstrapUnavailable
+from transfer.auth import PDAuth
+from transfer.bootstrap import BootstrapAuthError, BootstrapClient, BootstrapUnavailable
 from transfer.channel import ControlChannel
 from transfer.layout import TransferLayout
-from transfer.messages import Abort, AbortAck, ProtocolError, Register, RegisterReply, RoomRequest, Status
+from transfer.messages import (
+    Abort,
+    AbortAck,
+    ProtocolError,
+    Register,
+    RegisterReply,
+    RoomRequest,
+    Status,
+    destination_digest,
+)
 from transfer.mooncake_transport import MooncakeTransport
 from transfer.regions import MemoryRegion
 from transfer.rooms import FailureCause, RoomBase, RoomState, TransferStats, count_by_state
@@ -79,6 +96,7 @@ class _Peer:
 class _Room(RoomBase):
     peer: _Peer | None = None
     request: RoomRequest | None = None
+    digest: bytes = b""  # destination_digest(request): what prefill's SUCCESS must name
     sent_at: float | None = None
     nbytes: int = 0
     abort_reason: str = ""
@@ -97,6 +115,7 @@ class KVReceiver:
         timeouts: ReceiverTimeouts | None = None,
         zmq_host: str = "127.0.0.1",
         bootstrap_rank: int = 0,
+        auth: PDAuth | None = None,
     ) -> None:
         regions = dict(dst_regions) if isinstance(dst_regions, Mapping) else {r.name: r for r in dst_regions}
         got = {n: r.row_bytes for n, r in regions.items()}
@@ -109,6 +128,7 @@ class KVReceiver:
             raise ValueError(f"aux region needs one layer of rows >= {layout.aux_bytes} B")
         self.transport, self.layout, self.regions, self.aux = transport, layout, regions, aux_region
         self.timeouts = timeouts or ReceiverTimeouts()
+        self.auth = auth
         self.bootstrap_rank = bootstrap_rank
         self.stats = TransferStats()
         self._bytes_per_token = sum(r.row_bytes for r in regions.values()) * layout.num_layers
@@ -121,7 +141,7 @@ class KVReceiver:
             for r in [*regions.values(), aux_region]:
                 transport.register(r.base_ptr, r.nbytes)
                 self._registered.append(r.base_ptr)
-            self._channel = ControlChannel(zmq_host)
+            self._channel = ControlChannel(zmq_host, auth, on_reject=self.stats.reject)
         except Exception:
             self._unregister_all()
             raise
@@ -168,7 +188,8 @@ class KVReceiver:
         with self._lock:
             if room in self._rooms:
                 raise ValueError(f"room {room} is already in flight on this receiver")
-            r = _Room(room, request=request, nbytes=num_tokens * self._bytes_per_token + self.layout.aux_bytes)
+            r = _Room(room, request=request, digest=destination_digest(request),
+                      nbytes=num_tokens * self._bytes_per_token + self.layout.aux_bytes)
             self._rooms[room] = r
             self.stats.started()
             peer = self._peer(bootstrap_host, bootstrap_port)
@@ -303,7 +324,8 @@ class KVReceiver:
     def _connect(self, peer: _Peer) -> None:
         """Look up prefill's rank, check its layout, register, then send the rooms waiting for it. Retries
         while rooms wait (their bootstrap timeout is applied by poll)."""
-        client = BootstrapClient(peer.host, peer.port, timeout_s=min(2.0, self.timeouts.bootstrap_s))
+        client = BootstrapClient(peer.host, peer.port, timeout_s=min(2.0, self.timeouts.bootstrap_s), auth=self.auth)
+        auth_problem = None
         while not self._stop.is_set():
             with self._lock:
                 live_rooms = any(self._rooms.get(x) is not None and not self._rooms[x].state.terminal
@@ -316,10 +338,21 @@ class KVReceiver:
             try:
                 info = client.lookup(self.bootstrap_rank)
                 break
+            except BootstrapAuthError as exc:  # another secret, or none on one side: retrying cannot help
+                auth_problem = peer.last_error = str(exc)
+                break
             except BootstrapUnavailable as exc:
                 peer.last_error = str(exc)
                 self._stop.wait(min(0.5, self.timeouts.bootstrap_s / 10))
         else:
+            return
+        if auth_problem is not None:
+            with self._lock:
+                if peer.state != _PeerState.GONE:
+                    logger.error("authentication with prefill %s failed: %s", peer.address, auth_problem)
+                    peer.state = _PeerState.GONE
+                    self._fail_peer_rooms(peer, f"authentication with prefill failed: {auth_problem}",
+                                          FailureCause.AUTH)
             return
         try:
             theirs = TransferLayout.from_dict(info["layout"])
@@ -365,7 +398,7 @@ class KVReceiver:
             with self._lock:
                 peers = [p for p in self._peers.values() if p.state == _PeerState.READY]
             for peer in peers:
-                client = BootstrapClient(peer.host, peer.port, timeout_s=max(0.05, min(interval, 2.0)))
+                client = BootstrapClient(peer.host, peer.port, timeout_s=max(0.05, min(interval, 2.0)), auth=self.auth)
                 reason = None
                 try:
                     info = client.lookup(self.bootstrap_rank)
@@ -373,6 +406,8 @@ class KVReceiver:
                     if info.get("session_id") != peer.session_id:
                         reason = (f"prefill {peer.address} restarted (session {peer.session_id} -> "
                                   f"{info.get('session_id')})")
+                except BootstrapAuthError as exc:
+                    reason = f"prefill {peer.address} no longer authenticates with our secret: {exc}"
                 except BootstrapUnavailable as exc:
                     peer.misses += 1
                     peer.last_error = str(exc)
@@ -429,11 +464,20 @@ class KVReceiver:
                     peer.replied.set()
                 return
             r = self._rooms.get(getattr(msg, "room", -1))
+            if r is not None and (r.peer is None or r.peer.endpoint != reply_to):
+                self._channel.reject("wrong_peer", f"{type(msg).__name__} for room {r.room} from an endpoint that "
+                                     "is not the room's prefill", reply_to)
+                return
             if isinstance(msg, Status):
                 if r is None or r.state.terminal:
                     return
                 if r.state == RoomState.ABORTING:  # prefill is done with the room either way
                     self._end(r, r.abort_state, r.abort_reason, r.abort_cause)
+                elif msg.ok and msg.dest_digest != r.digest:
+                    self._channel.reject("wrong_destination", f"room {r.room}: prefill reported a completion for "
+                                         "other regions than the ones we registered for the room", reply_to)
+                    self._end(r, RoomState.FAILED, "prefill reported completing a destination other than the one "
+                              "this decode server registered for the room", FailureCause.HANDSHAKE)
                 elif msg.ok:
                     self._end(r, RoomState.SUCCESS, "", None)
                 else:

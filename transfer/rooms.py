@@ -38,16 +38,20 @@ class FailureCause(StrEnum):
     PEER = "peer"  # the other side failed the room and told us
     LOCAL = "local"  # our own caller failed or released the room
     CLOSED = "closed"  # the sender/receiver was closed with the room in flight
+    AUTH = "auth"  # the peer failed authentication (another cluster secret, or none on one side)
 
 
 @dataclass
 class TransferStats:
-    """Thread-safe counters. `rooms_finished` counts terminal transitions by state, `failures` by cause."""
+    """Thread-safe counters. `rooms_finished` counts terminal transitions by state, `failures` by cause,
+    `rejected` the control messages and bootstrap requests refused (authentication, malformed, wrong peer) by
+    reason."""
 
     bytes_transferred: int = 0
     rooms_started: int = 0
     rooms_finished: Counter = field(default_factory=Counter)
     failures: Counter = field(default_factory=Counter)
+    rejected: Counter = field(default_factory=Counter)
     abort_acks_received: int = 0
     _latency: deque = field(default_factory=lambda: deque(maxlen=100_000))
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -61,6 +65,10 @@ class TransferStats:
             self.rooms_finished[state.name] += 1
             if cause is not None:
                 self.failures[cause.value] += 1
+
+    def reject(self, reason: str) -> None:
+        with self._lock:
+            self.rejected[reason] += 1
 
     def add_bytes(self, n: int) -> None:
         with self._lock:
@@ -85,6 +93,7 @@ class TransferStats:
         with self._lock:
             return {"bytes_transferred": self.bytes_transferred, "rooms_started": self.rooms_started,
                     "rooms_finished": dict(self.rooms_finished), "failures": dict(self.failures),
+                    "rejected": dict(self.rejected),
                     "abort_acks_received": self.abort_acks_received}
 
 

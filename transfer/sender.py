@@ -6,6 +6,12 @@ room whose destination has not arrived yet wait in the room and are queued when 
 the jobs of a room in order and gives a simple guarantee: when a room fails or is aborted, the ABORT / ABORT_ACK
 / STATUS that tells decode is sent from the writer after every earlier job, so nothing is still being written
 into decode's pages when decode hears of it.
+
+Who may steer a room: a destination (ROOM) is taken only from the endpoint its receiver registered from, the first
+destination of a room wins (a second one is refused), and an ABORT of a room is taken only from the endpoint of
+the receiver that owns it. With a cluster secret (`auth`) every control message is authenticated as well
+(transfer/channel.py), so only a decode server of the same deployment can register or name a destination.
+Refusals are logged once and counted in `stats.rejected`. SUCCESS carries the digest of the destination written.
 """
 
 from __future__ import annotations
@@ -22,11 +28,21 @@ from enum import StrEnum
 
 import numpy as np
 
+from transfer.auth import PDAuth
 from transfer.bootstrap import BootstrapClient, BootstrapUnavailable
 from transfer.channel import ControlChannel
 from transfer.errors import TransferError
 from transfer.layout import TransferLayout
-from transfer.messages import ALL_REGIONS, Abort, AbortAck, Register, RegisterReply, RoomRequest, Status
+from transfer.messages import (
+    ALL_REGIONS,
+    Abort,
+    AbortAck,
+    Register,
+    RegisterReply,
+    RoomRequest,
+    Status,
+    destination_digest,
+)
 from transfer.mooncake_transport import MooncakeTransport
 from transfer.regions import MemoryRegion, coalesce_runs, run_entries
 from transfer.rooms import FailureCause, RoomBase, RoomState, TransferStats, count_by_state
@@ -61,6 +77,7 @@ class _Receiver:
 @dataclass
 class _Room(RoomBase):
     dest: RoomRequest | None = None
+    digest: bytes = b""  # destination_digest(dest), sent with SUCCESS
     receiver: _Receiver | None = None
     pending: list[tuple] = field(default_factory=list)  # jobs queued before the destination arrived
     tokens_queued: int = 0
@@ -81,6 +98,7 @@ class KVSender:
         bootstrap_timeout_s: float = 300.0,
         rank: int = 0,
         dead_receiver_ttl_s: float = 10.0,
+        auth: PDAuth | None = None,
     ) -> None:
         regions = dict(src_regions) if isinstance(src_regions, Mapping) else {r.name: r for r in src_regions}
         got = {n: r.row_bytes for n, r in regions.items()}
@@ -115,7 +133,7 @@ class KVSender:
                 self._registered.append(r.base_ptr)
             transport.register(self._aux_staging.ctypes.data, self._aux_staging.nbytes)
             self._registered.append(self._aux_staging.ctypes.data)
-            self._channel = ControlChannel(zmq_host)
+            self._channel = ControlChannel(zmq_host, auth, on_reject=self.stats.reject)
         except Exception:
             self._unregister_all()
             raise
@@ -123,7 +141,7 @@ class KVSender:
         self._writer = threading.Thread(target=self._write_loop, name="kv-sender-write", daemon=True)
         self._listener.start()
         self._writer.start()
-        self._bootstrap = BootstrapClient(*bootstrap)
+        self._bootstrap = BootstrapClient(*bootstrap, auth=auth)
         self._register_with_bootstrap()
 
     # ---- public API ---------------------------------------------------------------------------------------------
@@ -293,7 +311,7 @@ class KVSender:
                 self._channel.send(receiver.endpoint, Status(dest.room, False, problem))
             self._end(r, RoomState.FAILED, problem, FailureCause.HANDSHAKE)
             return
-        r.dest, r.receiver = dest, receiver
+        r.dest, r.receiver, r.digest = dest, receiver, destination_digest(dest)
         if r.state.terminal:  # failed locally before decode's destination came: tell decode now
             if r.notify is not None:
                 self._jobs.put(("notify", r.room, receiver.endpoint, r.notify))
@@ -342,27 +360,49 @@ class KVSender:
         if reply_to and msg_type == "register":
             self._channel.send(reply_to, RegisterReply("", False, str(exc), self.transport.session_id))
 
+    def _owner(self, room: int) -> str | None:
+        """The endpoint of the receiver whose destination a room has (or is waiting with), if any (lock held)."""
+        r = self._rooms.get(room)
+        if r is not None and r.receiver is not None:
+            return r.receiver.endpoint
+        early = self._early.get(room)
+        if r is None and early is not None and isinstance(early[0], RoomRequest):
+            receiver = self._receivers.get(early[0].receiver_id)
+            return receiver.endpoint if receiver is not None else None
+        return None
+
     def _on_message(self, msg, reply_to: str) -> None:
         if isinstance(msg, Register):
             self._on_register(msg, reply_to)
         elif isinstance(msg, RoomRequest):
             with self._lock:
-                r = self._rooms.get(msg.room)
-                gone = self._gone.pop(msg.room, None)
                 receiver = self._receivers.get(msg.receiver_id)
+                if receiver is not None and receiver.endpoint != reply_to:
+                    self._channel.reject("wrong_peer", f"room {msg.room}: a destination for receiver "
+                                         f"{msg.receiver_id} from an endpoint it did not register from", reply_to)
+                    return
+                r = self._rooms.get(msg.room)
+                if (r is not None and r.dest is not None) or (r is None and msg.room in self._early):
+                    self._channel.reject("duplicate_room", f"room {msg.room} already has a destination (or an "
+                                         "abort): the first one stands", reply_to)
+                    return
+                gone = self._gone.pop(msg.room, None)
                 if r is None and gone is not None and receiver is not None:
                     self._channel.send(receiver.endpoint, Status(msg.room, False, f"prefill failed: {gone[0]}"))
                 elif r is None:
                     self._early[msg.room] = (msg, time.monotonic())
-                elif r.dest is not None:
-                    logger.warning("room %d: duplicate destination ignored", msg.room)
                 else:
                     self._accept_destination(r, msg)
         elif isinstance(msg, Abort):
             with self._lock:
+                owner = self._owner(msg.room)
+                if owner is not None and owner != reply_to:
+                    self._channel.reject("wrong_peer", f"abort of room {msg.room} from an endpoint that is not its "
+                                         "decode receiver's", reply_to)
+                    return
                 r = self._rooms.get(msg.room)
                 if r is None:
-                    self._early[msg.room] = (msg.reason, time.monotonic())
+                    self._early[msg.room] = (msg.reason, time.monotonic())  # an abort replaces a destination
                 else:
                     self._end(r, RoomState.ABORTED, f"aborted by decode: {msg.reason}", FailureCause.PEER,
                               event=RoomEventKind.ABORTED)
@@ -516,7 +556,7 @@ class KVSender:
         with self._lock:
             r.bytes += n
             if self._end(r, RoomState.SUCCESS, "", None, event=RoomEventKind.SUCCESS):
-                self._channel.send(receiver.endpoint, Status(room, True))
+                self._channel.send(receiver.endpoint, Status(room, True, dest_digest=r.digest))
                 self.stats.add_latency(time.monotonic() - (r.first_write or r.state_since))
 
     def _job_notify(self, room: int, endpoint: str, reason: str) -> None:

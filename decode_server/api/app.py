@@ -171,6 +171,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
             "engine": ctx.engine_info,
             "engine_pid": ctx.client.pid,
             "num_inflight_requests": ctx.client.num_inflight,
+            "disaggregation_auth": _auth_state(ctx.model),
             "stats": stats.model_dump(),
         }
 
@@ -201,6 +202,13 @@ def create_app(ctx: ServerContext) -> FastAPI:
         return {"aborted": n}
 
     return app
+
+
+def _auth_state(model: ModelInfo) -> str:
+    """"on" / "off" in a PD mode (off: no cluster secret, unauthenticated control plane); "n/a" when colocated."""
+    if model.disaggregation_mode == "null":
+        return "n/a"
+    return "on" if model.pd_auth is not None else "off"
 
 
 async def _counted(ctx: ServerContext, handler: Any) -> Any:

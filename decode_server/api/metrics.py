@@ -179,6 +179,15 @@ def _disagg_metrics(model_name: str, d: DisaggStats) -> Iterator[Metric]:
     for state in ("SUCCESS", "FAILED", "ABORTED"):
         ended.add_metric([model_name, state.lower()], d.rooms_finished.get(state, 0))
     yield ended
+    rejected = CounterMetricFamily(
+        SGLANG + "kv_transfer_rejected_messages", "PD control messages and bootstrap requests refused (failed "
+        "authentication, replayed, stale, malformed, oversize, from the wrong peer), by reason",
+        labels=["model_name", "reason"])  # fmt: skip
+    for reason, n in sorted(d.rejected_by_reason.items()):
+        rejected.add_metric([model_name, reason], n)
+    yield rejected
+    yield gauge("kv_transfer_auth_enabled", "1 when the PD control plane is authenticated with a cluster secret",
+                1.0 if d.auth else 0.0)
     failures = CounterMetricFamily(SGLANG + "kv_transfer_failures", "failed or aborted rooms, by cause",
                                    labels=["model_name", "cause"])
     for cause, n in sorted(d.failures_by_cause.items()):

@@ -122,8 +122,13 @@ class _SamplingFields(_Strict):
     bootstrap_host: str | list[str] | None = Field(default=None, description="PD: the prefill server's host")
     bootstrap_port: int | list[int] | None = Field(default=None, description="PD: its bootstrap port")
     bootstrap_room: int | list[int] | None = Field(
-        default=None, description="PD: the transfer's id, the same on both servers (0 .. 2^63-1)"
+        default=None, description="PD: the transfer's id, the same on both servers (0 .. 2^128-1)"
     )
+    bootstrap_auth: str | None = Field(
+        default=None, max_length=256,
+        description="PD: the router's signature of the bootstrap fields (servers with a disaggregation auth "
+        "secret require it)",
+    )  # fmt: skip
 
 
 class CompletionRequest(_SamplingFields):

@@ -99,6 +99,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         await client.shutdown("start-up failed", timeout_s=5)
         raise
     served = server_config.served_model_name or engine_config.model_path
+    pd_auth = _pd_auth(engine_config)
     context_length = int(info.get("context_length") or engine_config.context_length or 0)
     model = ModelInfo(
         served_model_name=served,
@@ -107,6 +108,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         vocab_size=int(info.get("vocab_size") or tokenizer.vocab_size),
         accepted_names=frozenset({served, engine_config.model_path}),
         disaggregation_mode=engine_config.disaggregation.mode,
+        pd_auth=pd_auth,
     )
     metrics = ServerMetrics(served)
     ctx = ServerContext(client, tokenizer, model, metrics, dict(info, model_path=model_dir),
@@ -138,6 +140,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         log_level=server_config.log_level,
         access_log=server_config.log_level == "debug",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        ssl_keyfile=server_config.ssl_keyfile,
+        ssl_certfile=server_config.ssl_certfile,
         lifespan="off",
         # h11, as tested (uvicorn would pick httptools, a dependency of the PD router, when it is installed)
         http="h11",
@@ -149,7 +153,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         engine_config.model_path, model_dir, info.get("mode"), info.get("device"), model.context_length,
         served, _memory_summary(info),
     )  # fmt: skip
-    logger.info("listening on http://%s:%d (OpenAI API under /v1)", server_config.host, server_config.port)
+    scheme = "https" if server_config.ssl_certfile else "http"
+    logger.info("listening on %s://%s:%d (OpenAI API under /v1)", scheme, server_config.host, server_config.port)
     try:
         await server.serve()
     finally:
@@ -163,6 +168,22 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         return 1
     logger.info("stopped (engine exit code %s)", engine_code)
     return 0
+
+
+def _pd_auth(engine_config: EngineConfig) -> Any:
+    """PD modes: the cluster secret's checks of the router's room tickets; without a secret, a loud warning (the
+    engine process warns again for the control plane itself)."""
+    from transfer.auth import PDAuth
+
+    cfg = engine_config.disaggregation
+    if not cfg.enabled:
+        return None
+    auth = PDAuth.from_file(cfg.auth_secret_file)
+    if auth is None:
+        logger.warning("!!! --disaggregation-mode %s WITHOUT --disaggregation-auth-secret-file: the PD control plane "
+                       "is unauthenticated; anything that reaches this server can name rooms and steer KV "
+                       "transfers. Fine for local development only (docs/pd.md) !!!", cfg.mode)
+    return auth
 
 
 def _import_tokenizer_class() -> Any:

@@ -52,7 +52,9 @@ from decode_server.errors import (
     ContextLengthExceededError,
     DecodeServerError,
     InvalidRequestError,
+    PDAuthenticationError,
 )
+from transfer.auth import AuthRejected, RejectionLog
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,8 @@ class ModelInfo:
     vocab_size: int
     accepted_names: frozenset[str]
     disaggregation_mode: str = "null"  # "prefill" / "decode": requests must carry bootstrap fields
+    # transfer.auth.PDAuth with a cluster secret: PD requests must carry the router's ticket (`bootstrap_auth`)
+    pd_auth: Any = None
     # The most tokens (prompt + max_tokens - 1) the KV cache can hold for one request (≤ context length).
     max_request_tokens: int = 0
 
@@ -86,6 +90,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.model = model
         self.groups: dict[str, GenerationGroup] = {}  # running HTTP requests by id, for /abort_request
+        self._pd_rejections = RejectionLog("PD request")
 
     def abort(self, request_id: str, reason: str) -> int:
         """Abort a running completion by its response id (`cmpl-…`, `chatcmpl-…`) or one engine rid."""
@@ -243,6 +248,8 @@ class OpenAIServing:
                 )
             per_prompt[name] = values
         rooms = per_prompt["bootstrap_room"]
+        if self.model.pd_auth is not None:
+            self._check_ticket(req)
         if any(not 0 <= r <= MAX_ROOM for r in rooms):
             raise InvalidRequestError(f"'bootstrap_room' must be in [0, {MAX_ROOM}]", param="bootstrap_room")
         if len(set(rooms)) != len(rooms):
@@ -254,6 +261,18 @@ class OpenAIServing:
             raise InvalidRequestError("'bootstrap_host' must not be empty", param="bootstrap_host")
         return [BootstrapInfo(h, p, r) for h, p, r in zip(per_prompt["bootstrap_host"], per_prompt["bootstrap_port"],
                                                           rooms, strict=True)]
+
+    def _check_ticket(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        """With a cluster secret, the bootstrap fields must be the ones an authenticated router issued: nobody else
+        can name a room (and so have a prompt's KV sent to a decode server it chose)."""
+        try:
+            self.model.pd_auth.verify_ticket(req.bootstrap_auth, req.bootstrap_host, req.bootstrap_port,
+                                             req.bootstrap_room)
+        except AuthRejected as exc:
+            self._pd_rejections(exc.reason, exc.detail, req.rid or "")
+            raise PDAuthenticationError(
+                f"PD request refused: {exc.detail}; this server accepts only requests from a PD router holding the "
+                "deployment's --disaggregation-auth-secret-file") from None
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_ROOM = 2**63 - 1
+MAX_ROOM = 2**128 - 1  # our router draws 128 random bits (SGLang's routers send 63-bit rooms: also accepted)
 
 
 @dataclass(frozen=True)

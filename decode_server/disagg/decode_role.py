@@ -30,7 +30,7 @@ from decode_server.disagg.aux_record import AuxRecord, AuxRecordError
 from decode_server.disagg.bootstrap_info import BootstrapInfo
 from decode_server.disagg.layout import engine_layout
 from decode_server.disagg.memory import DecodeMemory
-from decode_server.disagg.role import PDRole, advertised_host, make_transport, require_bootstrap
+from decode_server.disagg.role import PDRole, advertised_host, make_auth, make_transport, require_bootstrap
 from decode_server.engine.request import RequestStatus
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.engine.types import DisaggStats, RequestDelta
@@ -59,6 +59,7 @@ class DecodeRole(PDRole):
         self.memory = DecodeMemory(engine.kv, engine.config.max_running_requests)
         views = self.memory.regions
         self.layout = engine_layout(engine, views)
+        self.auth = make_auth(cfg)
         self.transport = make_transport(cfg)
         timeouts = ReceiverTimeouts(
             bootstrap_s=cfg.bootstrap_timeout_s, waiting_s=cfg.waiting_timeout_s,
@@ -69,7 +70,7 @@ class DecodeRole(PDRole):
             self.receiver = KVReceiver(
                 self.transport, self.layout, {n: MemoryRegion.from_array(n, v.tensor) for n, v in views.items()},
                 MemoryRegion.from_array("aux", self.memory.aux.unsqueeze(0)), timeouts,
-                zmq_host=advertised_host(cfg),
+                zmq_host=advertised_host(cfg), auth=self.auth,
             )
         except BaseException:
             self.transport.close()
@@ -160,6 +161,9 @@ class DecodeRole(PDRole):
             return None
         self.memory.install(row, req.prompt_len)
         return self.engine.commit_remote_prefill(entry.rid, record.first_token, self._logprob(req, record))
+
+    def _control_endpoint(self) -> str:
+        return self.receiver.endpoint
 
     @staticmethod
     def _logprob(req: Any, record: AuxRecord) -> Any:

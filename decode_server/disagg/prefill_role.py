@@ -27,7 +27,14 @@ from decode_server.disagg.aux_record import AuxRecord
 from decode_server.disagg.bootstrap_info import BootstrapInfo
 from decode_server.disagg.layout import engine_layout
 from decode_server.disagg.memory import prefill_regions, prefill_rows
-from decode_server.disagg.role import PDRole, advertised_host, error_delta, make_transport, require_bootstrap
+from decode_server.disagg.role import (
+    PDRole,
+    advertised_host,
+    error_delta,
+    make_auth,
+    make_transport,
+    require_bootstrap,
+)
 from decode_server.engine.request import Request
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.engine.types import DisaggStats, RequestDelta
@@ -57,13 +64,18 @@ class PrefillRole(PDRole):
 
         views = prefill_regions(engine.kv)
         self.layout = engine_layout(engine, views)
+        self.auth = make_auth(cfg)
         self.transport = make_transport(cfg)
-        self.bootstrap_server = BootstrapServer(cfg.host, cfg.bootstrap_port)
+        try:
+            self.bootstrap_server = BootstrapServer(cfg.host, cfg.bootstrap_port, auth=self.auth)
+        except BaseException:
+            self.transport.close()
+            raise
         try:
             self.sender = KVSender(
                 self.transport, self.layout, {n: MemoryRegion.from_array(n, v.tensor) for n, v in views.items()},
                 bootstrap=(advertised_host(cfg), self.bootstrap_server.port), zmq_host=advertised_host(cfg),
-                bootstrap_timeout_s=cfg.bootstrap_timeout_s,
+                bootstrap_timeout_s=cfg.bootstrap_timeout_s, auth=self.auth,
             )
         except BaseException:
             self.bootstrap_server.close()
@@ -170,9 +182,14 @@ class PrefillRole(PDRole):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "bootstrap_port": self.bootstrap_server.port}
 
+    def _control_endpoint(self) -> str:
+        return self.sender.endpoint
+
     # -- stats, shutdown --
     def _disagg_stats(self) -> DisaggStats:
         stats = self._transfer_stats(self.sender)
+        for reason, n in self.bootstrap_server.rejected.items():  # bootstrap requests refused count here too
+            stats.rejected_by_reason[reason] = stats.rejected_by_reason.get(reason, 0) + n
         stats.num_bootstrapping_reqs = sum(1 for e in self._by_rid.values() if not e.in_engine)
         stats.num_inflight_reqs = len(self.engine.scheduler.held)
         return stats

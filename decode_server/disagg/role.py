@@ -38,6 +38,19 @@ def make_transport(cfg: DisaggregationConfig) -> Any:
     return MooncakeTransport(advertised_host(cfg), protocol, cfg.ib_device, cfg.transfer_timeout_s)
 
 
+def make_auth(cfg: DisaggregationConfig) -> Any:
+    """The PD control plane's authentication (`transfer.auth.PDAuth`), or None without a secret (warned loudly)."""
+    from transfer.auth import PDAuth
+
+    auth = PDAuth.from_file(cfg.auth_secret_file)
+    if auth is None:
+        logger.warning("PD control plane NOT authenticated (no --disaggregation-auth-secret-file): any process "
+                       "that reaches this server's bootstrap or control ports can steer KV transfers and read "
+                       "prompts' KV; set a secret shared by the prefill and decode servers and the router "
+                       "(docs/pd.md, 'Authentication and threat model')")
+    return auth
+
+
 def require_bootstrap(bootstrap: BootstrapInfo | None, mode: str) -> BootstrapInfo:
     if bootstrap is None:
         raise InvalidRequestError(
@@ -78,6 +91,7 @@ class PDRole(ABC):
         self.latency = LatencyHistogram()
         self.transport: Any = None
         self.layout: Any = None
+        self.auth: Any = None  # transfer.auth.PDAuth with a cluster secret
 
     # -- called by the engine loop --
     @abstractmethod
@@ -113,7 +127,11 @@ class PDRole(ABC):
 
     def describe(self) -> dict[str, Any]:
         """For the start-up log and /server_info."""
-        return {"mode": self.mode, "session_id": self.transport.session_id, "layout": self.layout.to_dict()}
+        return {"mode": self.mode, "session_id": self.transport.session_id, "layout": self.layout.to_dict(),
+                "control_endpoint": self._control_endpoint(), "auth": "on" if self.auth is not None else "off"}
+
+    def _control_endpoint(self) -> str:
+        return ""
 
     # -- shared --
     def _transfer_stats(self, side: Any) -> DisaggStats:
@@ -125,6 +143,7 @@ class PDRole(ABC):
             failures_by_cause=snap["failures"], transfer_bytes=snap["bytes_transferred"],
             latency_bucket_counts=list(self.latency.counts), latency_sum_s=self.latency.sum,
             latency_count=self.latency.count, registered_bytes=registered,
+            rejected_by_reason=dict(snap.get("rejected", {})), auth=self.auth is not None,
         )
 
     @abstractmethod

@@ -89,6 +89,9 @@ class DisaggStats(BaseModel):
     staging_rows: PoolUsage = Field(default_factory=PoolUsage)
     aux_rows_used: int = 0
     registered_bytes: int = Field(default=0, description="memory registered with the transfer engine")
+    rejected_by_reason: dict[str, int] = Field(
+        default_factory=dict, description="control messages and bootstrap requests refused, by reason")
+    auth: bool = Field(default=False, description="the PD control plane is authenticated (a cluster secret)")
 
 
 class TPRankStats(BaseModel):

@@ -107,7 +107,8 @@ def create_app(config: RouterConfig, pool: WorkerPool, dispatcher: Dispatcher, m
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         """The model list of a healthy decode worker (every worker serves the same model)."""
-        headers = {k: v for k in ("authorization", "x-api-key") if (v := request.headers.get(k))}
+        headers = {} if config.worker_api_key else {
+            k: v for k in ("authorization", "x-api-key") if (v := request.headers.get(k))}  # fmt: skip
         timeout = aiohttp.ClientTimeout(total=config.health_check_timeout_secs)
         for worker in pool.healthy("decode"):
             try:
@@ -128,11 +129,14 @@ def create_app(config: RouterConfig, pool: WorkerPool, dispatcher: Dispatcher, m
         that answers); 503 otherwise."""
         workers = {"prefill": [_worker_info(w) for w in pool.prefill],
                    "decode": [_worker_info(w) for w in pool.decode]}  # fmt: skip
+        auth = "on" if dispatcher.auth is not None else "off"
         if pool.ready:
-            return JSONResponse({"status": "ok", "workers": workers, "router_process": process})
+            return JSONResponse({"status": "ok", "workers": workers, "router_process": process,
+                                 "disaggregation_auth": auth})  # fmt: skip
         missing = " and ".join(r for r in ("prefill", "decode") if not pool.healthy(r))  # type: ignore[arg-type]
         body = error_body(f"no healthy {missing} worker", "workers_unavailable", 503)
-        return JSONResponse(dict(body, workers=workers, router_process=process), status_code=503)
+        return JSONResponse(dict(body, workers=workers, router_process=process, disaggregation_auth=auth),
+                            status_code=503)  # fmt: skip
 
     @app.get("/metrics")
     async def prometheus() -> Response:

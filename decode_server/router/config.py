@@ -87,6 +87,12 @@ class RouterConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=30000, ge=0, le=65535)
     api_key: str | None = None
+    worker_api_key: str | None = Field(default=None, description="sent to every worker instead of the client's key")
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ca_cert_path: str | None = Field(default=None, description="CA (PEM) for https:// worker URLs")
+    disaggregation_auth_secret_file: str | None = Field(
+        default=None, description="the deployment's PD secret: the router signs the rooms it issues with it")
     request_timeout_secs: float = Field(default=1800.0, gt=0, description="whole request, both workers")
     connect_timeout_secs: float = Field(default=5.0, gt=0, description="TCP connect to a worker")
     health_check_interval_secs: float = Field(default=5.0, gt=0)
@@ -101,6 +107,15 @@ class RouterConfig(BaseModel):
         default_factory=default_router_processes, ge=1, le=256,
         description="router processes sharing the listening port (each with its own loop, pools and checks)",
     )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _security_files(self) -> RouterConfig:
+        from decode_server.config import check_tls_files
+
+        check_tls_files(self.ssl_keyfile, self.ssl_certfile)
+        if self.ca_cert_path and not os.access(self.ca_cert_path, os.R_OK):
+            raise ValueError(f"--ca-cert-path {self.ca_cert_path!r} is not a readable file")
+        return self
 
     @model_validator(mode="after")
     def _distinct(self) -> RouterConfig:

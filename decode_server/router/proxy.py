@@ -10,7 +10,10 @@ Failure behaviour:
 - the client going away: `POST /abort_request {"rid"}` to both workers, so they free the request at once.
 
 The router sets the engine-visible request id (`rid` in the body, e.g. `cmpl-<hex>`), so it can abort the request
-on both workers by name; the response the client gets carries that id.
+on both workers by name; the response the client gets carries that id. Rooms are 128 random bits from `secrets`
+(unguessable); with the deployment's PD secret the router also signs the bootstrap fields it issues
+(`bootstrap_auth`), and servers holding the secret accept no PD request without that signature. With
+`--worker-api-key` every worker call carries that key instead of the client's credentials.
 
 This is the router's hot path, so it is plain ASGI (no FastAPI routing, dependency or response machinery, no
 task group per stream): decode's SSE bytes are relayed as they arrive, unparsed, one `send` per read; one task
@@ -23,7 +26,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import random
+import secrets
 import time
 import uuid
 from collections.abc import Coroutine
@@ -41,6 +44,7 @@ from decode_server.router.config import RouterConfig
 from decode_server.router.metrics import RouterMetrics
 from decode_server.router.policy import make_policy
 from decode_server.router.workers import WORKER_ERRORS, Worker, WorkerPool
+from transfer.auth import PDAuth
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +97,7 @@ class Dispatcher:
         self.metrics = metrics
         self.prefill_policy = make_policy(config.policy)
         self.decode_policy = make_policy(config.policy)
+        self.auth = PDAuth.from_file(config.disaggregation_auth_secret_file)
         self._background: set[asyncio.Task[Any]] = set()
 
     # -------------------------------------------------------------------------------------- helpers
@@ -153,13 +158,15 @@ class Dispatcher:
         finally:
             self._end(worker)
 
-    @staticmethod
-    def _forwarded(scope: Scope) -> dict[str, str]:
-        """The client's credentials go on to the workers (they may have an API key of their own)."""
+    def _forwarded(self, scope: Scope) -> dict[str, str]:
+        """Without `--worker-api-key` the client's credentials go on to the workers (one key for the router and
+        the servers); with it, the client's stay here and the worker key (a default header of the client
+        session) goes instead."""
         headers: dict[str, str] = {}
-        for name, value in scope["headers"]:
-            if name in FORWARDED_HEADERS and value:
-                headers.setdefault(name.decode(), value.decode("latin-1"))
+        if self.config.worker_api_key is None:
+            for name, value in scope["headers"]:
+                if name in FORWARDED_HEADERS and value:
+                    headers.setdefault(name.decode(), value.decode("latin-1"))
         headers["content-type"] = "application/json"
         return headers
 
@@ -254,6 +261,11 @@ class Dispatcher:
         rid = f"{route.id_prefix}-{uuid.uuid4().hex}"
         payload = dict(body, rid=rid, bootstrap_host=prefill.bootstrap_host, bootstrap_port=prefill.bootstrap_port,
                        bootstrap_room=_rooms(body))  # fmt: skip
+        if self.auth is not None:
+            payload["bootstrap_auth"] = self.auth.sign_ticket(payload["bootstrap_host"], payload["bootstrap_port"],
+                                                              payload["bootstrap_room"])  # fmt: skip
+        else:
+            payload.pop("bootstrap_auth", None)  # only the router issues rooms
         content = json.dumps(payload, separators=(",", ":")).encode()
         pair = _Pair(self, rid, headers, prefill, decode)
         # Both requests go out at once: prefill's answer never delays decode's first byte.
@@ -499,13 +511,16 @@ class _Pair:
         self.d.spawn(self.d._drain_prefill(self.prefill, self.prefill_task))
 
 
+ROOM_BITS = 128
+
+
 def _rooms(body: dict[str, Any]) -> int | list[int]:
-    """A random room in [0, 2^63); a batched completion (a list of prompts) gets one room per prompt, as SGLang's
-    router sends it (each prompt is its own transfer)."""
+    """A random room of 128 bits from `secrets` (nobody can guess a room in flight); a batched completion (a list
+    of prompts) gets one room per prompt, as SGLang's router sends it (each prompt is its own transfer)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        return [random.getrandbits(63) for _ in prompt]
-    return random.getrandbits(63)
+        return [secrets.randbits(ROOM_BITS) for _ in prompt]
+    return secrets.randbits(ROOM_BITS)
 
 
 async def _read_closing(resp: aiohttp.ClientResponse) -> bytes:

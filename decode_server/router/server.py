@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,11 +62,16 @@ def make_client(config: RouterConfig) -> aiohttp.ClientSession:
 
     aiohttp rather than httpx: httpcore's pool does work proportional to its connections on every request
     event, which at 64 concurrent streams per worker cost the router tens of milliseconds per request."""
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
+    tls: ssl.SSLContext | bool = True  # https:// workers: verified with the system's CAs ...
+    if config.ca_cert_path:  # ... or with the deployment's own CA
+        tls = ssl.create_default_context(cafile=config.ca_cert_path)
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60, ssl=tls)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_secs,
                                     sock_read=config.request_timeout_secs)  # fmt: skip
     # No cookie jar: a cookie one client's answer set must never go with another client's request.
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False,
+    # --worker-api-key: on every worker call (generation, aborts, health, load, models).
+    headers = {"Authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else None
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False, headers=headers,
                                  cookie_jar=aiohttp.DummyCookieJar())  # fmt: skip
 
 
@@ -106,6 +112,7 @@ async def serve(config: RouterConfig, child: ChildContext | None = None) -> int:
             app, host=config.host, port=config.port, log_config=None, log_level=config.log_level,
             access_log=config.log_level == "debug", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
             lifespan="off", backlog=4096, http=HTTP_IMPL, proxy_headers=False,
+            ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
         )  # fmt: skip
         server = RouterServer(uv_config, on_started=child.on_ready if child else None)
         if child is not None:
@@ -119,8 +126,12 @@ async def serve(config: RouterConfig, child: ChildContext | None = None) -> int:
                 type(asyncio.get_running_loop()).__module__.split(".")[0], HTTP_IMPL,
                 config.router_processes, "" if config.router_processes == 1 else "es",
             )  # fmt: skip
+            if dispatcher.auth is None:
+                logger.warning("rooms are NOT signed (no --disaggregation-auth-secret-file): PD servers without a "
+                               "secret accept any room; servers with one refuse this router's requests (docs/pd.md)")
         if child is None:
-            logger.info("listening on http://%s:%d (OpenAI API under /v1)", config.host, config.port)
+            logger.info("listening on %s://%s:%d (OpenAI API under /v1)", "https" if config.ssl_certfile else "http",
+                        config.host, config.port)  # fmt: skip
         else:
             logger.debug("router process %d (pid %d) serving", index, os.getpid())
         # Everything built so far lives as long as the process: keep it out of the cyclic GC's full collections,

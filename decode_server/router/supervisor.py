@@ -169,8 +169,9 @@ class Supervisor:
                 sock.close()  # the child's now: it must not outlive the child here (see the module docstring)
             failure = self._wait_ready()
             if failure is None:
-                logger.info("listening on http://%s:%d (OpenAI API under /v1) with %d router processes (pids %s)",
-                            self.config.host, port, n, ", ".join(str(c.proc.pid) for c in self.children))  # fmt: skip
+                logger.info("listening on %s://%s:%d (OpenAI API under /v1) with %d router processes (pids %s)",
+                            "https" if self.config.ssl_certfile else "http", self.config.host, port, n,
+                            ", ".join(str(c.proc.pid) for c in self.children))  # fmt: skip
                 return self._supervise()
             if failure:
                 logger.error("router start failed: %s", failure)

@@ -393,6 +393,45 @@ def check_security(objs: list[Obj], allowed_caps: frozenset[str]) -> list[str]:
     return problems
 
 
+PD_AUTH_SECRET = "hisparse-pd-auth"
+
+
+def check_pd_auth(objs: list[Obj]) -> list[str]:
+    """Issue 25: every prefill, decode and router container reads the deployment's PD secret from a file mounted
+    from the operator's Secret, the servers require an API key and the router sends it (both from that Secret)."""
+    problems = []
+    for obj, template, container in workloads(objs):
+        where = f"{name_of(obj)} container {container['name']}"
+        args, _ = expand_args(container, objs)
+        ns, error = parse_cli(args)
+        if ns is None:
+            problems.append(f"{where}: {error}")
+            continue
+        path = getattr(ns, "disaggregation_auth_secret_file", None)
+        if ns.command == "serve" and ns.disaggregation_mode == "null":
+            continue
+        if not path:
+            problems.append(f"{where}: no --disaggregation-auth-secret-file (the PD control plane is unauthenticated)")
+            continue
+        volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
+        mounts = [m for m in container.get("volumeMounts", [])
+                  if path.startswith(m["mountPath"].rstrip("/") + "/")]  # fmt: skip
+        secret = volumes.get(mounts[0]["name"], {}).get("secret", {}) if mounts else {}
+        if secret.get("secretName") != PD_AUTH_SECRET or secret.get("optional"):
+            problems.append(f"{where}: {path} is not mounted from the Secret {PD_AUTH_SECRET} (required)")
+        elif not mounts[0].get("readOnly"):
+            problems.append(f"{where}: the PD secret is mounted writable")
+        elif secret.get("defaultMode", 0o644) & 0o007:
+            problems.append(f"{where}: the PD secret file is readable by others (defaultMode {secret.get('defaultMode')})")
+        env = container_env(container, objs)
+        key_flag = "--api-key" if ns.command == "serve" else "--worker-api-key"
+        given = [a for a in container.get("args", []) if str(a).startswith(key_flag + "=")]
+        var = _VAR.findall(given[0]) if given else []
+        if not var or env.get(var[0]) != f"<secret {PD_AUTH_SECRET}/worker-api-key>":
+            problems.append(f"{where}: {key_flag} does not come from the Secret {PD_AUTH_SECRET}")
+    return problems
+
+
 def check_pdbs(objs: list[Obj]) -> list[str]:
     pdbs = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
     problems = []

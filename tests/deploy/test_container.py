@@ -150,7 +150,9 @@ def deployment(engine: Engine, image: str, tmp_path: Path) -> Iterator[Deploymen
         files += ["-f", str(override)]
     port = _free_port()
     api_key = secrets.token_hex(16)
-    engine.env.update(DECODE_SERVER_API_KEY=api_key, ROUTER_PORT=str(port))
+    # compose.yaml's PD secret (issue 25) comes from the environment, as its header tells users to set it.
+    engine.env.update(DECODE_SERVER_API_KEY=api_key, ROUTER_PORT=str(port),
+                      HISPARSE_PD_AUTH_SECRET=secrets.token_hex(32))
     try:
         started = time.monotonic()
         up = engine.compose(*files, "-p", project, "up", "-d", "--no-build", "--wait",
@@ -162,7 +164,7 @@ def deployment(engine: Engine, image: str, tmp_path: Path) -> Iterator[Deploymen
         yield Deployment(project, files, f"http://127.0.0.1:{port}", api_key)
     finally:
         engine.compose(*files, "-p", project, "down", "--timeout", "60", check=False, timeout=300)
-        for key in ("DECODE_SERVER_API_KEY", "ROUTER_PORT"):
+        for key in ("DECODE_SERVER_API_KEY", "ROUTER_PORT", "HISPARSE_PD_AUTH_SECRET"):
             engine.env.pop(key, None)
 
 
@@ -208,6 +210,10 @@ def test_compose_deployment_serves_through_the_router(engine: Engine, deployment
     assert _sample(decode, "sglang:kv_transfer_bytes_total") > 0
     assert _sample(decode, "sglang:num_transfer_failed_reqs_total") == 0
     assert _sample(prefill, "sglang:kv_transfer_rooms_finished_total", state="success") >= 1, prefill
+    # ... over the authenticated control plane (the compose secret reached every server), with nothing refused.
+    for samples in (decode, prefill):
+        assert _sample(samples, "sglang:kv_transfer_auth_enabled") == 1
+        assert _sample(samples, "sglang:kv_transfer_rejected_messages_total") == 0
 
     # Stop drains and exits cleanly; down removes every container and the project network.
     engine.compose(*d.files, "-p", d.project, "stop", timeout=300)

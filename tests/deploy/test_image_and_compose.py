@@ -177,6 +177,11 @@ def compose_problems(compose: dict[str, Any]) -> list[str]:
         if svc.get("read_only") is not True or svc.get("cap_drop") != ["ALL"]:
             problems.append(f"{name}: not read-only with all capabilities dropped")
         problems += [f"{name}: {p}" for p in tmpfs_problems(svc.get("tmpfs", []))]
+        secret = ns.disaggregation_auth_secret_file or ""
+        if not (secret.startswith("/run/secrets/") and secret.rsplit("/", 1)[1] in svc.get("secrets", [])
+                and secret.rsplit("/", 1)[1] in compose.get("secrets", {})):  # fmt: skip
+            problems.append(f"{name}: the PD secret is not a compose secret (--disaggregation-auth-secret-file "
+                            f"{secret or 'missing'})")
         if ns.command != "router":
             if svc.get("ports"):
                 problems.append(f"{name}: publishes a worker port to the host")
@@ -265,3 +270,11 @@ def test_compose_check_catches_mistakes(compose: dict[str, Any]) -> None:
     broken["services"]["router"]["command"][broken["services"]["router"]["command"].index("http://decode:30000")] = (
         "http://decode-gpu:30000")
     assert "router: routes to decode-gpu of another profile" in compose_problems(broken)
+    broken = copy.deepcopy(compose)
+    broken["services"]["prefill"]["command"] = [a for a in broken["services"]["prefill"]["command"]
+                                                if not a.startswith("--disaggregation-auth-secret-file")]  # fmt: skip
+    assert "prefill: the PD secret is not a compose secret (--disaggregation-auth-secret-file missing)" in \
+        compose_problems(broken)  # fmt: skip
+    broken = copy.deepcopy(compose)
+    broken["services"]["router"]["secrets"] = []
+    assert any(p.startswith("router: the PD secret is not a compose secret") for p in compose_problems(broken))

@@ -19,6 +19,7 @@ from deploy_checks import (
     Obj,
     check_flags,
     check_network_policies,
+    check_pd_auth,
     check_pdbs,
     check_ports,
     check_probes,
@@ -27,7 +28,9 @@ from deploy_checks import (
     find,
     mutated,
     render,
+    role,
     run_tool,
+    workloads,
 )
 
 
@@ -207,6 +210,34 @@ def test_security_check_catches_mistakes(rendered: dict[str, list[Obj]]) -> None
     container = find(objs, "StatefulSet", "hisparse-decode")["spec"]["template"]["spec"]["containers"][0]
     container["securityContext"]["readOnlyRootFilesystem"] = False
     assert any("root filesystem writable" in p for p in check_security(objs, frozenset()))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pd_control_plane_is_authenticated(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    objs = rendered[overlay]
+    assert check_pd_auth(objs) == []
+    roles = {role(t) for _, t, _ in workloads(objs)}
+    assert {"prefill", "decode", "router"} <= roles
+
+
+def test_pd_auth_check_catches_mistakes(rendered: dict[str, list[Obj]]) -> None:
+    objs = mutated(rendered["cpu-demo"])
+    decode = find(objs, "StatefulSet", "hisparse-decode")["spec"]["template"]["spec"]
+    decode["containers"][0]["args"] = [a for a in decode["containers"][0]["args"]
+                                       if not a.startswith("--disaggregation-auth-secret-file")]  # fmt: skip
+    assert any("no --disaggregation-auth-secret-file" in p for p in check_pd_auth(objs))
+    objs = mutated(rendered["cpu-demo"])
+    router = find(objs, "Deployment", "hisparse-router")["spec"]["template"]["spec"]
+    next(v for v in router["volumes"] if v["name"] == "pd-auth")["secret"]["optional"] = True
+    assert any("not mounted from the Secret" in p for p in check_pd_auth(objs))
+    objs = mutated(rendered["cpu-demo"])
+    prefill = find(objs, "StatefulSet", "hisparse-prefill")["spec"]["template"]["spec"]
+    next(v for v in prefill["volumes"] if v["name"] == "pd-auth")["secret"]["defaultMode"] = 0o444
+    assert any("readable by others" in p for p in check_pd_auth(objs))
+    objs = mutated(rendered["cpu-demo"])
+    router = find(objs, "Deployment", "hisparse-router")["spec"]["template"]["spec"]["containers"][0]
+    router["args"] = [a for a in router["args"] if not a.startswith("--worker-api-key")]
+    assert any("--worker-api-key does not come from" in p for p in check_pd_auth(objs))
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -175,6 +175,20 @@ def test_pd_metrics_on_both_roles(servers):
     assert "sglang:num_prefill_inflight_queue_reqs" in names
 
 
+def test_without_a_secret_pd_servers_run_and_say_so_loudly(servers):
+    """No --disaggregation-auth-secret-file (local development): everything above worked, and both roles report the
+    unauthenticated control plane at start-up, in /server_info and in /metrics."""
+    for name in ("prefill", "hisparse"):
+        server = servers[name]
+        assert httpx.get(server.url + "/server_info", timeout=10).json()["disaggregation_auth"] == "off"
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples["sglang:kv_transfer_auth_enabled"] == 0
+        log = server.log_text()
+        assert "WITHOUT --disaggregation-auth-secret-file" in log  # the api process
+        assert "PD control plane NOT authenticated" in log  # the engine process
+
+
 def test_pd_requests_need_bootstrap_fields(servers):
     for name in ("prefill", "hisparse"):
         url = servers[name].url + "/v1/completions"

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import openai
 from router_harness import CONTEXT_LENGTH, MODEL, REPO, WORKER_MODE, pid_alive
 
@@ -72,6 +75,23 @@ def test_up_serves_the_readme_example_and_stops_cleanly() -> None:
         procs = _descendants(proc.pid)
         assert len(procs) >= 5, procs  # 3 children + 2 engine processes (at least)
 
+        # The PD control plane is authenticated with a secret `up` generated: a 0600 file all three processes got.
+        secret_files = set()
+        for p in procs:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")
+            if "--disaggregation-auth-secret-file" in argv:
+                secret_files.add(argv[argv.index("--disaggregation-auth-secret-file") + 1])
+        assert len(secret_files) == 1, secret_files
+        secret_file = secret_files.pop()
+        assert stat.S_IMODE(os.stat(secret_file).st_mode) == 0o600
+        assert len(Path(secret_file).read_text()) == 64  # 32 random bytes, hex
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["disaggregation_auth"] == "on"
+        if WORKER_MODE == "pd":
+            for url in re.findall(r"(?:prefill|decode) (http://[0-9.:]+)", log[-1]):
+                info = httpx.get(url + "/server_info", timeout=10).json()
+                assert info["disaggregation_auth"] == "on", info
+
         # The README example.
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused-unless---api-key",
                                max_retries=0, timeout=120)  # fmt: skip
@@ -93,6 +113,7 @@ def test_up_serves_the_readme_example_and_stops_cleanly() -> None:
         assert not [p for p in procs if pid_alive(p)], "processes outlived `up`"
         tail = "".join(iter_remaining(lines))
         assert "[up] stopped: prefill exit code 0, decode exit code 0, router exit code 0" in tail, tail
+        assert not os.path.exists(os.path.dirname(secret_file)), "the generated secret outlived `up`"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -11,6 +11,7 @@ from test_sender_receiver import SPEC, assert_counters, rooms
 
 from transfer.bootstrap import BootstrapClient
 from transfer.channel import ControlChannel
+from transfer.layout import PROTOCOL_VERSION
 from transfer.messages import Register, RegisterReply, decode, encode
 
 
@@ -29,7 +30,8 @@ def prefill():
     [
         ({"row_bytes_overrides": {"kv": 600}}, "row bytes of region 'kv' differ (ours 600, peer 656)"),
         ({"layout_overrides": {"page_size": 64}}, "page size differs (ours 64, peer 8)"),
-        ({"protocol_version": 2}, "protocol version differs (ours 2, peer 1)"),
+        ({"protocol_version": PROTOCOL_VERSION + 1},
+         f"protocol version differs (ours {PROTOCOL_VERSION + 1}, peer {PROTOCOL_VERSION})"),
     ],
 )
 def test_decode_refuses_mismatched_prefill(prefill, overrides, expected):
@@ -88,12 +90,12 @@ def test_prefill_refuses_mismatched_decode(prefill):
 def test_prefill_refuses_other_protocol_version(prefill):
     reply = _register_raw(prefill, make_layout(SPEC).to_dict(), version=7)
     assert not reply.ok
-    assert "protocol version 7, ours is 1" in reply.reason
+    assert f"protocol version 7, ours is {PROTOCOL_VERSION}" in reply.reason
 
 
 def test_version_mismatch_is_refused_by_the_codec():
     from transfer.messages import ProtocolVersionError
 
     data = encode(RegisterReply("a", True), "tcp://x:1", version=9)
-    with pytest.raises(ProtocolVersionError, match="has protocol version 9, ours is 1"):
+    with pytest.raises(ProtocolVersionError, match=f"has protocol version 9, ours is {PROTOCOL_VERSION}"):
         decode(data)
