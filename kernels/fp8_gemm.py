@@ -173,12 +173,14 @@ def triton_candidates(kind: str, bucket: int, n: int, k: int, experts: int, devi
         rows = math.ceil(bucket / active)
     else:
         active, rows = 1, bucket
-    tiles_m = (16,) if rows <= 16 else (32,) if rows <= 32 else (64,) if rows <= 64 else (64, 128)
+    # (row tile, column tiles): few distinct tiles, since each is a Triton compilation.
+    tiles = ([(16, (64, 128))] if rows <= 16 else [(32, (64, 128))] if rows <= 32 else [(64, (64, 128))]
+             if rows <= 64 else [(64, (128,)), (128, (128,))])
     out = []
-    for bm in tiles_m:
+    for bm, column_tiles in tiles:
         m_tiles = math.ceil(rows / bm)
         m_programs = min(8, 1 << (m_tiles - 1).bit_length()) if kind == "grouped" else 1
-        for bn in (64, 128):
+        for bn in column_tiles:
             programs = active * (min(m_programs, m_tiles) if kind == "grouped" else m_tiles) * math.ceil(n / bn)
             splits = [1]
             if programs < 2 * sms:
@@ -190,11 +192,13 @@ def triton_candidates(kind: str, bucket: int, n: int, k: int, experts: int, devi
 
 
 def default_choice(kind: str, bucket: int, n: int, k: int, experts: int, device: torch.device) -> GemmChoice:
-    """The untimed choice: 64-column tiles, split-K up to about one wave."""
-    candidates = [c for c in triton_candidates(kind, bucket, n, k, experts, device) if c.config.block_n == 64]
+    """The untimed choice: the first column tile, split-K up to about one wave."""
+    candidates = triton_candidates(kind, bucket, n, k, experts, device)
+    bn = candidates[0].config.block_n
+    candidates = [c for c in candidates if c.config.block_n == bn and c.config.block_m == candidates[0].config.block_m]
     sms = _sm_count(_index(device))
     rows = bucket if kind == "dense" else max(1, math.ceil(bucket / max(1, min(experts, bucket))))
-    base = math.ceil(n / 64) * math.ceil(rows / candidates[0].config.block_m)
+    base = math.ceil(n / bn) * math.ceil(rows / candidates[0].config.block_m)
     fitting = [c for c in candidates if base * c.config.split_k <= 2 * sms]
     return fitting[-1] if fitting else candidates[0]
 

@@ -17,8 +17,8 @@ order: no atomics, so a result depends only on the inputs and the launch configu
 HiSparse == dense rely on that).
 
 Grouped GEMM (`fp8_grouped_gemm`): the rows are sorted by expert, expert e owning rows [end[e-1], end[e]) (the
-offsets come from the device: no host sync). Program (n tile, e · M_PROGS + j, k split) computes expert e's row
-tiles j, j + M_PROGS, …; an expert without rows costs one offsets load and reads no weights, so a decode step reads
+offsets come from the device: no host sync). Program (n tile, e · m_progs + j, k split) computes expert e's row
+tiles j, j + m_progs, …; an expert without rows costs one offsets load and reads no weights, so a decode step reads
 only the experts it routed to. Rows past end[E-1] (other ranks' choices with expert parallelism) are not written.
 
 Launch shapes never depend on device values, and nothing syncs with the host: every call is CUDA-graph capturable.
@@ -155,15 +155,15 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m, n, k, tiles_per_spl
     tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["tiles_per_split"])
-def _fp8_grouped_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ends_ptr, n, k, tiles_per_split,
+@triton.jit(do_not_specialize=["tiles_per_split", "m_progs"])
+def _fp8_grouped_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ends_ptr, n, k, tiles_per_split, m_progs,
                              stride_am, stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
                              stride_cm, stride_csplit,
-                             M_PROGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             SCALE_BN: tl.constexpr):
     pid_n = tl.program_id(0)
-    expert = tl.program_id(1) // M_PROGS
-    part = tl.program_id(1) % M_PROGS
+    expert = tl.program_id(1) // m_progs
+    part = tl.program_id(1) % m_progs
     pid_k = tl.program_id(2)
     end = tl.load(ends_ptr + expert)
     start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0)
@@ -184,7 +184,7 @@ def _fp8_grouped_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ends_ptr, n, k
         out = (c_ptr + pid_k.to(tl.int64) * stride_csplit + offs_m.to(tl.int64)[:, None] * stride_cm
                + offs_n[None, :])
         tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
-        m0 += M_PROGS * BLOCK_M
+        m0 += m_progs * BLOCK_M
 
 
 @triton.jit(do_not_specialize=["numel", "splits"])
@@ -271,10 +271,10 @@ def fp8_grouped_gemm(q: torch.Tensor, scales: torch.Tensor, w: torch.Tensor, w_s
     if m and n and experts:
         grid = (triton.cdiv(n, config.block_n), experts * config.m_programs, splits)
         _fp8_grouped_gemm_kernel[grid](
-            q, scales, w, w_scale, out, end_offsets, n, k, per_split,
+            q, scales, w, w_scale, out, end_offsets, n, k, per_split, config.m_programs,
             q.stride(0), scales.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
             w_scale.stride(2), out.stride(-2), out.stride(0) if splits > 1 else 0,
-            M_PROGS=config.m_programs, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=GROUP,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=GROUP,
             SCALE_BN=block[0], num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return _reduce(out, out_dtype)

@@ -101,14 +101,16 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], config: dict[str, Any], ou
     return files
 
 
-def write_random_checkpoint(config_name: str, out_dir: str | Path, *, device: str = "cpu", seed: int = 0,
+def write_random_checkpoint(config: str | Any, out_dir: str | Path, *, device: str = "cpu", seed: int = 0,
                             quantization: str = "fp8", max_shard_bytes: int | None = 5 << 30) -> list[Path]:
-    """A random model of a config (name in configs/ or a file) written as a checkpoint: with `quantization`
-    "fp8" its projections are random block FP8 drawn on `device` (decode_server/model/construct.py) and saved as
-    they are; "none": float weights in stored form (quantized by `stored_form`)."""
+    """A random model of a config (a ModelConfig, or a name in configs/ or a file) written as a checkpoint: with
+    `quantization` "fp8" its projections are random block FP8 drawn on `device` (decode_server/model/construct.py,
+    the same weights `build_random_model(config, device, seed=seed, quantization="fp8")` gives) and saved as they
+    are; "none": float weights in stored form (quantized by `stored_form`)."""
     from decode_server.model import build_random_model, load_config
 
-    config = load_config(config_name)
+    if isinstance(config, str):
+        config = load_config(config)
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     model = build_random_model(config, device, dtype, seed=seed, quantization=quantization)
     raw = config.to_hf_dict()

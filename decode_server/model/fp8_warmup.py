@@ -28,7 +28,9 @@ Workload = tuple[str, list[tuple[torch.Tensor, torch.Tensor]], tuple[int, int]]
 def fp8_workloads(model: nn.Module) -> list[Workload]:
     """(kind, every (weight, scales) of one shape, block) per FP8 GEMM shape of the model."""
     groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for module in model.modules():
+    for name, module in model.named_modules():
+        if name.endswith("kv_b_proj"):
+            continue  # never multiplied as stored: absorbed into W_UK / W_UV (bf16) after loading
         if isinstance(module, Linear) and module.fp8_scale is not None:
             key = ("dense", tuple(module.weight.shape), module.weight_block)
             groups.setdefault(key, []).append((module.weight, module.fp8_scale))

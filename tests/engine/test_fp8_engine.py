@@ -1,5 +1,5 @@
 """`--quantization` through the CLI and the engine on CPU: the flag maps onto EngineConfig, the CPU engine
-dequantizes whatever is asked (the GPU keeps FP8: tests/engine/test_fp8_weights_gpu.py), the engine reports what
+dequantizes whatever is asked (the GPU keeps FP8: tests/engine/test_fp8_weight_bytes_gpu.py), the engine reports what
 its weights hold (EngineStats, /server_info's stats and /metrics), and an engine given an FP8-storage model runs
 it (PyTorch reference GEMMs on CPU) with HiSparse equal to dense."""
 
