@@ -139,7 +139,9 @@ def _l2_bytes(device_index: int) -> int:
 
 
 def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
+    if device.index is not None or device.type != "cuda":
+        return device.index or 0
+    return torch.cuda.current_device()
 
 
 @functools.cache
@@ -210,6 +212,10 @@ def _random_weights(shape: tuple[int, ...], block: tuple[int, int], device: torc
     return w, torch.rand(scale_shape, device=device, generator=gen).add_(0.5).mul_(2.0**-10)
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _time_us(fn: Callable[[int], object], calls: int) -> float:
     """Median over repeats of the GPU time per call of `calls` back-to-back calls (each call i gets i)."""
     times = []
@@ -239,7 +245,7 @@ class Fp8GemmTuner:
     def choose(self, kind: str, n: int, k: int, experts: int, m: int, dtype: torch.dtype, device: torch.device,
                weights: Weights, block: tuple[int, int]) -> GemmChoice:
         bucket = m_bucket(m)
-        key = (kind, n, k, experts, bucket, dtype, _index(device), tuple(block))
+        key = (kind, n, k, experts, bucket, dtype, device.index, tuple(block))
         choice = self._choices.get(key)
         if choice is not None:
             return choice
@@ -252,9 +258,9 @@ class Fp8GemmTuner:
 
     def _decide(self, key: tuple, weights: Weights) -> GemmChoice:
         kind, n, k, experts, bucket, dtype, index, block = key
-        device = torch.device("cuda", index)
+        device = weights[0][0].device
         default = default_choice(kind, bucket, n, k, experts, device)
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             logger.warning("FP8 GEMM %s N=%d K=%d M≤%d first met during CUDA-graph capture: default %s, untimed",
                            kind, n, k, bucket, default.label())
             self.records.append(TuningRecord(kind, n, k, experts, bucket, default))

@@ -214,6 +214,11 @@ def test_cuda_graph_replay_equals_eager_even_for_a_shape_first_met_in_capture(ca
     eager = fp8_gemm.fp8_linear(x, w, s), fp8_gemm.fp8_grouped_linear(xg, *gate, ends)  # tuned here, eagerly
     fresh = weight(576, 7168)
     x_fresh = activations(16, 7168)
+    # Compile the default kernel the capture will fall back to (as the engine's eager warm-up runs do), without
+    # letting the tuner see the shape.
+    default = fp8_gemm.default_choice("dense", 16, 576, 7168, 0, x.device)
+    fp8_gemm._run_dense(default, x_fresh, fresh[0], fresh[1], BLOCK, torch.bfloat16)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -135,3 +135,57 @@ def test_m_buckets_and_backend_restriction(monkeypatch) -> None:
         pass
     # Off Hopper / off CUDA the cuBLAS block-scaled path is never offered.
     assert not fp8_gemm.scaled_mm_supported(1024, 1024, (128, 128), torch.device("cpu"))
+
+
+def test_triton_candidates_split_k_only_while_the_grid_is_small(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setattr(fp8_gemm, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    kv_a = fp8_gemm.triton_candidates("dense", 1, 576, 7168, 0, cuda)  # 9 column tiles: split-K pays
+    assert {c.config.block_m for c in kv_a} == {16} and max(c.config.split_k for c in kv_a) >= 8
+    q_b = fp8_gemm.triton_candidates("dense", 1, 24576, 1536, 0, cuda)  # 384 tiles of 64: no split at bn 64
+    assert all(c.config.split_k == 1 for c in q_b if c.config.block_n == 64)
+    prefill = fp8_gemm.triton_candidates("dense", 4096, 7168, 2048, 0, cuda)
+    assert {(c.config.block_m, c.config.block_n, c.config.split_k) for c in prefill} == {(64, 128, 1), (128, 128, 1)}
+    decode = fp8_gemm.triton_candidates("grouped", 8, 2048, 7168, 32, cuda)  # 8 rows over 32 experts
+    assert all(c.config.block_m == 16 and c.config.m_programs == 1 for c in decode)
+    big = fp8_gemm.triton_candidates("grouped", 4096, 2048, 7168, 32, cuda)  # 128 rows per expert
+    assert {(c.config.block_m, c.config.m_programs) for c in big} == {(64, 2), (128, 1)}
+    default = fp8_gemm.default_choice("dense", 1, 576, 7168, 0, cuda)
+    assert default in kv_a and default.config.split_k > 1
+
+
+def test_tuner_keeps_the_fastest_candidate_that_agrees(monkeypatch) -> None:
+    """The decision logic on CPU (timing and kernels stubbed): the fastest candidate wins unless its output
+    disagrees with the default Triton kernel's, the decision is cached, and a restriction is honoured."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(fp8_gemm, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(fp8_gemm, "_l2_bytes", lambda index: 1)
+    monkeypatch.setattr(fp8_gemm, "scaled_mm_supported", lambda n, k, block, device: True)
+    wrong = {"scaled_mm": False}
+
+    def run_dense(choice, rows, w, s, block, dtype):
+        out = fp8_linear_ref(rows, w, s, block).to(dtype)
+        return out * 1.5 if choice.backend == "scaled_mm" and wrong["scaled_mm"] else out
+
+    def fake_time(fn, calls):
+        choice = fn.args[0]
+        return 5.0 if choice.backend == "scaled_mm" else 10.0 + choice.config.split_k + choice.config.block_n / 64
+
+    monkeypatch.setattr(fp8_gemm, "_run_dense", run_dense)
+    monkeypatch.setattr(fp8_gemm, "_time_us", fake_time)
+    w, s = weight(576, 1024)
+    tuner = fp8_gemm.Fp8GemmTuner()
+    choice = tuner.choose("dense", 576, 1024, 0, 3, torch.bfloat16, torch.device("cpu"), [(w, s)], (128, 128))
+    assert choice.backend == "scaled_mm" and tuner.records[-1].timings_us["scaled_mm"] == 5.0
+    assert tuner.choose("dense", 576, 1024, 0, 4, torch.bfloat16, torch.device("cpu"), [(w, s)],
+                        (128, 128)) is choice  # same bucket: cached
+    assert len(tuner.records) == 1
+    wrong["scaled_mm"] = True  # a backend that returns wrong values is never chosen, however fast
+    choice = tuner.choose("dense", 576, 1024, 0, 16, torch.bfloat16, torch.device("cpu"), [(w, s)], (128, 128))
+    assert choice.backend == "triton" and choice.config.split_k == 1 and choice.config.block_n == 64
+    assert any(r.startswith("scaled_mm: RuntimeError: disagrees") for r in tuner.records[-1].rejected)
+    wrong["scaled_mm"] = False
+    with fp8_gemm.force_backend("triton"):
+        choice = tuner.choose("dense", 576, 1024, 0, 64, torch.bfloat16, torch.device("cpu"), [(w, s)], (128, 128))
+    assert choice.backend == "triton" and "scaled_mm" not in tuner.records[-1].timings_us
