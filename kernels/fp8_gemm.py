@@ -238,9 +238,21 @@ class Fp8GemmTuner:
         self._choices: dict[tuple, GemmChoice] = {}
         self._lock = threading.RLock()
         self.records: list[TuningRecord] = []
+        self.frozen = False  # set: a key not decided yet gets the default configuration, untimed
 
     def cached(self, key: tuple) -> GemmChoice | None:
         return self._choices.get(key)
+
+    def export(self) -> list[tuple[tuple, GemmChoice]]:
+        """The decisions, device-independent (tensor-parallel rank 0 sends them to the other ranks)."""
+        return [(key[:6] + key[7:], choice) for key, choice in self._choices.items()]
+
+    def install(self, entries: list[tuple[tuple, GemmChoice]], device: torch.device) -> None:
+        """Adopt another process's decisions for `device` (every rank must run the same kernel for the
+        replicated layers — the indexer and the latent KV projection — so that their outputs are identical)."""
+        with self._lock:
+            for key, choice in entries:
+                self._choices[key[:6] + (_index(device),) + key[6:]] = choice
 
     def choose(self, kind: str, n: int, k: int, experts: int, m: int, dtype: torch.dtype, device: torch.device,
                weights: Weights, block: tuple[int, int]) -> GemmChoice:
@@ -260,6 +272,11 @@ class Fp8GemmTuner:
         kind, n, k, experts, bucket, dtype, index, block = key
         device = weights[0][0].device
         default = default_choice(kind, bucket, n, k, experts, device)
+        if self.frozen:
+            logger.info("FP8 GEMM %s N=%d K=%d M≤%d not decided at warm-up: default %s (decisions frozen)", kind, n,
+                        k, bucket, default.label())
+            self.records.append(TuningRecord(kind, n, k, experts, bucket, default))
+            return default
         if _capturing():
             logger.warning("FP8 GEMM %s N=%d K=%d M≤%d first met during CUDA-graph capture: default %s, untimed",
                            kind, n, k, bucket, default.label())

@@ -156,19 +156,33 @@ class Engine:
     def _warm_up_fp8(self) -> list[Any]:
         """Tune every FP8 GEMM shape of the model at every token count a pass can have (decode batches up to
         --max-running-requests, prefill chunks up to --chunked-prefill-size plus the decode rows mixed in; in
-        batch-invariant mode the fixed row tile only)."""
+        batch-invariant mode the fixed row tile only). With tensor parallelism rank 0 decides and the other ranks
+        adopt its decisions, and none is made later (untuned shapes take the default kernel): the replicated
+        layers must run the same kernels on every rank for their outputs to stay identical."""
         if self.device.type != "cuda" or self.quantization != "fp8":
             return []
         from decode_server.model.batch_invariant import ROW_TILE
         from decode_server.model.fp8_warmup import warm_up
+        from kernels.fp8_gemm import tuner
 
         cfg = self.config
         top_k = int(getattr(self.model_config, "num_experts_per_tok", 1) or 1)
         if cfg.enable_deterministic_inference:
-            return warm_up(self.model, [ROW_TILE], top_k, grouped=False)
-        limit = max(cfg.max_running_requests, cfg.chunked_prefill_size + cfg.max_running_requests)
-        counts = [1 << i for i in range(limit.bit_length())] + [limit]
-        return warm_up(self.model, counts, top_k)
+            counts, grouped = [ROW_TILE], False
+        else:
+            limit = max(cfg.max_running_requests, cfg.chunked_prefill_size + cfg.max_running_requests)
+            counts, grouped = [1 << i for i in range(limit.bit_length())] + [limit], True
+        if self.tp_size == 1:
+            return warm_up(self.model, counts, top_k, grouped)
+        import torch.distributed as dist
+
+        records = warm_up(self.model, counts, top_k, grouped) if self.parallel.tp_rank == 0 else []
+        shared = [tuner().export() if self.parallel.tp_rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0, group=self.parallel.cpu_group)
+        if self.parallel.tp_rank != 0:
+            tuner().install(shared[0], self.device)
+        tuner().frozen = True
+        return records
 
     def _check_model_sizes(self, model_config: Any) -> None:
         """MLA / indexer sizes the chosen kernels and KV format cannot run are refused here, at load."""

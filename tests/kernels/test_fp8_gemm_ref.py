@@ -189,3 +189,30 @@ def test_tuner_keeps_the_fastest_candidate_that_agrees(monkeypatch) -> None:
     with fp8_gemm.force_backend("triton"):
         choice = tuner.choose("dense", 576, 1024, 0, 64, torch.bfloat16, torch.device("cpu"), [(w, s)], (128, 128))
     assert choice.backend == "triton" and "scaled_mm" not in tuner.records[-1].timings_us
+
+
+def test_tensor_parallel_ranks_adopt_rank0s_decisions_and_freeze(monkeypatch) -> None:
+    """Rank 0's decisions move to another rank's device as they are; once frozen, an undecided shape takes the
+    default configuration without timing (every rank then runs the same kernels for the replicated layers)."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(fp8_gemm, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(fp8_gemm, "_l2_bytes", lambda index: 1)
+    monkeypatch.setattr(fp8_gemm, "_run_dense", lambda c, rows, w, s, block, dtype: fp8_linear_ref(rows, w, s))
+    monkeypatch.setattr(fp8_gemm, "_time_us", lambda fn, calls: 10.0 - fn.args[0].config.split_k)
+    w, s = weight(576, 1024)
+    rank0 = fp8_gemm.Fp8GemmTuner()
+    chosen = rank0.choose("dense", 576, 1024, 0, 1, torch.bfloat16, torch.device("cpu"), [(w, s)], (128, 128))
+    assert chosen.config.split_k > 1  # the stub makes the most split configuration the fastest
+
+    def no_timing(fn, calls):
+        raise AssertionError("a rank that adopted decisions must not time anything")
+
+    monkeypatch.setattr(fp8_gemm, "_time_us", no_timing)
+    rank1 = fp8_gemm.Fp8GemmTuner()
+    rank1.install(rank0.export(), torch.device("cuda", 1))
+    rank1.frozen = True
+    cuda1 = torch.device("cuda", 1)
+    assert rank1.choose("dense", 576, 1024, 0, 1, torch.bfloat16, cuda1, [(w, s)], (128, 128)) == chosen
+    other = rank1.choose("dense", 576, 1024, 0, 64, torch.bfloat16, torch.device("cpu"), [(w, s)], (128, 128))
+    assert other == fp8_gemm.default_choice("dense", 64, 576, 1024, 0, torch.device("cpu"))
+    assert rank1.records[-1].timings_us == {}
