@@ -19,19 +19,19 @@ stages=" ${stages[*]} "
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 if [[ $stages == *" tests "* ]]; then
-  timeout "${FP8_TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE -s \
+  timeout "${FP8_TESTS_TIMEOUT:-320}" python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE -s \
     tests/kernels/test_fp8_gemm_gpu.py tests/hisparse/test_fp8_weights_lossless_gpu.py \
     tests/engine/test_fp8_weight_bytes_gpu.py tests/model/test_fp8_model_gpu.py \
     --junitxml="$OUT/fp8_tests.xml" >"$OUT/fp8_tests.log" 2>&1
   echo "FP8 GPU tests: exit $? (log $OUT/fp8_tests.log)"
 fi
 if [[ $stages == *" gemm "* ]]; then
-  timeout "${FP8_GEMM_TIMEOUT:-150}" python3 benchmarks/bench_fp8_gemm.py --m 1 16 64 128 256 \
+  timeout "${FP8_GEMM_TIMEOUT:-140}" python3 benchmarks/bench_fp8_gemm.py --m 1 16 64 128 256 \
     --out "$OUT/bench_fp8_gemm.json" >"$OUT/bench_fp8_gemm.log" 2>&1
   echo "bench_fp8_gemm: exit $? (log $OUT/bench_fp8_gemm.log)"
 fi
 if [[ $stages == *" step "* ]]; then
-  timeout "${FP8_STEP_TIMEOUT:-130}" python3 benchmarks/bench_fp8_step.py --batches 1 16 64 \
+  timeout "${FP8_STEP_TIMEOUT:-120}" python3 benchmarks/bench_fp8_step.py --batches 1 16 64 \
     --out "$OUT/bench_fp8_step.json" >"$OUT/bench_fp8_step.log" 2>&1
   echo "bench_fp8_step: exit $? (log $OUT/bench_fp8_step.log)"
 fi

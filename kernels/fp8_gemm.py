@@ -52,7 +52,9 @@ MAX_M_BUCKET = 16384
 SCALED_MM_ROW_ALIGN = 4
 _SPIN_CYCLES_PER_CALL = 200_000  # ~0.1 ms of GPU spin per timed call: the host enqueues every call behind it
 _TIMED_REPEATS = 3
-_MIN_CALLS = 8
+_MIN_CALLS = 4
+_MAX_CALLS = 32
+_TIMED_BATCH_US = 1500.0
 _MAX_RANDOM_COPIES = 64
 _AGREEMENT = 2.0**-6  # candidates must agree with the default Triton kernel within this share of max |y|
 
@@ -319,7 +321,10 @@ class Fp8GemmTuner:
 
         reference = call(default, 0).float()
         limit = _AGREEMENT * float(reference.abs().max()) + 1e-6
-        calls = max(_MIN_CALLS, min(len(pool), 32))
+        # About 1.5 ms of GPU work per timed batch: short GEMMs get many calls (and every weight copy), long ones
+        # (prefill-sized M, weights larger than L2 anyway) a few.
+        estimate = _time_us(functools.partial(call, default), 2)
+        calls = max(_MIN_CALLS, min(_MAX_CALLS, math.ceil(_TIMED_BATCH_US / max(estimate, 1e-3))))
         for choice in candidates:
             label = choice.label()
             try:
