@@ -32,6 +32,45 @@ def time_gpu_us(fn: Callable[[], object], reset: Callable[[], object] | None = N
     return statistics.median(times)
 
 
+def time_graph_us(fn: Callable[[int], object], calls: int, replays: int = 5) -> float:
+    """Median GPU time per call of `calls` calls fn(0) … fn(calls-1) captured in one CUDA graph and replayed (no
+    host launch cost, as the decode step's graphs run). fn(i) should rotate over inputs (e.g. weight copies) so
+    that the L2 cache does not flatter it. The calls run twice eagerly first (compilation, autotuning)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            for i in range(calls):
+                fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def hbm_copy_gbps(num_bytes: int = 1 << 30, iters: int = 5) -> float:
+    """Device memory bandwidth of a plain device-to-device copy_ (bytes read + written per second, GB/s)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = time_gpu_us(lambda: dst.copy_(src), iters=iters)
+    return 2 * num_bytes / (us * 1e-6) / 1e9
+
+
 def pinned_h2d_gbps(num_bytes: int, iters: int = 10) -> float:
     """Bandwidth of one pinned host → device copy_ of `num_bytes` (GB/s, median of `iters`)."""
     host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)

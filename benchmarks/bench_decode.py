@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-recent", type=int, default=4)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e4m3"],
                    help="KV rows: the model dtype (bf16, 1152 B) or FlashMLA's FP8 rows (656 B)")
+    p.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                   help="weights of the random model: the model dtype, or block FP8 drawn on the device (FP8 GEMMs; "
+                        "CPU runs keep the reference GEMMs)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "flashmla", "triton"],
                    help="sparse MLA kernel (auto: FlashMLA on Hopper when installed, else Triton)")
     p.add_argument("--page-size", type=int, default=64)
@@ -560,7 +563,8 @@ def run_rank(args, parallel=None) -> int:
     reporting = parallel is None or parallel.tp_rank == 0
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_config = load_config(args.config)
-    model = build_random_model(model_config, device, dtype, seed=args.seed, parallel=parallel)  # TP: this shard
+    model = build_random_model(model_config, device, dtype, seed=args.seed, parallel=parallel,  # TP: this shard
+                               quantization=args.quantization)
     runs: list[tuple[str, float | None, int | None]] = [
         (m, None, None) for m in args.modes if not (m == "hisparse" and args.skip_model_indexer_run)]
     if "hisparse" in args.modes:
@@ -594,7 +598,8 @@ def run_rank(args, parallel=None) -> int:
     header = (f"{'mode':<14}{'context':>8}{'batch':>7}{'tok/s':>11}{'step ms':>10}{'hit rate':>10}"
               f"{'PCIe MB/step':>14}{'fwd ms':>9}{'idx ms':>9}{'attn ms':>9}{'swap ms':>9}")
     print(f"device: {device_name}; config: {args.config}; budget: {args.device_kv_budget_gib:g} GiB device, "
-          f"{args.host_kv_budget_gib:g} GiB host; tp_size {args.tp_size}; steps: {args.steps}; KV {args.kv_cache_dtype}; attention "
+          f"{args.host_kv_budget_gib:g} GiB host; tp_size {args.tp_size}; steps: {args.steps}; KV {args.kv_cache_dtype}; "
+          f"weights {args.quantization}; attention "
           f"{resolve_attention_kernel(args.attention_backend, device, args.enable_deterministic_inference)}"
           + ("; deterministic inference" if args.enable_deterministic_inference else "")
           + f"; overlap schedule {overlap_label(args, device)}")

@@ -55,6 +55,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=d.kv_cache_dtype,
     )
     g.add_argument(
+        "--quantization",
+        choices=["fp8", "none"],
+        default=None,
+        help="weights of a block-FP8 checkpoint: fp8 keeps them in FP8 on the GPU (block-FP8 GEMMs), none "
+        "dequantizes them to --dtype at load (default: what the checkpoint's quantization_config says; the CPU "
+        "always dequantizes)",
+    )
+    g.add_argument(
         "--attention-backend",
         choices=["auto", "flashmla", "triton", "torch_native"],
         default=d.attention_backend,
@@ -208,6 +216,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         attention_backend=args.attention_backend,
         enable_deterministic_inference=args.enable_deterministic_inference,
         disable_cuda_graph=args.disable_cuda_graph,

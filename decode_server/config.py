@@ -95,6 +95,9 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     kv_cache_dtype: KVCacheDType = "auto"
+    # SGLang's --quantization: "fp8" keeps a block-FP8 checkpoint's weights in FP8 (FP8 GEMMs), "none" dequantizes
+    # them at load; None: what the checkpoint's quantization_config says (fp8 on CUDA). CPU always dequantizes.
+    quantization: Literal["fp8", "none"] | None = None
     attention_backend: AttentionBackendName = "auto"
     # Batch-invariant mode: a request's tokens and logprobs do not depend on what else runs (docs/models.md).
     enable_deterministic_inference: bool = False

@@ -106,6 +106,14 @@ class _EngineStatsCollector(Collector):
         yield gauge(
             HISPARSE + "enabled", "1 when HiSparse (host KV pool) mode is on", float(stats.hisparse_enabled)
         )
+        yield gauge(HISPARSE + "weights_bytes", "device bytes of the model weights (rank 0's with TP)",
+                    stats.weights_bytes)
+        by_kind = GaugeMetricFamily(HISPARSE + "weights_bytes_by_kind",
+                                    "device bytes of the model weights by kind (fp8, fp8_scales, absorbed, other)",
+                                    labels=["model_name", "kind"])
+        for kind, value in sorted(stats.weights_bytes_by_kind.items()):
+            by_kind.add_metric([m.model_name, kind], value)
+        yield by_kind
         for pool_name, pool, unit in (
             ("host_pool", stats.host_pages, "pages"),
             ("device_buffer", stats.device_slots, "slots"),

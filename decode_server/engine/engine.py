@@ -114,10 +114,13 @@ class Engine:
 
             self._check_model_sizes(load_config(config.model_path))  # refuse before reading any weight
             model, model_config, tokenizer = _load(config.model_path, self.device, self.model_dtype, tokenizer,
-                                                   parallel)
+                                                   parallel, resolve_quantization(config.quantization, self.device))
         self._check_model_sizes(model_config)
         self.model = model
         self.model_config = model_config
+        # What the weights hold on the device (FP8 storage included; decode_server/model/weights.py).
+        self.quantization = str(getattr(model, "quantization", "none"))
+        self.weight_bytes = _weight_bytes(model)
         self.tokenizer = tokenizer
         self.cache_geometry = CacheGeometry.from_model_config(model_config)
         model_ctx = int(getattr(model_config, "max_position_embeddings", 0) or 0)
@@ -128,6 +131,8 @@ class Engine:
         self.attention_kernel = resolve_attention_kernel(config.attention_backend, self.device,
                                                          config.enable_deterministic_inference)
         self.kv.backend.attention_kernel = self.attention_kernel
+        # Block-FP8 GEMM backends chosen by measurement before any graph captures them (kernels/fp8_gemm.py).
+        self.fp8_tuning = self._warm_up_fp8()
         # CUDA graphs of the decode step per batch-size bucket (None: every step eager; decode_server/engine/cuda_graph.py)
         self.graph_runner: DecodeGraphRunner | None
         self.graph_runner, self.cuda_graph_error = build_graph_runner(self)
@@ -148,6 +153,37 @@ class Engine:
         self._num_steps = 0
         self._num_generated = 0
         self._num_prompt = 0
+
+    def _warm_up_fp8(self) -> list[Any]:
+        """Tune every FP8 GEMM shape of the model at every token count a pass can have (decode batches up to
+        --max-running-requests, prefill chunks up to --chunked-prefill-size plus the decode rows mixed in; in
+        batch-invariant mode the fixed row tile only). With tensor parallelism rank 0 decides and the other ranks
+        adopt its decisions, and none is made later (untuned shapes take the default kernel): the replicated
+        layers must run the same kernels on every rank for their outputs to stay identical."""
+        if self.device.type != "cuda" or self.quantization != "fp8":
+            return []
+        from decode_server.model.batch_invariant import ROW_TILE
+        from decode_server.model.fp8_warmup import warm_up
+        from kernels.fp8_gemm import tuner
+
+        cfg = self.config
+        top_k = int(getattr(self.model_config, "num_experts_per_tok", 1) or 1)
+        if cfg.enable_deterministic_inference:
+            counts, grouped = [ROW_TILE], False
+        else:
+            limit = max(cfg.max_running_requests, cfg.chunked_prefill_size + cfg.max_running_requests)
+            counts, grouped = [1 << i for i in range(limit.bit_length())] + [limit], True
+        if self.tp_size == 1:
+            return warm_up(self.model, counts, top_k, grouped)
+        import torch.distributed as dist
+
+        records = warm_up(self.model, counts, top_k, grouped) if self.parallel.tp_rank == 0 else []
+        shared = [tuner().export() if self.parallel.tp_rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0, group=self.parallel.cpu_group)
+        if self.parallel.tp_rank != 0:
+            tuner().install(shared[0], self.device)
+        tuner().frozen = True
+        return records
 
     def _check_model_sizes(self, model_config: Any) -> None:
         """MLA / indexer sizes the chosen kernels and KV format cannot run are refused here, at load."""
@@ -492,6 +528,9 @@ class Engine:
             num_retractions=sched.num_retractions,
             hisparse_enabled=self.config.enable_hisparse,
             hisparse_layers=self.kv.layer_stats(),
+            quantization=self.quantization,
+            weights_bytes=self.weight_bytes.get("total", 0),
+            weights_bytes_by_kind={k: v for k, v in self.weight_bytes.items() if k != "total"},
             **usage,
         )
 
@@ -544,11 +583,30 @@ def resolve_attention_kernel(name: str, device: torch.device, deterministic: boo
     return name
 
 
+def resolve_quantization(requested: str | None, device: torch.device) -> str:
+    """--quantization → the loader's mode: the checkpoint decides ("auto") unless set; the engine on CPU always
+    dequantizes (the FP8 GEMMs are GPU kernels; the CPU reference would only be slow), saying so when FP8 was
+    asked for."""
+    if device.type != "cuda":
+        if requested == "fp8":
+            logger.warning("--quantization fp8 on %s: the weights are dequantized (FP8 GEMMs run on CUDA only)",
+                           device.type)
+        return "none"
+    return requested or "auto"
+
+
+def _weight_bytes(model: Any) -> dict[str, int]:
+    from decode_server.model.weights import weight_bytes
+
+    return weight_bytes(model) if isinstance(model, torch.nn.Module) else {}
+
+
 def _load(model_path: str, device: torch.device, dtype: torch.dtype, tokenizer: Any,
-          parallel: ParallelState | None = None) -> tuple[Any, Any, Any]:  # fmt: skip
+          parallel: ParallelState | None = None, quantization: str = "auto") -> tuple[Any, Any, Any]:  # fmt: skip
     from decode_server.model import Tokenizer, load_model, resolve_model_path
 
-    model, model_config = load_model(model_path, device, dtype, parallel=parallel)  # with TP: this rank's shard
+    # With TP: this rank's shard.
+    model, model_config = load_model(model_path, device, dtype, parallel=parallel, quantization=quantization)
     if tokenizer is None:
         tokenizer = Tokenizer.from_dir(resolve_model_path(model_path))
     return model, model_config, tokenizer

@@ -126,6 +126,10 @@ class EngineStats(BaseModel):
     device_slots: PoolUsage = Field(default_factory=PoolUsage)
     indexer_slots: PoolUsage = Field(default_factory=PoolUsage)
     dense_kv_slots: PoolUsage = Field(default_factory=PoolUsage)
+    quantization: str = Field(default="none", description="'fp8': block-FP8 weights kept in FP8; 'none': dequantized")
+    weights_bytes: int = Field(default=0, description="device bytes the model's weights hold (this rank's with TP)")
+    weights_bytes_by_kind: dict[str, int] = Field(
+        default_factory=dict, description="fp8 weights, fp8_scales, absorbed (MLA W_UK/W_UV), other")
     disagg: DisaggStats | None = None
     tp_ranks: list[TPRankStats] = Field(default_factory=list, description="per rank with --tp-size > 1; else empty")
 

@@ -2,8 +2,10 @@
 (the default) and `tiny-glm5`.
 
 Public API (see docs/architecture.md):
-  `resolve_model_path(name_or_path) -> Path`, `load_model(name_or_path, device, dtype, parallel) -> (model, config)`,
-  `build_random_model(config, device, dtype, seed, parallel)` (benchmarks; no checkpoint), `Tokenizer.from_dir(path)`.
+  `resolve_model_path(name_or_path) -> Path`,
+  `load_model(name_or_path, device, dtype, parallel, quantization) -> (model, config)`,
+  `build_random_model(config, device, dtype, seed, parallel, quantization)` (benchmarks; no checkpoint),
+  `Tokenizer.from_dir(path)`.
   `parallel` (a `decode_server.parallel.state.ParallelState`, None = one device) builds one tensor-parallel rank's
   shard (docs/parallelism.md).
 """
@@ -91,10 +93,12 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
 
 def load_model(
     name_or_path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None,
-    parallel: ParallelState | None = None,
+    parallel: ParallelState | None = None, quantization: str | None = "auto",
 ) -> tuple[DSAForCausalLM, ModelConfig]:
     """Load a checkpoint (or `tiny-dsa` / `tiny-glm5`) onto `device`; dtype None/"auto" = bf16 on CUDA, fp32 on CPU.
-    With `parallel`, this tensor-parallel rank's shard, reading only its slice of each tensor."""
+    With `parallel`, this tensor-parallel rank's shard, reading only its slice of each tensor. `quantization`
+    "auto" | "fp8" | "none": block-FP8 weights stay FP8 ("auto": on CUDA only) or are dequantized
+    (decode_server/model/quantization.py)."""
     from decode_server.model.loader import load_checkpoint
 
-    return load_checkpoint(resolve_model_path(name_or_path), device, dtype, parallel)
+    return load_checkpoint(resolve_model_path(name_or_path), device, dtype, parallel, quantization)

@@ -23,6 +23,7 @@ from torch import nn
 from decode_server.engine.forward_context import get_forward_context
 from decode_server.model.batch_invariant import Linear, batched_matmul
 from decode_server.model.config import ModelConfig
+from decode_server.model.fp8 import dequantize_block_fp8
 from decode_server.model.indexer import Indexer
 from decode_server.model.layers import RMSNorm
 from decode_server.model.rope import apply_rope_interleaved
@@ -66,8 +67,14 @@ class MLAAttention(nn.Module):
 
     @torch.no_grad()
     def absorb_weights(self) -> None:
-        """Split kv_b_proj per head into W_UK and W_UV once (after loading; the weight itself is kept)."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        """Split kv_b_proj per head into W_UK and W_UV once (after loading; the weight itself is kept). A block-FP8
+        kv_b_proj is dequantized into the model dtype for them (what SGLang keeps for 128×128 block-FP8
+        checkpoints on CUDA): the absorbed products stay bf16 batched matmuls."""
+        w = self.kv_b_proj.weight
+        scale = self.kv_b_proj.fp8_scale
+        if scale is not None:
+            w = dequantize_block_fp8(w, scale, self.kv_b_proj.weight_block).to(self.kv_a_layernorm.weight.dtype)
+        w = w.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         self.w_uk = w[:, : self.nope_dim].contiguous()
         self.w_uv = w[:, self.nope_dim :].contiguous()
 

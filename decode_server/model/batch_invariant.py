@@ -4,7 +4,8 @@ A GEMM kernel's choice of blocking, split-K and threading depends on the matrix 
 token's row changes with how many other rows share the call (M). With the mode on, every operation whose kernel
 sees the number of tokens runs on fixed-size row tiles instead: the input's rows are padded to a multiple of
 `ROW_TILE` and processed `ROW_TILE` rows per call, so each kernel always sees the same shape and a row's result
-depends only on that row. This covers the model's linear layers, the absorbed MLA matmuls, the indexer's
+depends only on that row. This covers the model's linear layers (block-FP8 ones too: their GEMMs then always see 64 rows, so their
+backend and launch configuration are fixed), the absorbed MLA matmuls, the indexer's
 projections and Hadamard rotation, RMSNorm / LayerNorm (row reductions whose GPU launch configuration depends on
 the row count), the router, and the routed experts (which run per expert, on tiles, instead of as one grouped GEMM).
 Attention and indexer kernels are per query already; the attention backend additionally fixes its query tiles
@@ -23,6 +24,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels.fp8_gemm import fp8_linear as _fp8_linear
 
 ROW_TILE = 64
 
@@ -110,8 +113,50 @@ def layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
     return on_row_tiles(fn, x) if enabled() else fn(x)
 
 
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
+               block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """Block-FP8 x @ dequant(weight)ᵀ (kernels/fp8_gemm.py), on fixed row tiles while the mode is on."""
+    if not enabled():
+        return _fp8_linear(x, weight, scale_inv, bias, block)
+    return on_row_tiles(lambda rows: _fp8_linear(rows, weight, scale_inv, bias, block), x)
+
+
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and names) that runs on fixed row tiles in batch-invariant mode."""
+    """nn.Linear (same parameters and names) that runs on fixed row tiles in batch-invariant mode.
+
+    `use_fp8_storage` turns it into a block-FP8 layer as DeepSeek's checkpoints store it: `weight` float8_e4m3fn
+    [out, in] and `weight_scale_inv` float32 [ceil(out/128), ceil(in/128)] (decode_server/model/quantization.py);
+    its GEMM then runs in FP8 (kernels/fp8_gemm.py). Subclasses compute through `project`, so the tensor-parallel
+    layers work in either form."""
+
+    weight_block: tuple[int, int] = (128, 128)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.project(x, self.bias)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        scale = self.fp8_scale
+        if scale is not None:
+            return fp8_linear(x, self.weight, scale, bias, self.weight_block)
+        return linear(x, self.weight, bias)
+
+    @property
+    def fp8_scale(self) -> torch.Tensor | None:
+        """`weight_scale_inv` when the weight is stored in FP8, else None."""
+        return self._parameters.get("weight_scale_inv")
+
+    def use_fp8_storage(self, block: tuple[int, int] = (128, 128)) -> None:
+        """Replace the weight by an (uninitialized) FP8 weight + block scales on the weight's device (the meta
+        device when the model is being built). A sharded weight's scales are cut the same way (its pieces must
+        start and end on block edges: decode_server/model/quantization.py checks it)."""
+        out_features, in_features = self.weight.shape
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device),
+                                   requires_grad=False)
+        scale_shape = (-(-out_features // block[0]), -(-in_features // block[1]))
+        self.weight_scale_inv = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32, device=device),
+                                             requires_grad=False)
+        self.weight_block = (int(block[0]), int(block[1]))
+        shards = getattr(self, "shards", None)
+        if shards is not None and "weight" in shards:
+            shards["weight_scale_inv"] = shards["weight"]

@@ -7,17 +7,36 @@ Non-persistent buffers (RoPE frequencies, Hadamard matrix) are recomputed since 
 With tensor parallelism (`parallel`) the module tree is one rank's shard; `build_random_model` still draws the
 full model's random tensors in the same order and keeps this rank's slice of each, so a TP=N model holds exactly
 the pieces of the TP=1 model built from the same seed.
+
+Block-FP8 storage (decode_server/model/quantization.py): the chosen projections are turned into FP8 weights + block
+scales on the meta device, before storage exists, so an FP8 model never holds a wider copy of its weights;
+`build_random_model(..., quantization="fp8")` draws FP8 values and block scales directly on the device. The MoE's
+routed experts get one stacked storage per projection at build time (`MoE.stack_experts`): the loader and the
+random fill write through the experts' views, so the grouped GEMM's stacked weights never need a second copy.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import torch
 
 from decode_server.model.config import ModelConfig
 from decode_server.model.indexer import Indexer, hadamard_matrix
 from decode_server.model.model import DSAForCausalLM
+from decode_server.model.moe import MoE
+from decode_server.model.quantization import (
+    FP8_DTYPE,
+    SCALE_SUFFIX,
+    check_mode,
+    checkpoint_block,
+    is_fp8_projection,
+    is_fp8_state,
+    model_quantization,
+    random_fp8_,
+    use_fp8_storage,
+)
 from decode_server.model.rope import RotaryEmbedding, inverse_frequencies
 from decode_server.parallel.layers import Shard, parameter_shards
 from decode_server.parallel.state import ParallelState, resolve
@@ -61,15 +80,22 @@ def piece(tensor: torch.Tensor, shard: Shard | None) -> torch.Tensor:
 
 def build_empty_model(
     config: ModelConfig, device: torch.device | str, dtype: torch.dtype | str | None = None,
-    parallel: ParallelState | None = None,
+    parallel: ParallelState | None = None, fp8: bool | Collection[str] = False,
 ) -> DSAForCausalLM:
     """A model (one rank's shard with `parallel`) whose parameters have storage of the right dtype on `device`
-    but undefined values. Sizes that do not split across the ranks raise ValueError here."""
+    but undefined values. Sizes that do not split across the ranks raise ValueError here.
+
+    `fp8`: True stores every FP8 projection (quantization.FP8_PROJECTIONS) as block FP8, a collection of weight
+    names stores those; tensor-parallel pieces that cut through a block raise quantization.Fp8LayoutError."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     with torch.device("meta"):
         model = DSAForCausalLM(config, parallel)
+    if fp8 is True or (fp8 and not isinstance(fp8, bool)):
+        use_fp8_storage(model, None if fp8 is True else fp8, _fp8_block(config))
     for name, tensor in list(model.state_dict(keep_vars=True).items()):
+        if is_fp8_state(name, tensor):
+            continue
         tensor.data = tensor.data.to(torch.float32 if keeps_float32(name) else dtype)
     model.to_empty(device=device)
     for module in model.modules():
@@ -77,8 +103,16 @@ def build_empty_model(
             module.inv_freq = inverse_frequencies(config.rope, module.dim).to(device)
         elif isinstance(module, Indexer):
             module.hadamard = hadamard_matrix(module.head_dim).to(device)
+        elif isinstance(module, MoE):
+            module.stack_experts()
+    model.quantization = model_quantization(model)
     model.eval()
     return model
+
+
+def _fp8_block(config: ModelConfig) -> tuple[int, int]:
+    """The checkpoint's block, or 128×128 for models without a quantization_config (random FP8 models)."""
+    return checkpoint_block(config) or (128, 128)
 
 
 def _init_std(name: str, shape: torch.Size, config: ModelConfig) -> float | None:
@@ -96,17 +130,25 @@ def _init_std(name: str, shape: torch.Size, config: ModelConfig) -> float | None
 
 @torch.no_grad()
 def randomize_weights(model: DSAForCausalLM, seed: int) -> None:
-    """Fill every tensor of the state dict deterministically (unit-gain Gaussians, norms = 1)."""
+    """Fill every tensor of the state dict deterministically (unit-gain Gaussians, norms = 1). FP8 weights get
+    random FP8 values and block scales with the same standard deviation (quantization.random_fp8_), drawn on
+    the device."""
     if model.parallel.tp_size > 1:
         _randomize_shard(model, seed)
         return
     device = model.device
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    state = model.state_dict(keep_vars=True)
+    for name, tensor in state.items():
+        if name.endswith(SCALE_SUFFIX):
+            continue  # filled with its weight
         std = _init_std(name, tensor.shape, model.config)
         if std is None:
             tensor.data.fill_(1.0)
+            continue
+        if tensor.dtype == FP8_DTYPE:
+            random_fp8_(tensor.data, state[name + SCALE_SUFFIX].data, std, generator)
             continue
         noise = torch.randn(tensor.shape, generator=generator, device=device, dtype=torch.float32)
         tensor.data.copy_(noise.mul_(std))
@@ -121,12 +163,22 @@ def _randomize_shard(model: DSAForCausalLM, seed: int) -> None:
     generator.manual_seed(seed)
     local = model.state_dict(keep_vars=True)
     shards = parameter_shards(model)
+    fp8_model = model_quantization(model) == "fp8"
     for name, shape in full_state_shapes(model.config).items():
         std = _init_std(name, shape, model.config)
         tensor = local.get(name)
         if std is None:
             if tensor is not None:
                 tensor.data.fill_(1.0)
+            continue
+        # Other ranks' experts are FP8 too in an FP8 model: draw them in the same form to keep the generator in step.
+        if (tensor is not None and tensor.dtype == FP8_DTYPE) or (tensor is None and fp8_model
+                                                                 and is_fp8_projection(name)):
+            values, scales = random_fp8_(torch.empty(0, device=device), torch.empty(0, device=device), std,
+                                         generator, full_weight_shape=shape)
+            if tensor is not None:
+                tensor.data.copy_(piece(values, shards.get(name)))
+                local[name + SCALE_SUFFIX].data.copy_(piece(scales, shards.get(name + SCALE_SUFFIX)))
             continue
         noise = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
         if tensor is not None:
@@ -136,10 +188,15 @@ def _randomize_shard(model: DSAForCausalLM, seed: int) -> None:
 
 def build_random_model(
     config: ModelConfig, device: torch.device | str, dtype: torch.dtype | str | None = None, seed: int = 0,
-    parallel: ParallelState | None = None,
+    parallel: ParallelState | None = None, quantization: str | None = "none",
 ) -> DSAForCausalLM:
     """Random weights created directly on `device` (no checkpoint): for benchmarks at real layer sizes.
-    With `parallel`, this rank's slice of the same weights the single-device model gets from `seed`."""
-    model = build_empty_model(config, device, dtype, resolve(parallel))
+    With `parallel`, this rank's slice of the same weights the single-device model gets from `seed`.
+    `quantization`: "none" (the model dtype), "fp8" (every FP8 projection as random block FP8, drawn on the
+    device), "auto" (fp8 on CUDA when the config's quantization_config says block FP8)."""
+    mode = check_mode(quantization)
+    device = torch.device(device)
+    fp8 = mode == "fp8" or (mode == "auto" and device.type == "cuda" and checkpoint_block(config) is not None)
+    model = build_empty_model(config, device, dtype, resolve(parallel), fp8=fp8)
     randomize_weights(model, seed)
     return model

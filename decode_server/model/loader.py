@@ -1,8 +1,9 @@
 """Loading DeepSeek-V3.2 / GLM-5 safetensors checkpoints (single file or sharded) into `DSAForCausalLM`.
 
 Tensor names are the Hugging Face ones (`model.layers.N.self_attn.indexer.wq_b.weight`, ...). FP8 e4m3 weights
-are dequantized on load with their block `weight_scale_inv`; bf16/fp32 tensors are used as they are (cast to
-the model dtype). The multi-token-prediction layer (`model.layers.{num_hidden_layers}.*`) is skipped, and so are
+either stay FP8 (block-FP8 storage, `quantization` "fp8", or "auto" on CUDA: decode_server/model/quantization.py)
+— the FP8 bytes and their `weight_scale_inv` are copied as they are — or are dequantized on load with their block
+`weight_scale_inv` ("none"; CPU); bf16/fp32 tensors are used as they are (cast to the model dtype). The multi-token-prediction layer (`model.layers.{num_hidden_layers}.*`) is skipped, and so are
 indexer weights a checkpoint may carry for GLM-5 "shared" layers (they never run an indexer). Every
 problem (missing, unexpected, mis-shaped tensor) is collected from the checkpoint's metadata before any data is
 read and reported in one `CheckpointError` naming the tensors and shapes.
@@ -27,6 +28,13 @@ from decode_server.model.config import ModelConfig
 from decode_server.model.construct import build_empty_model, full_state_shapes
 from decode_server.model.fp8 import dequantize_block_fp8, scale_shape, scale_window
 from decode_server.model.model import DSAForCausalLM
+from decode_server.model.quantization import (
+    FP8_DTYPE,
+    Fp8LayoutError,
+    check_mode,
+    is_fp8_projection,
+    wants_fp8,
+)
 from decode_server.parallel.layers import Shard, parameter_shards
 from decode_server.parallel.state import ParallelState
 
@@ -124,9 +132,12 @@ def _check(
 
 
 @torch.no_grad()
-def load_weights(model: DSAForCausalLM, path: str | Path) -> int:
+def load_weights(model: DSAForCausalLM, path: str | Path,
+                 catalog: dict[str, tuple[Path, tuple[int, ...], str]] | None = None) -> int:
     """Fill every tensor of `model` (one rank's shard with tensor parallelism) from the checkpoint directory
-    `path`, then refresh derived weights. Returns the bytes read from the checkpoint."""
+    `path`, then refresh derived weights. Returns the bytes read from the checkpoint. FP8 weights of layers with
+    block-FP8 storage are copied as FP8 (their scales are state-dict tensors of their own); other FP8 weights are
+    dequantized into their layer's dtype."""
     path = Path(path)
     config = model.config
     targets = model.state_dict(keep_vars=True)
@@ -137,7 +148,7 @@ def load_weights(model: DSAForCausalLM, path: str | Path) -> int:
         expected.pop("lm_head.weight", None)
     shards = parameter_shards(model)
     files = checkpoint_files(path)
-    catalog = _catalog(files)
+    catalog = catalog if catalog is not None else _catalog(files)
     _check(expected, catalog, config)
     block = config.weight_block_size
     bytes_read = 0
@@ -150,11 +161,15 @@ def load_weights(model: DSAForCausalLM, path: str | Path) -> int:
                 window = _window(catalog[name][1], shard)
                 tensor = handle.get_slice(name)[window] if shard is not None else handle.get_tensor(name)
                 bytes_read += tensor.nbytes
-                if tensor.dtype == torch.float8_e4m3fn:
+                target = targets[name]
+                if tensor.dtype == FP8_DTYPE and target.dtype != FP8_DTYPE:
                     scale, origin = _read_scale(catalog, name + SCALE_SUFFIX, window, block)
                     bytes_read += scale.nbytes
                     tensor = dequantize_block_fp8(tensor, scale, block, origin)
-                targets[name].data.copy_(tensor.to(targets[name].dtype))
+                elif target.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
+                    raise CheckpointError(f"tensor {name} is {tensor.dtype} in the checkpoint, but the model stores "
+                                          "it in FP8 (its FP8 layers follow the checkpoint's FP8 tensors)")
+                target.data.copy_(tensor.to(target.dtype))
     model.finalize_weights()
     logger.info("loaded %d tensors (%.1f MiB read) from %d file(s) in %s%s", len(targets), bytes_read / 2**20,
                 len(files), path, _rank_note(model.parallel))
@@ -190,10 +205,30 @@ def _read_scale(
 
 def load_checkpoint(
     path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None,
-    parallel: ParallelState | None = None,
+    parallel: ParallelState | None = None, quantization: str | None = "auto",
 ) -> tuple[DSAForCausalLM, ModelConfig]:
+    """Build the model (one rank's shard with `parallel`) and load it. `quantization` (decode_server/model/
+    quantization.py): "auto" keeps a block-FP8 checkpoint's FP8 projections in FP8 on CUDA (dequantizing them
+    instead, with a warning, when a tensor-parallel piece cuts through a block) and dequantizes elsewhere; "fp8"
+    keeps them in FP8 on any device or fails; "none" dequantizes."""
     path = Path(path)
     config = ModelConfig.from_json(path / "config.json")
-    model = build_empty_model(config, device, dtype, parallel)
-    load_weights(model, path)
+    mode = check_mode(quantization)
+    device = torch.device(device)
+    catalog = _catalog(checkpoint_files(path))
+    fp8_names: set[str] = set()
+    if wants_fp8(mode, config, device):
+        fp8_names = {name for name, (_, shape, dtype) in catalog.items()
+                     if dtype in _FP8_DTYPES and len(shape) == 2 and is_fp8_projection(name)
+                     and not _is_skipped(name, config)}
+    try:
+        model = build_empty_model(config, device, dtype, parallel, fp8=fp8_names)
+    except Fp8LayoutError as exc:
+        if mode != "auto":
+            raise
+        logger.warning("%s\nquantization auto: dequantizing the FP8 weights instead", exc)
+        model = build_empty_model(config, device, dtype, parallel)
+    load_weights(model, path, catalog)
+    logger.info("weights stored as %s (%s)", "block FP8" if model.quantization == "fp8" else "the model dtype",
+                f"quantization {mode}")
     return model, config

@@ -27,6 +27,11 @@ from decode_server.model.layers import MLP
 from decode_server.parallel.comm import all_reduce
 from decode_server.parallel.layers import split_size
 from decode_server.parallel.state import ParallelState, resolve
+from kernels.fp8_gemm import fp8_grouped_linear, quantize_activations
+
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# (stacked weight, stacked FP8 block scales or None) for gate, up, down.
+Stacked = tuple[tuple[torch.Tensor, torch.Tensor | None], ...]
 
 
 def route_tokens(
@@ -92,9 +97,10 @@ class MoE(nn.Module):
     """Routed experts + shared experts.
 
     On CUDA the routed experts run as three grouped GEMMs over the tokens sorted by expert (`torch._grouped_mm`
-    with offsets found on the device by a sorted search, `expert_end_offsets`), so a forward never waits for the
-    GPU to learn how many tokens each expert got; the per-token results are summed in a fixed order (no
-    atomics), so the output is deterministic.
+    with offsets found on the device by a sorted search, `expert_end_offsets`; block-FP8 experts: the Triton
+    grouped FP8 GEMM of kernels/fp8_gemm.py, the activations quantized once for gate and up), so a forward never
+    waits for the GPU to learn how many tokens each expert got; the per-token results are summed in a fixed order
+    (no atomics), so the output is deterministic.
     Elsewhere (CPU) a loop over the experts that received tokens, with one host sync per call.
     """
 
@@ -124,7 +130,7 @@ class MoE(nn.Module):
             )
         self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
                                   parallel, reduce=False, what="moe_intermediate_size × n_shared_experts")
-        self._stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._stacked: Stacked | None = None
         # Plain tuple (not registered twice): the modules stay the same objects through .to() / to_empty().
         self._local_experts = tuple(
             self.experts.values() if isinstance(self.experts, nn.ModuleDict) else self.experts
@@ -147,8 +153,9 @@ class MoE(nn.Module):
         if self.parallel.expert_parallel:
             expert_ids, owned = self.local_choices(expert_ids)
         # Batch-invariant mode runs the experts one by one on fixed row tiles (decode_server/model/batch_invariant.py).
-        grouped_ok = not batch_invariant.enabled() and hasattr(torch, "_grouped_mm")
-        if x.is_cuda and x.dtype == torch.bfloat16 and grouped_ok:
+        fp8 = self.fp8_experts()
+        grouped_ok = not batch_invariant.enabled() and (fp8 or hasattr(torch, "_grouped_mm"))
+        if x.is_cuda and (fp8 or x.dtype == torch.bfloat16) and grouped_ok:
             routed = self.routed_grouped(x, weights, expert_ids, owned)
         else:
             routed = self.routed_loop(x, weights, expert_ids)
@@ -175,34 +182,74 @@ class MoE(nn.Module):
             start += count
         return routed
 
+    def fp8_experts(self) -> bool:
+        """Whether the routed experts' weights are stored in block FP8."""
+        return self.local_experts()[0].gate_proj.fp8_scale is not None
+
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Expert weights as [E, I, H] gate/up and [E, H, I] down, stacked once on first use; each expert's
-        parameters then become views into them, so memory is not doubled."""
+        """Expert weights as [E, I, H] gate/up and [E, H, I] down (`stacked` without the scales)."""
+        (gate, _), (up, _), (down, _) = self.stacked()
+        return gate, up, down
+
+    def stacked(self) -> Stacked:
+        """(weights, FP8 block scales or None) per projection, stacked over the experts, [E, I, H] gate/up and
+        [E, H, I] down. Built at model construction (`stack_experts`), else on first use by copying; either way
+        each expert's parameters are views into the stacks, so memory is not doubled. Rebuilt if the experts
+        moved to another device (`.to()` replaces the views)."""
         experts = self.local_experts()
         device = experts[0].gate_proj.weight.device
-        if self._stacked is None or self._stacked[0].device != device:
-            stacks = []
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                stacked = torch.stack([getattr(e, name).weight.detach() for e in experts])
-                for i, expert in enumerate(experts):
-                    getattr(expert, name).weight.data = stacked[i]
-                stacks.append(stacked)
-            self._stacked = (stacks[0], stacks[1], stacks[2])
+        if self._stacked is None or self._stacked[0][0].device != device or any(
+                getattr(experts[0], name).weight.untyped_storage().data_ptr()
+                != stacked.untyped_storage().data_ptr() for name, (stacked, _) in zip(_PROJECTIONS, self._stacked,
+                                                                                       strict=True)):
+            self._stacked = self._stack(copy=True)
         return self._stacked
+
+    def stack_experts(self) -> None:
+        """Give each expert projection (and its FP8 scales) one stacked storage now, the experts' parameters
+        becoming views with undefined values: the caller fills them (model construction, before loading)."""
+        self._stacked = self._stack(copy=False)
+
+    def _stack(self, copy: bool) -> Stacked:
+        experts = self.local_experts()
+        out = []
+        for name in _PROJECTIONS:
+            linears = [getattr(e, name) for e in experts]
+            pair: list[torch.Tensor | None] = []
+            for attr in ("weight", "weight_scale_inv"):
+                params = [linear._parameters.get(attr) for linear in linears]
+                if params[0] is None:
+                    pair.append(None)
+                    continue
+                first = params[0]
+                stacked = (torch.stack([p.detach() for p in params]) if copy
+                           else torch.empty((len(params), *first.shape), dtype=first.dtype, device=first.device))
+                for i, param in enumerate(params):
+                    param.data = stacked[i]
+                pair.append(stacked)
+            out.append((pair[0], pair[1]))
+        return tuple(out)  # type: ignore[return-value]
 
     def routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
                        owned: torch.Tensor | None = None) -> torch.Tensor:
         """`owned` (expert parallel): which choices fall on this rank; the others (sentinel ids, past the last
         offset, so their rows of the grouped GEMM output are undefined) are zeroed before the weighted sum."""
-        gate_w, up_w, down_w = self.stacked_weights()
+        (gate_w, gate_s), (up_w, up_s), (down_w, down_s) = self.stacked()
         num_tokens, top_k = expert_ids.shape
         sorted_ids, order = torch.sort(expert_ids.flatten(), stable=True)
         offsets = expert_end_offsets(sorted_ids, self.num_local_experts)
         xs = x[order // top_k]
-        # grouped_mm(a [M, K], b [E, K, N]): the transposed views make each expert's weight column-major.
-        hidden = F.silu(torch._grouped_mm(xs, gate_w.transpose(1, 2), offs=offsets))
-        hidden = hidden * torch._grouped_mm(xs, up_w.transpose(1, 2), offs=offsets)
-        out_sorted = torch._grouped_mm(hidden, down_w.transpose(1, 2), offs=offsets)
+        if gate_s is not None:
+            block = self.local_experts()[0].gate_proj.weight_block
+            xq = quantize_activations(xs) if xs.is_cuda else None
+            hidden = F.silu(fp8_grouped_linear(xs, gate_w, gate_s, offsets, block, xq))
+            hidden = hidden * fp8_grouped_linear(xs, up_w, up_s, offsets, block, xq)
+            out_sorted = fp8_grouped_linear(hidden, down_w, down_s, offsets, block)
+        else:
+            # grouped_mm(a [M, K], b [E, K, N]): the transposed views make each expert's weight column-major.
+            hidden = F.silu(torch._grouped_mm(xs, gate_w.transpose(1, 2), offs=offsets))
+            hidden = hidden * torch._grouped_mm(xs, up_w.transpose(1, 2), offs=offsets)
+            out_sorted = torch._grouped_mm(hidden, down_w.transpose(1, 2), offs=offsets)
         per_choice = torch.empty_like(out_sorted)
         per_choice[order] = out_sorted
         per_choice = per_choice.view(num_tokens, top_k, -1).float()

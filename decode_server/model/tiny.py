@@ -31,9 +31,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from decode_server.model.checkpoint_writer import stored_form as _stored_form
 from decode_server.model.config import ModelConfig
 from decode_server.model.construct import build_empty_model, randomize_weights
-from decode_server.model.fp8 import quantize_block_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -217,20 +217,6 @@ def tokenizer_config(spec: TinySpec = TINY_SPECS[TINY_NAME]) -> dict:
         "chat_template": spec.chat_template,
     }
     return {k: v for k, v in config.items() if v is not None}
-
-
-def _stored_form(name: str, tensor: torch.Tensor, block: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """How a DeepSeek checkpoint stores a tensor: FP8 projections, bf16 embeddings/router, fp32 norms."""
-    ragged = any(dim % b for dim, b in zip(tensor.shape, block, strict=False))
-    projection = name.endswith(("proj.weight", "indexer.wk.weight", "indexer.wq_b.weight"))
-    if tensor.dim() == 2 and projection and not name.endswith("weights_proj.weight") and not ragged:
-        # Ragged-edge blocks (kv_a_proj_with_mqa: 576 rows) stay bf16 here only because transformers'
-        # dequantizer cannot read them; our loader can (tests/model/test_loader.py).
-        quant, scale_inv = quantize_block_fp8(tensor, block)
-        return {name: quant, name + "_scale_inv": scale_inv}
-    if name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "weights_proj.weight")):
-        return {name: tensor.to(torch.bfloat16)}
-    return {name: tensor.float()}
 
 
 def write_tiny_checkpoint(out_dir: Path, name: str = TINY_NAME) -> None:

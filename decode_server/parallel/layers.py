@@ -6,7 +6,8 @@ Each layer keeps the batch-invariant arithmetic of `decode_server.model.batch_in
 
 A sharded parameter carries its cut in its module's `shards` dict (parameter name → `Shard`): the full tensor
 is split into `count` equal contiguous pieces along `dim` and this rank holds piece `index`. Parameters absent
-from `shards` are replicated (whole on every rank).
+from `shards` are replicated (whole on every rank). A block-FP8 weight's `weight_scale_inv` is cut like the weight
+(one scale row/column per 128-block: the weight's pieces must then start and end on block edges).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from decode_server.model import batch_invariant
 from decode_server.model.batch_invariant import Linear
 from decode_server.parallel.comm import all_gather_last_dim, all_reduce
 from decode_server.parallel.state import ParallelState
@@ -70,7 +70,7 @@ class RowParallelLinear(Linear):
         self.shards = {"weight": Shard(1, parallel.tp_rank, parallel.tp_size)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = batch_invariant.linear(x, self.weight)
+        out = self.project(x)
         if self.reduce:
             out = all_reduce(out, self.parallel)
         if self.bias is not None:
@@ -110,7 +110,7 @@ class ParallelLMHead(Linear):
         self.shards = {"weight": Shard(0, parallel.tp_rank, parallel.tp_size)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_gather_last_dim(batch_invariant.linear(x, self.weight), self.parallel)
+        return all_gather_last_dim(self.project(x), self.parallel)
 
 
 def column_linear(in_features: int, out_features: int, bias: bool, parallel: ParallelState,

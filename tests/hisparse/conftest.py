@@ -16,10 +16,11 @@ def tiny_cpu():
 
 @pytest.fixture(scope="session")
 def tiny_cuda():
-    """tiny-dsa in bf16 on the GPU (the GPU lossless tests); skips where there is no CUDA."""
+    """tiny-dsa in bf16 on the GPU (the GPU lossless tests); skips where there is no CUDA. Dequantized on purpose
+    (the default on CUDA keeps its FP8 weights): the FP8-weight runs are test_fp8_weights_lossless_gpu.py."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    model, config = load_model("tiny-dsa", "cuda", torch.bfloat16)
+    model, config = load_model("tiny-dsa", "cuda", torch.bfloat16, quantization="none")
     return model, config, Tokenizer.from_dir(resolve_model_path("tiny-dsa"))
 
 

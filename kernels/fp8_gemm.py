@@ -1,0 +1,424 @@
+"""Block-FP8 linear layers: `fp8_linear` (dense) and `fp8_grouped_linear` (the experts of a MoE batch), and the
+per-process autotuner that picks, by measurement, which GPU backend runs each shape.
+
+Backends (both take the same FP8 activations from `fp8_gemm_triton.quantize_activations`, so they differ only by
+their accumulation order):
+  - "scaled_mm": `torch._scaled_mm` with DeepSeek's recipe (1×128 activation scales × 128×128 weight scales,
+    float32; cuBLAS on SM90 with CUDA ≥ 12.9). The layout it takes: activation scales [M, K/128] with M
+    contiguous (we store them group-major [K/128, M_pad] and pass the transpose), M padded to a multiple of 4
+    (16-byte aligned scale columns), the weight [N, K] row-major passed transposed (column-major [K, N]), weight
+    scales [N/128, K/128] contiguous passed transposed; N and K multiples of 16. We offer it only where K is a
+    multiple of 128 with K/128 a multiple of 4, where no torch version's layout check wants the weight scales'
+    K blocks padded. Dense only (torch has no block-scaled grouped GEMM).
+  - "triton": kernels/fp8_gemm_triton.py (any shape, grouped too), with a launch configuration per shape.
+
+Choice per shape (`Fp8GemmTuner`): the key is (kind, N, K, experts, M bucket, output dtype, device, block); M
+buckets are powers of two. On the first call of a key outside CUDA-graph capture — normally the engine's warm-up,
+which tunes every shape of the model at every bucket it can run before any graph is captured
+(decode_server/model/fp8_warmup.py) — every candidate (scaled_mm where supported, a few Triton configurations) is
+checked against the default Triton configuration's output (a candidate that disagrees is rejected with a warning)
+and timed with CUDA events on the given weights of that shape (the model's layers, rotated, plus random copies
+until they exceed twice the L2 cache, so the cache flatters no candidate); the fastest is kept for the life of the
+process. A shape therefore always runs the same kernel afterwards: results are deterministic within a process
+(HiSparse == dense and graph replay == eager rely on it). A key first met during CUDA-graph capture gets the
+default Triton configuration untimed, and keeps it. Choices are logged at INFO.
+
+`HISPARSE_FP8_GEMM=auto|triton|scaled_mm` (or the `force_backend` context) restricts the candidates; with
+`scaled_mm`, shapes it does not support (grouped; K/128 not a multiple of 4) still use Triton. On CPU both
+functions run the references of kernels/fp8_gemm_ref.py (float32 with the activation rounding emulated).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import os
+import statistics
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.fp8_gemm_ref import fp8_grouped_ref, fp8_linear_ref
+
+logger = logging.getLogger(__name__)
+
+BACKEND_ENV = "HISPARSE_FP8_GEMM"
+BACKENDS = ("auto", "triton", "scaled_mm")
+MAX_M_BUCKET = 16384
+SCALED_MM_ROW_ALIGN = 4
+_SPIN_CYCLES_PER_CALL = 200_000  # ~0.1 ms of GPU spin per timed call: the host enqueues every call behind it
+_TIMED_REPEATS = 3
+_MIN_CALLS = 4
+_MAX_CALLS = 32
+_TIMED_BATCH_US = 1500.0
+_MAX_RANDOM_COPIES = 64
+_AGREEMENT = 2.0**-6  # candidates must agree with the default Triton kernel within this share of max |y|
+
+Weights = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def m_bucket(m: int) -> int:
+    """Smallest power of two ≥ m (1 for m ≤ 1), capped at MAX_M_BUCKET."""
+    return min(1 << max(0, m - 1).bit_length(), MAX_M_BUCKET)
+
+
+@dataclass(frozen=True)
+class GemmChoice:
+    """What runs one shape: "scaled_mm", or "triton" with its launch configuration."""
+
+    backend: str
+    config: object | None = None  # kernels.fp8_gemm_triton.TritonGemmConfig for "triton"
+
+    def label(self) -> str:
+        return self.config.label() if self.config is not None else self.backend  # type: ignore[attr-defined]
+
+
+@dataclass
+class TuningRecord:
+    """One key's decision: what was chosen, and each candidate's measured µs per call (empty if untimed)."""
+
+    kind: str
+    n: int
+    k: int
+    experts: int
+    bucket: int
+    choice: GemmChoice
+    timings_us: dict[str, float] = field(default_factory=dict)
+    rejected: list[str] = field(default_factory=list)
+
+    @property
+    def best_us(self) -> float | None:
+        return self.timings_us.get(self.choice.label())
+
+    def best_of(self, backend: str) -> float | None:
+        """Fastest measured time of one backend's candidates."""
+        times = [t for label, t in self.timings_us.items() if label.split()[0] == backend]
+        return min(times) if times else None
+
+
+_forced: list[str] = []
+
+
+def forced_backend() -> str:
+    """The backend restriction in force: the innermost `force_backend`, else $HISPARSE_FP8_GEMM, else "auto"."""
+    value = _forced[-1] if _forced else (os.environ.get(BACKEND_ENV, "") or "auto").strip().lower()
+    if value not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={value!r}: expected one of {BACKENDS}")
+    return value
+
+
+@contextlib.contextmanager
+def force_backend(name: str) -> Iterator[None]:
+    """Restrict the backends (tests, benchmarks). Choices cached earlier stay: give the calls a fresh tuner
+    (`reset_tuner()`) to decide again under the restriction."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown FP8 GEMM backend {name!r}; expected one of {BACKENDS}")
+    _forced.append(name)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def _triton():
+    from kernels import fp8_gemm_triton  # on first GPU use: Triton is not needed on CPU
+
+    return fp8_gemm_triton
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _l2_bytes(device_index: int) -> int:
+    return int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0) or 50 << 20)
+
+
+def _index(device: torch.device) -> int:
+    if device.index is not None or device.type != "cuda":
+        return device.index or 0
+    return torch.cuda.current_device()
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def scaled_mm_supported(n: int, k: int, block: tuple[int, int], device: torch.device) -> bool:
+    """Whether torch._scaled_mm's blockwise path may run a dense [N, K] weight on this device."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm") or tuple(block) != (128, 128):
+        return False
+    if _capability(_index(device)) != (9, 0):
+        return False  # cuBLAS's 1×128 / 128×128 block scaling exists on Hopper only
+    return n > 0 and n % 16 == 0 and k % 128 == 0 and (k // 128) % 4 == 0
+
+
+def _scaled_mm(q: torch.Tensor, scales: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """q [M_pad, K] e4m3 with scales [K/128, M_pad] → [M_pad, N] out_dtype."""
+    return torch._scaled_mm(q, w.t(), scale_a=scales.t(), scale_b=w_scale.t(), out_dtype=out_dtype)
+
+
+def triton_candidates(kind: str, bucket: int, n: int, k: int, experts: int, device: torch.device) -> list[GemmChoice]:
+    """Triton launch configurations worth timing for a shape: row tile by the rows per weight, both column
+    tiles, and split-K only while the grid is under two waves (split-K buys parallelism, nothing else)."""
+    config = _triton().TritonGemmConfig
+    sms = _sm_count(_index(device))
+    k_tiles = max(1, math.ceil(k / 128))
+    if kind == "grouped":
+        active = max(1, min(experts, bucket))  # experts that `bucket` routed rows can reach
+        rows = math.ceil(bucket / active)
+    else:
+        active, rows = 1, bucket
+    # (row tile, column tiles): few distinct tiles, since each is a Triton compilation.
+    tiles = ([(16, (64, 128))] if rows <= 16 else [(32, (64, 128))] if rows <= 32 else [(64, (64, 128))]
+             if rows <= 64 else [(64, (128,)), (128, (128,))])
+    out = []
+    for bm, column_tiles in tiles:
+        m_tiles = math.ceil(rows / bm)
+        m_programs = min(8, 1 << (m_tiles - 1).bit_length()) if kind == "grouped" else 1
+        for bn in column_tiles:
+            programs = active * (min(m_programs, m_tiles) if kind == "grouped" else m_tiles) * math.ceil(n / bn)
+            splits = [1]
+            if programs < 2 * sms:
+                splits += [s for s in (2, 4, 8, 16, 32) if s <= k_tiles // 2 and programs * s <= 4 * sms]
+            warps = 8 if bm * bn >= 128 * 128 else 4
+            stages = 3 if bm >= 128 else 4
+            out += [GemmChoice("triton", config(bm, bn, s, warps, stages, m_programs)) for s in splits]
+    return out
+
+
+def default_choice(kind: str, bucket: int, n: int, k: int, experts: int, device: torch.device) -> GemmChoice:
+    """The untimed choice: the first column tile, split-K up to about one wave."""
+    candidates = triton_candidates(kind, bucket, n, k, experts, device)
+    bn = candidates[0].config.block_n
+    candidates = [c for c in candidates if c.config.block_n == bn and c.config.block_m == candidates[0].config.block_m]
+    sms = _sm_count(_index(device))
+    rows = bucket if kind == "dense" else max(1, math.ceil(bucket / max(1, min(experts, bucket))))
+    base = math.ceil(n / bn) * math.ceil(rows / candidates[0].config.block_m)
+    fitting = [c for c in candidates if base * c.config.split_k <= 2 * sms]
+    return fitting[-1] if fitting else candidates[0]
+
+
+def _random_weights(shape: tuple[int, ...], block: tuple[int, int], device: torch.device,
+                    gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(shape, device=device, generator=gen).mul_(64).clamp_(-448, 448).to(torch.float8_e4m3fn)
+    scale_shape = (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
+    return w, torch.rand(scale_shape, device=device, generator=gen).add_(0.5).mul_(2.0**-10)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _time_us(fn: Callable[[int], object], calls: int) -> float:
+    """Median over repeats of the GPU time per call of `calls` back-to-back calls (each call i gets i)."""
+    times = []
+    for _ in range(_TIMED_REPEATS):
+        torch.cuda._sleep(_SPIN_CYCLES_PER_CALL * calls)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            fn(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    return statistics.median(times)
+
+
+class Fp8GemmTuner:
+    """The per-process cache of backend choices (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._choices: dict[tuple, GemmChoice] = {}
+        self._lock = threading.RLock()
+        self.records: list[TuningRecord] = []
+        self.frozen = False  # set: a key not decided yet gets the default configuration, untimed
+
+    def cached(self, key: tuple) -> GemmChoice | None:
+        return self._choices.get(key)
+
+    def export(self) -> list[tuple[tuple, GemmChoice]]:
+        """The decisions, device-independent (tensor-parallel rank 0 sends them to the other ranks)."""
+        return [(key[:6] + key[7:], choice) for key, choice in self._choices.items()]
+
+    def install(self, entries: list[tuple[tuple, GemmChoice]], device: torch.device) -> None:
+        """Adopt another process's decisions for `device` (every rank must run the same kernel for the
+        replicated layers — the indexer and the latent KV projection — so that their outputs are identical)."""
+        with self._lock:
+            for key, choice in entries:
+                self._choices[key[:6] + (_index(device),) + key[6:]] = choice
+
+    def choose(self, kind: str, n: int, k: int, experts: int, m: int, dtype: torch.dtype, device: torch.device,
+               weights: Weights, block: tuple[int, int]) -> GemmChoice:
+        bucket = m_bucket(m)
+        key = (kind, n, k, experts, bucket, dtype, device.index, tuple(block))
+        choice = self._choices.get(key)
+        if choice is not None:
+            return choice
+        with self._lock:
+            choice = self._choices.get(key)
+            if choice is None:
+                choice = self._decide(key, weights)
+                self._choices[key] = choice
+        return choice
+
+    def _decide(self, key: tuple, weights: Weights) -> GemmChoice:
+        kind, n, k, experts, bucket, dtype, index, block = key
+        device = weights[0][0].device
+        default = default_choice(kind, bucket, n, k, experts, device)
+        if self.frozen:
+            logger.info("FP8 GEMM %s N=%d K=%d M≤%d not decided at warm-up: default %s (decisions frozen)", kind, n,
+                        k, bucket, default.label())
+            self.records.append(TuningRecord(kind, n, k, experts, bucket, default))
+            return default
+        if _capturing():
+            logger.warning("FP8 GEMM %s N=%d K=%d M≤%d first met during CUDA-graph capture: default %s, untimed",
+                           kind, n, k, bucket, default.label())
+            self.records.append(TuningRecord(kind, n, k, experts, bucket, default))
+            return default
+        restriction = forced_backend()
+        candidates = [] if restriction == "scaled_mm" else triton_candidates(kind, bucket, n, k, experts, device)
+        if kind == "dense" and restriction != "triton" and scaled_mm_supported(n, k, block, device):
+            candidates.insert(0, GemmChoice("scaled_mm"))
+        if not candidates:
+            candidates = [default]  # scaled_mm forced on a shape it cannot run
+        record = TuningRecord(kind, n, k, experts, bucket, default)
+        with torch.inference_mode():
+            record.choice = self._measure(record, candidates, default, weights, dtype, device, block)
+        self.records.append(record)
+        timed = ", ".join(f"{label} {us:.1f}" for label, us in sorted(record.timings_us.items(), key=lambda x: x[1]))
+        logger.info("FP8 GEMM %s N=%d K=%d%s M≤%d: %s (µs per call: %s)", kind, n, k,
+                    f" E={experts}" if experts else "", bucket, record.choice.label(), timed)
+        return record.choice
+
+    def _measure(self, record: TuningRecord, candidates: list[GemmChoice], default: GemmChoice, weights: Weights,
+                 dtype: torch.dtype, device: torch.device, block: tuple[int, int]) -> GemmChoice:
+        kind, bucket = record.kind, record.bucket
+        gen = torch.Generator(device=device).manual_seed(record.n * 131 + record.k)
+        pool = list(weights)
+        per_weight = pool[0][0].numel() + 4 * pool[0][1].numel()
+        while len(pool) < _MAX_RANDOM_COPIES and len(pool) * per_weight < 2 * _l2_bytes(_index(device)):
+            pool.append(_random_weights(tuple(pool[0][0].shape), block, device, gen))
+        x = torch.randn(bucket, record.k, device=device, generator=gen, dtype=torch.float32).to(dtype)
+        offsets = None
+        if kind == "grouped":
+            ids = torch.randint(0, record.experts, (bucket,), device=device, generator=gen).sort().values
+            offsets = torch.searchsorted(ids, torch.arange(record.experts, device=device), right=True).to(torch.int32)
+
+        def call(choice: GemmChoice, i: int) -> torch.Tensor:
+            w, s = pool[i % len(pool)]
+            if kind == "grouped":
+                return _run_grouped(choice, x, w, s, offsets, block, dtype)
+            return _run_dense(choice, x, w, s, block, dtype)
+
+        reference = call(default, 0).float()
+        limit = _AGREEMENT * float(reference.abs().max()) + 1e-6
+        # About 1.5 ms of GPU work per timed batch: short GEMMs get many calls (and every weight copy), long ones
+        # (prefill-sized M, weights larger than L2 anyway) a few.
+        estimate = _time_us(functools.partial(call, default), 2)
+        calls = max(_MIN_CALLS, min(_MAX_CALLS, math.ceil(_TIMED_BATCH_US / max(estimate, 1e-3))))
+        for choice in candidates:
+            label = choice.label()
+            try:
+                out = call(choice, 0).float()
+                if kind == "grouped":
+                    out, ref = out[: int(offsets[-1])], reference[: int(offsets[-1])]
+                else:
+                    ref = reference
+                diff = float((out - ref).abs().max()) if out.numel() else 0.0
+                if not diff <= limit:  # also catches NaN
+                    raise RuntimeError(f"disagrees with the default Triton kernel by {diff:.3g} (limit {limit:.3g})")
+                record.timings_us[label] = _time_us(functools.partial(call, choice), calls)
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot run here is simply not chosen
+                record.rejected.append(f"{label}: {type(exc).__name__}: {exc}")
+                logger.warning("FP8 GEMM %s N=%d K=%d M≤%d: candidate %s rejected: %s", kind, record.n, record.k,
+                               bucket, label, exc)
+        if not record.timings_us:
+            return default
+        best = min(record.timings_us, key=record.timings_us.__getitem__)
+        return next(c for c in candidates if c.label() == best)
+
+
+_TUNER = Fp8GemmTuner()
+
+
+def tuner() -> Fp8GemmTuner:
+    return _TUNER
+
+
+def reset_tuner() -> Fp8GemmTuner:
+    """Forget every choice (tests and benchmarks that compare backends in one process)."""
+    global _TUNER
+    _TUNER = Fp8GemmTuner()
+    return _TUNER
+
+
+def _run_dense(choice: GemmChoice, rows: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+               block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    tri = _triton()
+    m = rows.shape[0]
+    if choice.backend == "scaled_mm":
+        q, scales = tri.quantize_activations(rows, pad_rows_to=SCALED_MM_ROW_ALIGN)
+        return _scaled_mm(q, scales, w, w_scale, out_dtype)[:m]
+    q, scales = tri.quantize_activations(rows)
+    return tri.fp8_gemm(q, scales, m, w, w_scale, out_dtype, choice.config, block)
+
+
+def _run_grouped(choice: GemmChoice, rows: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                 end_offsets: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype,
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    tri = _triton()
+    q, scales = quantized if quantized is not None else tri.quantize_activations(rows)
+    return tri.fp8_grouped_gemm(q, scales, w, w_scale, end_offsets, out_dtype, choice.config, block)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → (q [M, K] e4m3, scales [K/128, M] group-major), for several grouped GEMMs on one input."""
+    return _triton().quantize_activations(x)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """x [..., K] @ dequant(w [N, K])ᵀ (+ bias) → [..., N] in x's dtype."""
+    k, n = x.shape[-1], w.shape[0]
+    rows = x.reshape(-1, k)
+    if x.is_cuda:
+        choice = _TUNER.choose("dense", n, k, 0, rows.shape[0], x.dtype, x.device, [(w, w_scale)], block)
+        out = _run_dense(choice, rows, w, w_scale, block, x.dtype)
+    else:
+        out = fp8_linear_ref(rows, w, w_scale, block).to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], n)
+
+
+def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, end_offsets: torch.Tensor,
+                       block: tuple[int, int] = (128, 128),
+                       quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Rows of x [M, K] sorted by expert, expert e owning rows [end_offsets[e-1], end_offsets[e]) → [M, N] in x's
+    dtype (w [E, N, K] FP8, w_scale [E, N/128, K/128]); rows past end_offsets[-1] are undefined on CUDA (zeros on
+    CPU). `quantized`: x's FP8 form from `quantize_activations`, when several GEMMs share the input."""
+    if not x.is_cuda:
+        return fp8_grouped_ref(x, w, w_scale, end_offsets, block).to(x.dtype)
+    experts, n, k = w.shape
+    choice = _TUNER.choose("grouped", n, k, experts, x.shape[0], x.dtype, x.device, [(w, w_scale)], block)
+    return _run_grouped(choice, x, w, w_scale, end_offsets, block, x.dtype, quantized)
+
+
+def tune(kind: str, weights: Weights, m: int, dtype: torch.dtype, block: tuple[int, int] = (128, 128)) -> GemmChoice:
+    """Decide the backend of one shape at one M (the engine's warm-up); `weights` are every weight of that shape
+    (the timing rotates over them)."""
+    w = weights[0][0]
+    if kind == "grouped":
+        experts, n, k = w.shape
+    else:
+        experts, (n, k) = 0, w.shape
+    return _TUNER.choose(kind, n, k, experts, m, dtype, w.device, weights, block)

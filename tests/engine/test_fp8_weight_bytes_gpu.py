@@ -1,0 +1,110 @@
+"""The engine serves block-FP8 checkpoints with FP8 weights in GPU memory, and what it reports is what it holds:
+
+- tiny-dsa through `Engine(EngineConfig(model_path="tiny-dsa"))` (default --quantization: the checkpoint's): FP8
+  projections in memory, `weights_bytes_by_kind["fp8"]` / `["fp8_scales"]` equal to the checkpoint's FP8 / scale
+  bytes (read from the safetensors headers), the absorbed W_UK / W_UV bf16 (2 bytes × kv_b_proj's values), and
+  the total equal to what loading allocated on the device (torch.cuda.memory_allocated, to the allocator's
+  512-byte rounding per tensor); `--quantization none` dequantizes (bf16, more bytes);
+- a random FP8 checkpoint of DeepSeek-V3.2's layer sizes written by the project's writer loads back with the same
+  FP8 bytes, and its weight bytes are reported the same way.
+
+Run: pytest -m gpu tests/engine/test_fp8_weight_bytes_gpu.py -v -s
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from decode_server.config import EngineConfig
+from decode_server.engine.engine import Engine
+from decode_server.model import build_random_model, load_config, load_model, resolve_model_path
+from decode_server.model.checkpoint_writer import write_random_checkpoint
+from decode_server.model.loader import checkpoint_files
+from decode_server.model.quantization import is_fp8_projection
+from decode_server.model.weights import weight_bytes
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+ALLOCATOR_ROUNDING = 512
+
+
+def checkpoint_fp8_bytes(path) -> tuple[int, int, int]:
+    """(FP8 projection bytes, their scale bytes, kv_b_proj values) of a checkpoint, from its headers."""
+    fp8 = scales = kv_b = 0
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                meta = handle.get_slice(name)
+                shape = meta.get_shape()
+                numel = int(torch.Size(shape).numel())
+                if meta.get_dtype() == "F8_E4M3" and is_fp8_projection(name):
+                    fp8 += numel
+                    scale_shape = handle.get_slice(name + "_scale_inv").get_shape()
+                    scales += 4 * int(torch.Size(scale_shape).numel())
+                if name.endswith("kv_b_proj.weight"):
+                    kv_b += numel
+    return fp8, scales, kv_b
+
+
+def allocated_by(fn):
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.memory_allocated() - before
+
+
+def test_tiny_dsa_engine_holds_and_reports_fp8_weights() -> None:
+    path = resolve_model_path("tiny-dsa")
+    fp8, scales, kv_b = checkpoint_fp8_bytes(path)
+    (model, _), allocated = allocated_by(lambda: load_model("tiny-dsa", "cuda", torch.bfloat16))
+    counted = weight_bytes(model)
+    tensors = sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())
+    print(f"\ntiny-dsa FP8: {counted}; allocated by the load {allocated} B")
+    assert model.quantization == "fp8"
+    assert counted["fp8"] == fp8 and counted["fp8_scales"] == scales
+    assert counted["absorbed"] == 2 * kv_b
+    assert 0 <= allocated - counted["total"] <= ALLOCATOR_ROUNDING * tensors
+    del model
+    engine = Engine(EngineConfig(model_path="tiny-dsa", device="cuda", device_kv_budget_bytes=64 << 20,
+                                 max_running_requests=4, chunked_prefill_size=256, disable_cuda_graph=True))
+    stats = engine.stats()
+    assert stats.quantization == "fp8"
+    assert stats.weights_bytes == counted["total"]
+    assert stats.weights_bytes_by_kind == {k: v for k, v in counted.items() if k != "total"}
+    bf16 = Engine(EngineConfig(model_path="tiny-dsa", device="cuda", quantization="none",
+                               device_kv_budget_bytes=64 << 20, max_running_requests=4, chunked_prefill_size=256,
+                               disable_cuda_graph=True)).stats()
+    assert bf16.quantization == "none" and bf16.weights_bytes_by_kind["fp8"] == 0
+    assert bf16.weights_bytes > stats.weights_bytes
+    print(f"tiny-dsa weights: FP8 {stats.weights_bytes} B, bf16 {bf16.weights_bytes} B")
+
+
+def test_written_fp8_checkpoint_of_deepseek_layer_sizes_loads_back(tmp_path) -> None:
+    config = dataclasses.replace(load_config("dsv32-bench"), num_hidden_layers=2)  # 1 dense + 1 MoE layer
+    files = write_random_checkpoint(config, tmp_path, device="cuda", seed=4, max_shard_bytes=2 << 30)
+    assert len(files) >= 2
+    (loaded, _), allocated = allocated_by(lambda: load_model(tmp_path, "cuda", torch.bfloat16))
+    assert loaded.quantization == "fp8"
+    reference = build_random_model(config, "cuda", torch.bfloat16, seed=4, quantization="fp8")
+    mine, theirs = loaded.state_dict(), reference.state_dict()
+    checked = 0
+    for name, tensor in theirs.items():
+        if tensor.dtype == torch.float8_e4m3fn:
+            assert torch.equal(mine[name].view(torch.uint8), tensor.view(torch.uint8)), name
+            assert torch.equal(mine[name + "_scale_inv"], theirs[name + "_scale_inv"]), name
+            checked += 1
+    assert checked > 15
+    fp8, scales, _ = checkpoint_fp8_bytes(tmp_path)
+    counted = weight_bytes(loaded)
+    tensors = sum(1 for _ in loaded.parameters()) + sum(1 for _ in loaded.buffers())
+    assert counted["fp8"] == fp8 and counted["fp8_scales"] == scales
+    assert 0 <= allocated - counted["total"] <= ALLOCATOR_ROUNDING * tensors
+    print(f"\n2-layer DeepSeek-V3.2-size FP8 checkpoint: {sum(f.stat().st_size for f in files) / 2**30:.2f} GiB on "
+          f"disk, weights {counted}")

@@ -1,0 +1,125 @@
+"""Runs the block-FP8 Triton kernels (kernels/fp8_gemm_triton.py) in Triton's CPU interpreter against the
+references; started by test_fp8_triton_interpret.py in a fresh process with TRITON_INTERPRET=1 (Triton reads it
+when the kernels are defined, so it must be set before they are imported). Exits non-zero on the first
+mismatch; prints one line per case."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("run with TRITON_INTERPRET=1")
+
+import torch  # noqa: E402
+import triton.runtime.interpreter as interpreter  # noqa: E402
+
+from decode_server.model.fp8 import quantize_block_fp8  # noqa: E402
+from kernels import fp8_gemm_triton as tri  # noqa: E402
+from kernels.fp8_gemm_ref import (  # noqa: E402
+    dequantize_activations_ref,
+    dequantize_weight_ref,
+    fp8_grouped_ref,
+    fp8_linear_ref,
+    quantize_activations_ref,
+)
+
+# Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with int(array), which NumPy ≥ 2.4
+# refuses for arrays that are not 0-d; loops over kernel arguments (`range(0, n)`) need that conversion.
+_patch = getattr(interpreter, "_patch_lang_tensor", None)
+if _patch is not None:
+    def _patched(tensor, scope):
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = _patched
+
+
+def activations(m: int, k: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=gen) * torch.logspace(-3, 2, k)[torch.randperm(k, generator=gen)]).to(dtype)
+
+
+def weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return quantize_block_fp8(torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, n)[:, None])
+
+
+def tolerance(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ref: torch.Tensor, out_dtype) -> torch.Tensor:
+    """Output rounding + float32 summation in another order. bf16 output: less than one ulp (2^-7 relative; the
+    interpreter converts float32 → bf16 by truncation where the GPU rounds to nearest); float32: none."""
+    xq = dequantize_activations_ref(*quantize_activations_ref(x)).abs()
+    rel = 2.0**-7 if out_dtype == torch.bfloat16 else 0.0
+    return rel * ref.abs() + 2.0**-16 * (xq @ dequantize_weight_ref(w, s).abs().t()) + 1e-30
+
+
+def check(name: str, got: torch.Tensor, ref: torch.Tensor, tol: torch.Tensor) -> None:
+    err = (got.float() - ref).abs()
+    if not (err <= tol).all():
+        worst = int((err - tol).argmax())
+        sys.exit(f"FAIL {name}: error {err.flatten()[worst]:.3g} > tolerance {tol.flatten()[worst]:.3g}")
+    print(f"ok {name}: max error {err.max():.3g}, max |ref| {ref.abs().max():.3g}")
+
+
+def test_quantize() -> None:
+    for m, k, pad, dtype in [(5, 320, 4, torch.float32), (3, 100, 1, torch.bfloat16), (1, 1152, 4, torch.bfloat16)]:
+        x = activations(m, k, seed=m + k, dtype=dtype)
+        if m > 2:
+            x[1] = 0
+        q, scales = tri.quantize_activations(x, pad_rows_to=pad)
+        q_ref, s_ref = quantize_activations_ref(x)
+        m_pad = -(-m // pad) * pad
+        assert q.shape == (m_pad, k) and scales.shape == (s_ref.shape[1], m_pad), (q.shape, scales.shape)
+        # Values compared as numbers: the interpreter writes a negative value that rounds to zero as +0.
+        if not torch.equal(q[:m].float(), q_ref.float()):
+            bad = (q[:m].float() != q_ref.float()).nonzero()[:3].tolist()
+            sys.exit(f"FAIL quantize {m}x{k}: values differ at {bad}")
+        if not torch.equal(scales[:, :m].t(), s_ref):
+            sys.exit(f"FAIL quantize {m}x{k}: scales differ")
+        if m_pad > m and q[m:].float().abs().max() != 0:
+            sys.exit(f"FAIL quantize {m}x{k}: padded rows are not zero")
+        print(f"ok quantize {m}x{k} {dtype} pad {pad}: equal to the reference")
+
+
+def test_dense() -> None:
+    cases = [  # (M, N, K, config, output dtype)
+        (5, 200, 640, tri.TritonGemmConfig(16, 64, 1), torch.float32),
+        (5, 200, 640, tri.TritonGemmConfig(32, 128, 2), torch.bfloat16),
+        (1, 576, 256, tri.TritonGemmConfig(16, 64, 1), torch.bfloat16),  # kv_a's ragged 576 rows (4.5 blocks)
+        (17, 64, 100, tri.TritonGemmConfig(16, 64, 1), torch.float32),  # ragged K: one partial group
+        (3, 128, 640, tri.TritonGemmConfig(16, 64, 3), torch.float32),  # 5 K tiles in 3 splits of 2 (last: 1)
+    ]
+    for i, (m, n, k, config, out_dtype) in enumerate(cases):
+        x = activations(m, k, seed=10 + i)
+        w, s = weights(n, k, seed=20 + i)
+        q, scales = tri.quantize_activations(x)
+        got = tri.fp8_gemm(q, scales, m, w, s, out_dtype, config)
+        assert got.shape == (m, n) and got.dtype == out_dtype
+        ref = fp8_linear_ref(x, w, s)
+        check(f"dense {m}x{n}x{k} {config.label()} {out_dtype}", got, ref, tolerance(x, w, s, ref, out_dtype))
+
+
+def test_grouped() -> None:
+    experts, n, k = 4, 192, 384
+    pairs = [weights(n, k, seed=30 + e) for e in range(experts)]
+    w = torch.stack([p[0] for p in pairs])
+    s = torch.stack([p[1] for p in pairs])
+    x = activations(40, k, seed=5)
+    # Expert 1 empty, expert 2 with 33 rows (three 16-row tiles), rows 39.. past the last expert (left undefined).
+    ends = torch.tensor([4, 4, 37, 39], dtype=torch.int32)
+    ref = fp8_grouped_ref(x, w, s, ends)
+    xq = dequantize_activations_ref(*quantize_activations_ref(x)).abs()
+    wabs = dequantize_weight_ref(w, s).abs()
+    tol = 2.0**-16 * torch.cat([xq[a:b] @ wabs[e].t() for e, (a, b) in enumerate([(0, 4), (4, 4), (4, 37), (37, 39)])])
+    for config in (tri.TritonGemmConfig(16, 64, 1), tri.TritonGemmConfig(16, 128, 2, m_programs=2),
+                   tri.TritonGemmConfig(32, 64, 1, m_programs=4)):
+        q, scales = tri.quantize_activations(x)
+        got = tri.fp8_grouped_gemm(q, scales, w, s, ends, torch.float32, config)
+        check(f"grouped E={experts} {config.label()}", got[:39], ref[:39], tol + 1e-30)
+
+
+if __name__ == "__main__":
+    test_quantize()
+    test_dense()
+    test_grouped()
+    print("all interpreter cases passed")

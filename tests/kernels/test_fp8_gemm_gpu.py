@@ -1,0 +1,245 @@
+"""Block-FP8 GEMMs on the GPU (kernels/fp8_gemm*.py) against the references of kernels/fp8_gemm_ref.py.
+
+Tolerances, for an output y[m, n] = Σ_k x[m, k]·W[n, k] (W exact in both: block FP8 dequantized):
+  - against the reference with the same activation rounding (`fp8_linear_ref`, float32): the kernels differ only by
+    summation and output rounding: |Δ| ≤ 2⁻⁸·|y| (bf16 output, round to nearest: 2⁻⁹, doubled) + 2⁻¹²·Σ_k|x_q||W|
+    (Hopper's FP8 tensor cores accumulate one 128-deep tile with ~14 mantissa bits before the scales are applied in
+    float32 — DeepSeek-V3's report — so ≤ 2⁻¹⁴ of the tile's Σ|terms| per tile, taken with 4× margin);
+  - against the unrounded reference (x exact): that plus the activation-rounding bound `activation_rounding_bound`
+    (e4m3 keeps 3 mantissa bits: each x within max(2⁻⁴·|x|, 2⁻¹⁰·s_group) of itself, summed with |W|).
+Every Triton configuration the autotuner may pick for a shape is checked (`triton_candidates`), and scaled_mm where
+the device supports it. Plus: quantization kernel = reference, the grouped GEMM with empty experts and other
+ranks' rows, the autotuner (deterministic choice, forced backends), CUDA-graph capture (replay = eager, also for
+a shape first met during capture), batch-invariant tiles.
+
+Run: pytest -m gpu tests/kernels/test_fp8_gemm_gpu.py -v -s
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+
+from decode_server.model.fp8 import dequantize_block_fp8, quantize_block_fp8
+from kernels import fp8_gemm
+from kernels.fp8_gemm_ref import (
+    activation_rounding_bound,
+    dequantize_activations_ref,
+    dequantize_weight_ref,
+    fp8_grouped_ref,
+    fp8_linear_ref,
+    quantize_activations_ref,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+BLOCK = (128, 128)
+# DeepSeek-V3.2 projections (q_b, kv_a's ragged 576 rows, o_proj, wk, the dense MLP's down, a shared expert) and a
+# shape ragged in both dimensions.
+SHAPES = {"q_b": (24576, 1536), "kv_a": (576, 7168), "o_proj": (7168, 16384), "wk": (128, 7168),
+          "mlp_down": (7168, 18432), "shared_up": (2048, 7168), "ragged": (200, 320)}
+TOKENS = [1, 16, 64, 256]
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32_matmul():
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 references must be float32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+@functools.cache
+def weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block-FP8 weight whose blocks differ in magnitude by 10³ (a wrong block scale shows), its scales, and
+    |dequantized| (for the tolerances)."""
+    gen = torch.Generator(device="cuda").manual_seed(n * 7 + k)
+    w = torch.randn(n, k, device="cuda", generator=gen) * torch.logspace(-2, 1, n, device="cuda")[:, None] * k**-0.5
+    q, s = quantize_block_fp8(w)
+    return q, s, dequantize_block_fp8(q, s).abs()
+
+
+def activations(m: int, k: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed * 1000 + m + k)
+    spread = torch.logspace(-3, 1, k, device="cuda")[torch.randperm(k, device="cuda", generator=gen)]
+    return (torch.randn(m, k, device="cuda", generator=gen) * spread).to(torch.bfloat16)
+
+
+def tolerance(x: torch.Tensor, wabs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    xq = dequantize_activations_ref(*quantize_activations_ref(x)).abs()
+    return 2.0**-8 * ref.abs() + 2.0**-12 * (xq @ wabs.t()) + 1e-30
+
+
+def worst(err: torch.Tensor, tol: torch.Tensor) -> float:
+    return float((err / tol).max())
+
+
+@pytest.mark.parametrize(("m", "k", "pad"), [(1, 7168, 4), (3, 18432, 1), (64, 1536, 4), (257, 100, 4),
+                                             (5, 128, 1)])
+def test_quantization_kernel_equals_the_reference(m: int, k: int, pad: int) -> None:
+    from kernels.fp8_gemm_triton import quantize_activations
+
+    for dtype in (torch.bfloat16, torch.float32):
+        x = activations(m, k).to(dtype)
+        x[m // 2] = 0
+        q, scales = quantize_activations(x, pad_rows_to=pad)
+        q_ref, s_ref = quantize_activations_ref(x)
+        m_pad = -(-m // pad) * pad
+        assert q.shape == (m_pad, k) and scales.shape == (s_ref.shape[1], m_pad)
+        assert torch.equal(q[:m].float(), q_ref.float())  # ±0 aside, the same bits
+        assert torch.equal(scales[:, :m].t(), s_ref)
+        assert not q[m:].float().any()
+
+
+@pytest.mark.parametrize("m", TOKENS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_dense_backends_against_the_references(shape: str, m: int) -> None:
+    n, k = SHAPES[shape]
+    w, s, wabs = weight(n, k)
+    x = activations(m, k)
+    ref = fp8_linear_ref(x, w, s)
+    tol = tolerance(x, wabs, ref)
+    exact = fp8_linear_ref(x, w, s, quantize_input=False)
+    tol_exact = tol + activation_rounding_bound(x, w, s)
+    device = x.device
+    choices = fp8_gemm.triton_candidates("dense", fp8_gemm.m_bucket(m), n, k, 0, device)
+    if fp8_gemm.scaled_mm_supported(n, k, BLOCK, device):
+        choices.insert(0, fp8_gemm.GemmChoice("scaled_mm"))
+    failures, report = [], []
+    for choice in choices:
+        try:
+            out = fp8_gemm._run_dense(choice, x, w, s, BLOCK, torch.bfloat16)
+        except Exception as exc:  # noqa: BLE001 - collected: every configuration is reported
+            failures.append(f"{choice.label()}: raised {type(exc).__name__}: {exc}")
+            continue
+        assert out.shape == (m, n) and out.dtype == torch.bfloat16
+        err = (out.float() - ref).abs()
+        ratio, ratio_exact = worst(err, tol), worst((out.float() - exact).abs(), tol_exact)
+        report.append(f"{choice.label()}: err/tol {ratio:.3f}, vs exact {ratio_exact:.3f}")
+        if not (ratio <= 1 and ratio_exact <= 1):
+            failures.append(f"{choice.label()}: err/tol {ratio:.3g} (exact: {ratio_exact:.3g})")
+    print(f"\n{shape} N={n} K={k} M={m}: " + "; ".join(report))
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize(("n", "k"), [(2048, 7168), (7168, 2048)])
+@pytest.mark.parametrize("local", [32, 24], ids=["all-local", "ep-24-of-32"])
+def test_grouped_kernel_against_the_reference(n: int, k: int, tokens: int, local: int) -> None:
+    """32 experts, top-8 per token; with expert parallelism only `local` are this rank's: the others' rows sort
+    last (past the last offset) and are not computed."""
+    experts, top_k = 32, 8
+    gen = torch.Generator(device="cuda").manual_seed(tokens + n)
+    # One cached block-varying FP8 weight for every expert, each with its own scales (a wrong expert shows).
+    base_w, base_s, _ = weight(n, k)
+    w = base_w.unsqueeze(0).repeat(local, 1, 1)
+    s = base_s.unsqueeze(0) * torch.rand(local, 1, 1, device="cuda", generator=gen).add(0.5)
+    ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=-1).indices.flatten()
+    ids = torch.where(ids < local, ids, local)  # the sentinel of other ranks' experts
+    sorted_ids, order = torch.sort(ids, stable=True)
+    ends = torch.searchsorted(sorted_ids, torch.arange(local, device="cuda"), right=True).to(torch.int32)
+    x = activations(tokens, k)[order // top_k]
+    ref = fp8_grouped_ref(x, w, s, ends)
+    rows = int(ends[-1])
+    xq = dequantize_activations_ref(*quantize_activations_ref(x)).abs()
+    wabs = dequantize_weight_ref(w, s, BLOCK).abs()
+    tol = torch.zeros_like(ref)
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        tol[start:end] = 2.0**-8 * ref[start:end].abs() + 2.0**-12 * (xq[start:end] @ wabs[e].t())
+        start = end
+    tol += 1e-30
+    failures, report = [], []
+    bucket = fp8_gemm.m_bucket(x.shape[0])
+    for choice in fp8_gemm.triton_candidates("grouped", bucket, n, k, local, x.device):
+        out = fp8_gemm._run_grouped(choice, x, w, s, ends, BLOCK, torch.bfloat16)
+        ratio = worst((out[:rows].float() - ref[:rows]).abs(), tol[:rows])
+        report.append(f"{choice.label()}: {ratio:.3f}")
+        if not ratio <= 1:
+            failures.append(f"{choice.label()}: err/tol {ratio:.3g}")
+    print(f"\ngrouped N={n} K={k} tokens={tokens} local experts={local} rows={rows}/{x.shape[0]}: "
+          + "; ".join(report))
+    assert not failures, failures
+
+
+def test_tuner_choice_is_measured_cached_and_deterministic(caplog) -> None:
+    tuner = fp8_gemm.reset_tuner()
+    w, s, _ = weight(*SHAPES["q_b"])
+    x = activations(1, SHAPES["q_b"][1])
+    with caplog.at_level(logging.INFO, logger="kernels.fp8_gemm"):
+        first = fp8_gemm.fp8_linear(x, w, s)
+    record = tuner.records[-1]
+    print(f"\nq_b M=1: chose {record.choice.label()}; µs {record.timings_us}; rejected {record.rejected}")
+    assert record.timings_us and record.choice.label() in record.timings_us
+    assert any(label.startswith("triton") for label in record.timings_us)
+    if fp8_gemm.scaled_mm_supported(*SHAPES["q_b"], BLOCK, x.device):
+        assert "scaled_mm" in record.timings_us or record.rejected, "scaled_mm was neither timed nor rejected"
+    assert "FP8 GEMM dense N=24576 K=1536 M≤1" in caplog.text
+    for _ in range(3):
+        assert torch.equal(fp8_gemm.fp8_linear(x, w, s), first)
+    assert len(tuner.records) == 1  # cached: no second measurement
+
+
+@pytest.mark.parametrize("backend", ["triton", "scaled_mm"])
+def test_forced_backend(backend: str) -> None:
+    n, k = SHAPES["shared_up"]
+    w, s, wabs = weight(n, k)
+    x = activations(16, k)
+    tuner = fp8_gemm.reset_tuner()
+    with fp8_gemm.force_backend(backend):
+        out = fp8_gemm.fp8_linear(x, w, s)
+    record = tuner.records[-1]
+    if backend == "scaled_mm" and not fp8_gemm.scaled_mm_supported(n, k, BLOCK, x.device):
+        assert record.choice.backend == "triton"
+        pytest.skip("torch._scaled_mm block scaling is not offered on this device (SM90 only)")
+    if backend == "scaled_mm" and record.rejected:
+        pytest.fail(f"scaled_mm rejected on this device: {record.rejected}")
+    assert record.choice.backend == backend, record
+    ref = fp8_linear_ref(x, w, s)
+    assert worst((out.float() - ref).abs(), tolerance(x, wabs, ref)) <= 1
+
+
+def test_cuda_graph_replay_equals_eager_even_for_a_shape_first_met_in_capture(caplog) -> None:
+    fp8_gemm.reset_tuner()
+    n, k = SHAPES["q_b"]
+    w, s, _ = weight(n, k)
+    gw = weight(2048, 7168)
+    gate = (gw[0].unsqueeze(0).repeat(4, 1, 1), gw[1].unsqueeze(0).repeat(4, 1, 1))
+    x = activations(16, k)
+    xg = activations(32, 7168)
+    ends = torch.tensor([8, 8, 20, 32], dtype=torch.int32, device="cuda")
+    eager = fp8_gemm.fp8_linear(x, w, s), fp8_gemm.fp8_grouped_linear(xg, *gate, ends)  # tuned here, eagerly
+    fresh = weight(576, 7168)
+    x_fresh = activations(16, 7168)
+    # Compile the default kernel the capture will fall back to (as the engine's eager warm-up runs do), without
+    # letting the tuner see the shape.
+    default = fp8_gemm.default_choice("dense", 16, 576, 7168, 0, x.device)
+    fp8_gemm._run_dense(default, x_fresh, fresh[0], fresh[1], BLOCK, torch.bfloat16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with caplog.at_level(logging.WARNING, logger="kernels.fp8_gemm"), torch.cuda.graph(graph, stream=stream):
+        outputs = (fp8_gemm.fp8_linear(x, w, s), fp8_gemm.fp8_grouped_linear(xg, *gate, ends),
+                   fp8_gemm.fp8_linear(x_fresh, fresh[0], fresh[1]))  # N=576 never tuned: default, untimed
+    assert "first met during CUDA-graph capture" in caplog.text
+    x.copy_(activations(16, k, seed=1))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(outputs[0], fp8_gemm.fp8_linear(x, w, s))
+    assert torch.equal(outputs[1][:32], eager[1][:32])
+    assert torch.equal(outputs[2], fp8_gemm.fp8_linear(x_fresh, fresh[0], fresh[1]))
+
+
+def test_batch_invariant_tiles_make_a_row_independent_of_its_batch() -> None:
+    from decode_server.model.batch_invariant import batch_invariant_mode, fp8_linear
+
+    w, s, _ = weight(*SHAPES["shared_up"])
+    rows = activations(100, SHAPES["shared_up"][1])
+    with batch_invariant_mode():
+        batched = fp8_linear(rows, w, s)
+        alone = torch.cat([fp8_linear(rows[i : i + 1], w, s) for i in (0, 37, 99)])
+    assert torch.equal(batched[[0, 37, 99]], alone)

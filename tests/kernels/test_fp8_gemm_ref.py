@@ -1,0 +1,218 @@
+"""Block-FP8 GEMM references (kernels/fp8_gemm_ref.py) on CPU: activation quantization against a brute-force
+nearest-e4m3 search, the dequantize-and-matmul reference against the model's own block dequantization, the
+rounding bound (it holds, and is within a small factor of the error it bounds), the grouped reference against a
+per-expert loop, and the CPU dispatch of kernels/fp8_gemm.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decode_server.model.fp8 import dequantize_block_fp8, quantize_block_fp8
+from kernels import fp8_gemm
+from kernels.fp8_gemm_ref import (
+    ACT_EPS,
+    FP8_MAX,
+    activation_rounding_bound,
+    dequantize_activations_ref,
+    fp8_grouped_ref,
+    fp8_linear_ref,
+    quantize_activations_ref,
+)
+
+E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+E4M3_GRID = E4M3_VALUES[torch.isfinite(E4M3_VALUES)].unique()  # sorted, ±448 at the ends
+
+
+def nearest_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest e4m3 value, ties to the one with an even code (brute force over the 253 values)."""
+    dist = (v.unsqueeze(-1) - E4M3_GRID).abs()
+    best = dist.min(dim=-1, keepdim=True).values
+    candidates = torch.where(dist == best, E4M3_GRID, torch.nan)
+    codes = candidates.to(torch.float8_e4m3fn).view(torch.uint8).int()
+    even = torch.where(torch.isnan(candidates), -1, (codes & 1) == 0)
+    pick = torch.where(even == 1, candidates, torch.nan)
+    chosen = torch.where(torch.isnan(pick).all(-1, keepdim=True), candidates, pick)
+    return chosen.nan_to_num(0.0).sum(-1) / (~torch.isnan(chosen)).sum(-1).clamp(min=1)
+
+
+def activations(m: int, k: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    # Magnitudes spread over 6 decades so every group has subnormal and normal values after scaling.
+    return torch.randn(m, k, generator=gen) * torch.logspace(-4, 2, k)[torch.randperm(k, generator=gen)]
+
+
+@pytest.mark.parametrize("k", [128, 320, 7])
+def test_quantization_is_per_token_group_and_rounds_to_nearest(k: int) -> None:
+    x = activations(6, k)
+    x[2] = 0.0  # an all-zero row: scale from the amax floor, q = 0
+    q, scales = quantize_activations_ref(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (6, k)
+    groups = -(-k // 128)
+    assert scales.shape == (6, groups)
+    padded = torch.nn.functional.pad(x, (0, groups * 128 - k)).view(6, groups, 128)
+    torch.testing.assert_close(scales, padded.abs().amax(-1).clamp(min=ACT_EPS) / FP8_MAX, rtol=0, atol=0)
+    scaled = (padded / scales.unsqueeze(-1)).view(6, -1)[:, :k]
+    assert scaled.abs().max() <= FP8_MAX * (1 + 2**-20)
+    assert torch.equal(q.float(), nearest_e4m3(scaled.clamp(-FP8_MAX, FP8_MAX)))
+    assert torch.equal(q[2].float(), torch.zeros(k))
+    # Every group's largest element maps to ±448 (the full range is used).
+    group_max = torch.nn.functional.pad(q.float().abs(), (0, groups * 128 - k)).view(6, groups, 128).amax(-1)
+    assert torch.equal(group_max[[0, 1, 3, 4, 5]], torch.full((5, groups), FP8_MAX))
+
+
+def test_dequantized_activation_error_is_within_the_e4m3_bound() -> None:
+    x = activations(4, 512, seed=1)
+    q, scales = quantize_activations_ref(x)
+    err = (dequantize_activations_ref(q, scales) - x).abs()
+    s = scales.repeat_interleave(128, dim=1)
+    assert (err <= torch.maximum(2.0**-4 * x.abs(), 2.0**-10 * s) * (1 + 1e-6)).all()
+    assert err.max() > 0  # the rounding is real
+
+
+def weight(n: int, k: int, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, n)[:, None]  # blocks of different magnitude
+    return quantize_block_fp8(w)
+
+
+@pytest.mark.parametrize(("n", "k"), [(256, 384), (200, 320), (576, 256)])
+def test_linear_reference_without_input_rounding_is_the_dequantized_matmul(n: int, k: int) -> None:
+    w, s = weight(n, k)
+    x = activations(5, k)
+    expected = x @ dequantize_block_fp8(w, s).t()
+    torch.testing.assert_close(fp8_linear_ref(x, w, s, quantize_input=False), expected, rtol=1e-6, atol=1e-5)
+
+
+def test_input_rounding_error_is_within_its_bound_and_the_bound_is_tight() -> None:
+    w, s = weight(192, 1024)
+    x = activations(8, 1024, seed=3)
+    exact = fp8_linear_ref(x, w, s, quantize_input=False)
+    rounded = fp8_linear_ref(x, w, s)
+    bound = activation_rounding_bound(x, w, s)
+    err = (rounded - exact).abs()
+    assert (err <= bound * (1 + 1e-5) + 1e-6).all()
+    # Not vacuous: the worst element uses a visible share of its bound (random signs: roughly 1/sqrt(K) of it).
+    assert (err / bound).max() > 1e-3
+
+
+def test_grouped_reference_is_a_loop_over_experts() -> None:
+    experts = [weight(160, 256, seed=10 + e) for e in range(4)]
+    w = torch.stack([e[0] for e in experts])
+    s = torch.stack([e[1] for e in experts])
+    x = activations(11, 256, seed=4)
+    ends = torch.tensor([3, 3, 9, 10], dtype=torch.int32)  # expert 1 empty, row 10 past the last expert
+    out = fp8_grouped_ref(x, w, s, ends)
+    rows = [(0, 3, 0), (3, 9, 2), (9, 10, 3)]
+    for start, end, e in rows:
+        torch.testing.assert_close(out[start:end], fp8_linear_ref(x[start:end], w[e], s[e]), rtol=1e-6, atol=1e-5)
+    assert torch.equal(out[10], torch.zeros(160))
+
+
+def test_cpu_dispatch_runs_the_references() -> None:
+    w, s = weight(128, 256)
+    x = activations(3, 256).to(torch.bfloat16)
+    out = fp8_gemm.fp8_linear(x.view(1, 3, 256), w, s, bias=torch.ones(128, dtype=torch.bfloat16))
+    assert out.shape == (1, 3, 128) and out.dtype == torch.bfloat16
+    expected = (fp8_linear_ref(x, w, s).to(torch.bfloat16) + 1).view(1, 3, 128)
+    assert torch.equal(out, expected)
+    ws = torch.stack([w, w]), torch.stack([s, s])
+    grouped = fp8_gemm.fp8_grouped_linear(x, *ws, torch.tensor([1, 3], dtype=torch.int32))
+    assert torch.equal(grouped, fp8_grouped_ref(x, *ws, torch.tensor([1, 3])).to(torch.bfloat16))
+
+
+def test_m_buckets_and_backend_restriction(monkeypatch) -> None:
+    assert [fp8_gemm.m_bucket(m) for m in (0, 1, 2, 3, 16, 17, 1 << 20)] == [1, 1, 2, 4, 16, 32, fp8_gemm.MAX_M_BUCKET]
+    monkeypatch.setenv(fp8_gemm.BACKEND_ENV, "triton")
+    assert fp8_gemm.forced_backend() == "triton"
+    with fp8_gemm.force_backend("scaled_mm"):
+        assert fp8_gemm.forced_backend() == "scaled_mm"
+    assert fp8_gemm.forced_backend() == "triton"
+    monkeypatch.setenv(fp8_gemm.BACKEND_ENV, "cublas")
+    with pytest.raises(ValueError, match="HISPARSE_FP8_GEMM"):
+        fp8_gemm.forced_backend()
+    with pytest.raises(ValueError, match="unknown FP8 GEMM backend"), fp8_gemm.force_backend("fast"):
+        pass
+    # Off Hopper / off CUDA the cuBLAS block-scaled path is never offered.
+    assert not fp8_gemm.scaled_mm_supported(1024, 1024, (128, 128), torch.device("cpu"))
+
+
+def test_triton_candidates_split_k_only_while_the_grid_is_small(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setattr(fp8_gemm, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    kv_a = fp8_gemm.triton_candidates("dense", 1, 576, 7168, 0, cuda)  # 9 column tiles: split-K pays
+    assert {c.config.block_m for c in kv_a} == {16} and max(c.config.split_k for c in kv_a) >= 8
+    q_b = fp8_gemm.triton_candidates("dense", 1, 24576, 1536, 0, cuda)  # 384 tiles of 64: no split at bn 64
+    assert all(c.config.split_k == 1 for c in q_b if c.config.block_n == 64)
+    prefill = fp8_gemm.triton_candidates("dense", 4096, 7168, 2048, 0, cuda)
+    assert {(c.config.block_m, c.config.block_n, c.config.split_k) for c in prefill} == {(64, 128, 1), (128, 128, 1)}
+    decode = fp8_gemm.triton_candidates("grouped", 8, 2048, 7168, 32, cuda)  # 8 rows over 32 experts
+    assert all(c.config.block_m == 16 and c.config.m_programs == 1 for c in decode)
+    big = fp8_gemm.triton_candidates("grouped", 4096, 2048, 7168, 32, cuda)  # 128 rows per expert
+    assert {(c.config.block_m, c.config.m_programs) for c in big} == {(64, 2), (128, 1)}
+    default = fp8_gemm.default_choice("dense", 1, 576, 7168, 0, cuda)
+    assert default in kv_a and default.config.split_k > 1
+
+
+def test_tuner_keeps_the_fastest_candidate_that_agrees(monkeypatch) -> None:
+    """The decision logic on CPU (timing and kernels stubbed): the fastest candidate wins unless its output
+    disagrees with the default Triton kernel's, the decision is cached, and a restriction is honoured."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(fp8_gemm, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(fp8_gemm, "_l2_bytes", lambda index: 1)
+    monkeypatch.setattr(fp8_gemm, "scaled_mm_supported", lambda n, k, block, device: True)
+    wrong = {"scaled_mm": False}
+
+    def run_dense(choice, rows, w, s, block, dtype):
+        out = fp8_linear_ref(rows, w, s, block).to(dtype)
+        return out * 1.5 if choice.backend == "scaled_mm" and wrong["scaled_mm"] else out
+
+    def fake_time(fn, calls):
+        choice = fn.args[0]
+        return 5.0 if choice.backend == "scaled_mm" else 10.0 + choice.config.split_k + choice.config.block_n / 64
+
+    monkeypatch.setattr(fp8_gemm, "_run_dense", run_dense)
+    monkeypatch.setattr(fp8_gemm, "_time_us", fake_time)
+    w, s = weight(576, 1024)
+    tuner = fp8_gemm.Fp8GemmTuner()
+    choice = tuner.choose("dense", 576, 1024, 0, 3, torch.bfloat16, torch.device("cpu"), [(w, s)], (128, 128))
+    assert choice.backend == "scaled_mm" and tuner.records[-1].timings_us["scaled_mm"] == 5.0
+    assert tuner.choose("dense", 576, 1024, 0, 4, torch.bfloat16, torch.device("cpu"), [(w, s)],
+                        (128, 128)) is choice  # same bucket: cached
+    assert len(tuner.records) == 1
+    wrong["scaled_mm"] = True  # a backend that returns wrong values is never chosen, however fast
+    choice = tuner.choose("dense", 576, 1024, 0, 16, torch.bfloat16, torch.device("cpu"), [(w, s)], (128, 128))
+    assert choice.backend == "triton" and choice.config.split_k == 1 and choice.config.block_n == 64
+    assert any(r.startswith("scaled_mm: RuntimeError: disagrees") for r in tuner.records[-1].rejected)
+    wrong["scaled_mm"] = False
+    with fp8_gemm.force_backend("triton"):
+        choice = tuner.choose("dense", 576, 1024, 0, 64, torch.bfloat16, torch.device("cpu"), [(w, s)], (128, 128))
+    assert choice.backend == "triton" and "scaled_mm" not in tuner.records[-1].timings_us
+
+
+def test_tensor_parallel_ranks_adopt_rank0s_decisions_and_freeze(monkeypatch) -> None:
+    """Rank 0's decisions move to another rank's device as they are; once frozen, an undecided shape takes the
+    default configuration without timing (every rank then runs the same kernels for the replicated layers)."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(fp8_gemm, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(fp8_gemm, "_l2_bytes", lambda index: 1)
+    monkeypatch.setattr(fp8_gemm, "_run_dense", lambda c, rows, w, s, block, dtype: fp8_linear_ref(rows, w, s))
+    monkeypatch.setattr(fp8_gemm, "_time_us", lambda fn, calls: 10.0 - fn.args[0].config.split_k)
+    w, s = weight(576, 1024)
+    rank0 = fp8_gemm.Fp8GemmTuner()
+    chosen = rank0.choose("dense", 576, 1024, 0, 1, torch.bfloat16, torch.device("cpu"), [(w, s)], (128, 128))
+    assert chosen.config.split_k > 1  # the stub makes the most split configuration the fastest
+
+    def no_timing(fn, calls):
+        raise AssertionError("a rank that adopted decisions must not time anything")
+
+    monkeypatch.setattr(fp8_gemm, "_time_us", no_timing)
+    rank1 = fp8_gemm.Fp8GemmTuner()
+    rank1.install(rank0.export(), torch.device("cuda", 1))
+    rank1.frozen = True
+    cuda1 = torch.device("cuda", 1)
+    assert rank1.choose("dense", 576, 1024, 0, 1, torch.bfloat16, cuda1, [(w, s)], (128, 128)) == chosen
+    other = rank1.choose("dense", 576, 1024, 0, 64, torch.bfloat16, torch.device("cpu"), [(w, s)], (128, 128))
+    assert other == fp8_gemm.default_choice("dense", 64, 576, 1024, 0, torch.device("cpu"))
+    assert rank1.records[-1].timings_us == {}
