@@ -27,3 +27,22 @@ def test_triton_kernel_without_gpu(check: str) -> None:
                           timeout=840)
     assert done.returncode == 0, f"{check} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     assert "FAILED" not in done.stdout
+
+
+@pytest.mark.timeout(900)
+def test_bench_indexer_smoke(tmp_path: Path) -> None:
+    """benchmarks/bench_indexer.py runs end to end (interpreter, tiny shapes) and fills every table of its JSON."""
+    import json
+
+    out = tmp_path / "bench.json"
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_indexer.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(bench), "--smoke", "--json", str(out)], capture_output=True,
+                          text=True, env=env, timeout=840)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert not report["errors"], report["errors"]
+    assert {s["kernel"] for s in report["scores"]} == {"previous fp16x2", "fast fp16", "fast fp16x2", "fast fp8"}
+    assert all(0 < s["hbm_fraction"] for s in report["scores"])
+    assert {t["source"] for t in report["topk"]} == {"randn", "indexer scores"} and report["calls"]
+    assert report["calls"][0]["overlap_min"] > 0.99

@@ -19,29 +19,14 @@ import sys
 import time
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else ""
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 if MODE.startswith("interpret"):
-    os.environ["TRITON_INTERPRET"] = "1"
+    from kernels import triton_interpret
+
+    triton_interpret.enable()
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
-def _patch_interpreter() -> None:
-    """Triton 3.6's interpreter turns a scalar into an int with int(1-element array), which numpy >= 2.3 refuses
-    (`for i in range(0, n)` with a loaded n); read the element instead."""
-    from triton.runtime import interpreter
-
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None:
-        return
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
 
 
 def _fail(msg: str) -> None:
@@ -267,6 +252,4 @@ if __name__ == "__main__":
     if MODE not in CHECKS:
         print(f"usage: {sys.argv[0]} {{{','.join(CHECKS)}}}")
         sys.exit(2)
-    if MODE.startswith("interpret"):
-        _patch_interpreter()
     CHECKS[MODE]()
