@@ -291,12 +291,13 @@ class Bench:
         self.report.hbm_copy_gbps = hbm_copy_gbps()
         torch.cuda.empty_cache()
         logger.info("HBM copy: %.0f GB/s (read + write)", self.report.hbm_copy_gbps)
-        for batch in SCORE_BATCHES:
-            for length in SCORE_LENGTHS:
-                self.guarded(f"scores B {batch} L {length}", lambda b=batch, n=length: self.scores_case(b, n))
-        for batch in TOPK_BATCHES:
-            for length in TOPK_LENGTHS:
-                self.guarded(f"topk B {batch} L {length}", lambda b=batch, n=length: self.topk_case(b, n))
+        if not self.args.no_main:
+            for batch in SCORE_BATCHES:
+                for length in SCORE_LENGTHS:
+                    self.guarded(f"scores B {batch} L {length}", lambda b=batch, n=length: self.scores_case(b, n))
+            for batch in TOPK_BATCHES:
+                for length in TOPK_LENGTHS:
+                    self.guarded(f"topk B {batch} L {length}", lambda b=batch, n=length: self.topk_case(b, n))
         if self.args.configs:
             self.config_sweep()
         self.save()
@@ -313,6 +314,8 @@ class Bench:
                 print(f"  {cfg['precision']:>6} BLOCK_N {cfg['block_n']:3d} warps {cfg['num_warps']} stages "
                       f"{cfg['num_stages']} per-prog {cfg['blocks_per_program']}: {c['us']:7.1f} us "
                       f"{c['hbm_fraction']:5.1%} HBM  err {c['score_err']:.1e}")
+        if not r.scores and not r.topk:
+            return self.print_errors()
         names = ["previous fp16x2"] + [f"fast {p}" for p in PRECISIONS]
         print("\nscores: us, GB/s, fraction of the HBM copy (score err)")
         print(f"{'B':>3} {'L':>6} | " + " | ".join(f"{n:>27}" for n in names))
@@ -335,9 +338,12 @@ class Bench:
         for c in r.calls:
             print(f"{c.batch:3d} {c.length:6d} | {c.previous_us:8.1f} {c.new_us:8.1f} | {c.speedup:5.2f}x | "
                   f"{c.overlap_mean:.4f}/{c.overlap_min:.4f}")
-        if r.errors:
-            print(f"\n{len(r.errors)} case(s) failed:")
-            for err in r.errors:
+        self.print_errors()
+
+    def print_errors(self) -> None:
+        if self.report.errors:
+            print(f"\n{len(self.report.errors)} case(s) failed:")
+            for err in self.report.errors:
                 print("  " + err)
 
 
@@ -345,6 +351,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", action="store_true", help="also time the new kernel's launch shapes")
+    parser.add_argument("--no-main", action="store_true", help="skip the main cases (with --configs: the sweep only)")
     parser.add_argument("--layout", choices=("paged", "rows"), default="paged",
                         help="token rows: random pages of 64 consecutive rows (engine) or random rows")
     parser.add_argument("--json", type=Path, help="write the results here (rewritten after every case)")
