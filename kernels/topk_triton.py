@@ -111,7 +111,7 @@ def _kth_key_row(s_row, n, rank, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     return t
 
 
-@triton.jit(do_not_specialize=["width", "stride_s"])
+@triton.jit(do_not_specialize=["width"])
 def _topk_kernel(
     scores_ptr, lens_ptr, out_ptr, cand_key_ptr, cand_pos_ptr, paths_ptr,
     stride_s, stride_o, stride_c, width, top_k,

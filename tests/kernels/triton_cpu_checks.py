@@ -230,7 +230,7 @@ def compile_topk() -> None:
     types = {"scores_ptr": "*fp32", "lens_ptr": "*i64", "out_ptr": "*i32", "cand_key_ptr": "*i32",
              "cand_pos_ptr": "*i32", "paths_ptr": "*i32", "stride_s": "i32", "stride_o": "i32", "stride_c": "i32",
              "width": "i32", "top_k": "i32"}
-    aligned = [n for n in types if n.endswith("_ptr")] + ["stride_o", "stride_c", "top_k"]
+    aligned = [n for n in types if n.endswith("_ptr")] + ["stride_s", "stride_o", "stride_c", "top_k"]
     constexprs = {"CAPACITY": candidate_capacity(2048), "BLOCK": SCAN_BLOCK, "CHUNKS": SAMPLE_CHUNKS,
                   "CHUNK": SAMPLE_CHUNK, "STAGES": SCAN_STAGES}
     t0 = time.time()
