@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_SPEC := $(if $(HAS_GPU),torch,torch==2.13.0)
+# Triton for the CPU checks of the Triton kernels (interpreter + sm_90 compile, tests/kernels/test_triton_cpu.py):
+# on GPU machines torch brings its own; elsewhere the GPU image's version (the tests skip if it fails to install).
+TRITON_SPEC := $(if $(HAS_GPU),,triton==3.6.0)
 MODEL ?= tiny-dsa
 SERVE_ARGS ?=
 UP_ARGS ?=
@@ -20,6 +23,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(if $(TRITON_SPEC),$(PY) -m pip install -q "$(TRITON_SPEC)" || echo "WARNING: $(TRITON_SPEC) not installed; \
+		tests/kernels/test_triton_cpu.py will be skipped" >&2)
 	$(PY) -m pip install -q -e ".[test,bench]"
 	$(PY) -m pip install -q -e ".[$$($(PY) -c "$$PD_EXTRA_PY")]"
 	@$(MAKE) --no-print-directory system-libs

@@ -1,17 +1,29 @@
-"""Benchmark of the lightning-indexer top-k: Triton scores kernel + torch.topk against the old pure-torch path
-(kernels/indexer_gpu.indexer_topk_torch), same run, same inputs.
+"""Benchmark of the lightning indexer on the GPU: scores kernels against the HBM bandwidth measured in the same run,
+the top-k kernel against torch.topk, and the whole call, new path against the previous one (same run, same inputs).
 
-Cases: B (one decode query per request) in {1, 64, 237}, context L in {8192, 32768, 65536}, 64 indexer heads
-× 128, top-k 2048, every query seeing its whole context. Key rows are random rows of a shared FP8 pool of
-237·65536 rows (2 GiB), so every key read is a gather; the L2 is flushed (untimed) before each timed call.
-Reported per case: scores kernel, torch.topk (sorted) and topk(sorted=False)+sort, the whole new call, the old
-call (skipped where it runs out of memory); useful TFLOP/s = 2·B·L·H·128 / scores time; GB/s = the bytes the
-scores kernel must read (B·L·(128 B key + 4 B scale + 4 B row id)) / scores time; overlap of the selected sets
-with the old path's (fp32) selection; score error: largest |score − fp64 score| / max |fp64 score| over the
-first 8 queries. `--configs` also times other launch shapes of the kernel for B=237,
-L=32768.
+- HBM bandwidth: one device-to-device `copy_` of a 2 GiB buffer, (read + write bytes) / time.
+- Scores (`scores` table): 64 indexer heads × 128, one decode query per request seeing its whole context L,
+  B ∈ {1, 16, 64}, L ∈ {8K, 32K, 64K, 128K}. Keys in the engine's paged layout: each request's positions map
+  through token_rows to random pages of 64 consecutive rows of one shared FP8 pool (`--layout rows`: every
+  position a random row). Kernels: "previous" (kernels/indexer_triton.py: q as fp16 hi + lo, synchronous scale
+  gathers) and the new kernel (kernels/indexer_fast.py) in each precision (fp16 = the engine's default, fp16x2,
+  fp8). Bytes = B·L·(128 key + 4 scale + 4 row id + 4 score written); GB/s = bytes / time; `hbm_fraction` =
+  GB/s / the copy's GB/s. score err = max |score − fp64| / max |fp64| over the first 4 queries.
+- Top-k (`topk` table): the new kernel (kernels/topk_triton.py) against torch.topk (sorted, as the previous path
+  ran it, and unsorted) on the same fp32 scores, B ∈ {1, 16, 64, 128}, L ∈ {32K, 64K, 128K}: random normal scores,
+  and the indexer's own scores at the scores cases; `fast` = fraction of rows that took the fast path.
+- Whole call (`calls` table): `indexer_topk_fast` (the engine's path) against `indexer_topk_triton` (the previous
+  path: previous scores kernel + torch.topk), with the overlap of their selected sets (mean/min over queries).
+- `--configs`: the new scores kernel's launch shapes at B 64, L 32K (precision × BLOCK_N × warps × stages ×
+  blocks per program).
+- `--smoke`: a CPU check of this script (Triton's interpreter, tiny shapes, wall-clock times: meaningless numbers);
+  tests/kernels/test_triton_cpu.py runs it.
+Timing: CUDA events around each call, the host enqueueing behind a GPU spin, median of 20 after 3 warm-ups, the L2
+flushed (untimed) before every call (so the top-k reads its scores from HBM). Every case is guarded: a failure is
+logged and recorded, the rest still run; the JSON is rewritten after every case.
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_indexer.py [--configs] [--json out.json]
+    PYTHONPATH=$PWD python3 benchmarks/bench_indexer.py [--configs] [--layout paged|rows] [--json out.json]
+    PYTHONPATH=$PWD python3 benchmarks/bench_indexer.py --smoke
 """
 
 from __future__ import annotations
@@ -20,62 +32,140 @@ import argparse
 import json
 import logging
 import sys
-from dataclasses import asdict, dataclass
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+SMOKE = "--smoke" in sys.argv
+if SMOKE:  # before triton is imported
+    from kernels import triton_interpret
+
+    triton_interpret.enable()
 from _timing import device_name, time_gpu_us  # noqa: E402
 
-from kernels.indexer_gpu import indexer_topk_torch  # noqa: E402
+from kernels.indexer_fast import FastScoresConfig, indexer_scores_fast, indexer_topk_fast  # noqa: E402
 from kernels.indexer_ref import quantize_index_keys  # noqa: E402
 from kernels.indexer_triton import ScoresConfig, indexer_scores_triton, indexer_topk_triton  # noqa: E402
+from kernels.topk_triton import topk_positions_triton  # noqa: E402
 
 logger = logging.getLogger("bench_indexer")
 HEADS = 64
 TOP_K = 2048
-BATCHES = (1, 64, 237)
-LENGTHS = (8192, 32768, 65536)
-POOL_ROWS = max(BATCHES) * max(LENGTHS)
-BYTES_PER_POSITION = 128 + 4 + 4
+PAGE = 64
+SCORE_BATCHES = (1, 16, 64)
+SCORE_LENGTHS = (8192, 32768, 65536, 131072)
+TOPK_BATCHES = (1, 16, 64, 128)
+TOPK_LENGTHS = (32768, 65536, 131072)
+PRECISIONS = ("fp16", "fp16x2", "fp8")
+BYTES_PER_POSITION = 128 + 4 + 4 + 4  # key row, scale, row id, score written
+COPY_BYTES = 2 << 30
+SWEEP_SHAPE = (64, 32768)  # (B, L) of --configs
+DEVICE = "cuda"
+if SMOKE:
+    SCORE_BATCHES, SCORE_LENGTHS, TOPK_BATCHES, TOPK_LENGTHS = (1,), (4096,), (2,), (4096, 12288)
+    COPY_BYTES, DEVICE, SWEEP_SHAPE = 64 << 20, "cpu", (1, 4096)
+
+
+def _wall_us(fn: Callable[[], object], reset: Callable[[], object] | None = None, **_: object) -> float:
+    """--smoke timing on the CPU: one wall-clock call (the numbers only show the script runs)."""
+    if reset is not None:
+        reset()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e6
+
+
+if SMOKE:
+    time_gpu_us = _wall_us  # noqa: F811
+# The previous kernel sizes its grid from the SM count (a CUDA query); the interpreter gets a fixed span.
+PREVIOUS = ScoresConfig(blocks_per_program=4) if SMOKE else None
 
 
 @dataclass
-class Result:
+class ScoresResult:
     batch: int
     length: int
-    scores_us: float
-    topk_us: float
-    topk_unsorted_sort_us: float
-    new_us: float
-    old_us: float | None
-    tflops: float
+    kernel: str
+    us: float
     gbps: float
-    speedup: float | None
-    overlap_mean: float | None
-    overlap_min: float | None
+    hbm_fraction: float
+    tflops: float
     score_err: float
 
 
-def make_pool() -> tuple[torch.Tensor, torch.Tensor]:
-    keys = torch.empty((POOL_ROWS, 128), dtype=torch.float8_e4m3fn, device="cuda")
-    scales = torch.empty(POOL_ROWS, dtype=torch.float32, device="cuda")
+@dataclass
+class TopkResult:
+    batch: int
+    length: int
+    source: str
+    torch_sorted_us: float
+    torch_unsorted_us: float
+    kernel_us: float
+    speedup_vs_sorted: float
+    speedup_vs_unsorted: float
+    fast_path_fraction: float
+
+
+@dataclass
+class CallResult:
+    batch: int
+    length: int
+    previous_us: float
+    new_us: float
+    speedup: float
+    overlap_mean: float
+    overlap_min: float
+
+
+@dataclass
+class Report:
+    device: str
+    layout: str
+    command: str
+    date: str
+    hbm_copy_gbps: float = 0.0
+    scores: list[ScoresResult] = field(default_factory=list)
+    topk: list[TopkResult] = field(default_factory=list)
+    calls: list[CallResult] = field(default_factory=list)
+    configs: list[dict] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def hbm_copy_gbps(num_bytes: int = COPY_BYTES) -> float:
+    """Device-to-device copy bandwidth, read + write bytes counted (median of 10)."""
+    src = torch.ones(num_bytes, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    us = time_gpu_us(lambda: dst.copy_(src), iters=10)
+    return 2 * num_bytes / (us * 1e-6) / 1e9
+
+
+def make_pool(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    keys = torch.empty((rows, 128), dtype=torch.float8_e4m3fn, device=DEVICE)
+    scales = torch.empty(rows, dtype=torch.float32, device=DEVICE)
     step = 1 << 20
-    for start in range(0, POOL_ROWS, step):
-        end = min(POOL_ROWS, start + step)
-        keys[start:end], scales[start:end] = quantize_index_keys(torch.randn(end - start, 128, device="cuda"))
+    for start in range(0, rows, step):
+        end = min(rows, start + step)
+        keys[start:end], scales[start:end] = quantize_index_keys(torch.randn(end - start, 128, device=DEVICE))
     return keys, scales
 
 
-def topk_unsorted_then_sort(scores: torch.Tensor) -> torch.Tensor:
-    values, idx = torch.topk(scores, TOP_K, dim=1, sorted=False)
-    return idx.gather(1, values.argsort(dim=1, descending=True, stable=True))
+def token_table(batch: int, length: int, layout: str, pool_rows: int, gen: torch.Generator) -> torch.Tensor:
+    """[batch, length] int32 rows: random pages of PAGE consecutive rows (the engine's allocator), or random rows."""
+    if layout == "paged":
+        pages = torch.randperm(pool_rows // PAGE, device=DEVICE, generator=gen)[: batch * length // PAGE]
+        rows = pages.unsqueeze(1) * PAGE + torch.arange(PAGE, device=DEVICE)
+    else:
+        rows = torch.randperm(pool_rows, device=DEVICE, generator=gen)[: batch * length]
+    return rows.to(torch.int32).reshape(batch, length)
 
 
-def score_error(scores: torch.Tensor, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
-                scales: torch.Tensor, token_rows: torch.Tensor, *_: torch.Tensor, queries: int = 8) -> float:
-    """Largest |score − fp64 score| / max |fp64 score| over the first `queries` queries (full context)."""
+def score_error(scores: torch.Tensor, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor,
+                token_rows: torch.Tensor, queries: int = 4) -> float:
     worst = 0.0
     for t in range(min(queries, scores.shape[0])):
         rows = token_rows[t].long()
@@ -95,108 +185,181 @@ def overlap(a: torch.Tensor, b: torch.Tensor, length: int) -> tuple[float, float
     return float(frac.mean()), float(frac.min())
 
 
-def run_case(keys: torch.Tensor, scales: torch.Tensor, batch: int, length: int, flush: torch.Tensor,
-             with_old: bool) -> Result:
-    gen = torch.Generator(device="cuda").manual_seed(batch * 7 + length)
-    token_rows = torch.randperm(POOL_ROWS, device="cuda", generator=gen)[: batch * length]
-    token_rows = token_rows.to(torch.int32).reshape(batch, length)
-    token_req = torch.arange(batch, device="cuda")
-    seq_lens = torch.full((batch,), length, device="cuda", dtype=torch.int64)
-    q = torch.randn(batch, HEADS, 128, device="cuda", generator=gen)
-    w = torch.randn(batch, HEADS, device="cuda", generator=gen) * HEADS**-0.5
-    args = (q, w, keys, scales, token_rows, token_req, seq_lens)
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.report = Report(device=device_name(), layout=args.layout, command=" ".join(sys.argv),
+                             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+        self.flush = torch.empty(1 << 20 if SMOKE else 256 << 20, dtype=torch.uint8, device=DEVICE)
+        self.pool_rows = max(SCORE_BATCHES) * max(SCORE_LENGTHS)
+        self.keys, self.scales = make_pool(self.pool_rows)
 
-    def reset() -> None:
-        flush.zero_()
+    def save(self) -> None:
+        if self.args.json:
+            self.args.json.write_text(json.dumps(asdict(self.report), indent=1))
 
-    scores = indexer_scores_triton(*args)
-    err = score_error(scores, *args)
-    scores_us = time_gpu_us(lambda: indexer_scores_triton(*args), reset=reset)
-    topk_us = time_gpu_us(lambda: torch.topk(scores, TOP_K, dim=1, sorted=True), reset=reset)
-    alt_us = time_gpu_us(lambda: topk_unsorted_then_sort(scores), reset=reset)
-    new = indexer_topk_triton(*args, TOP_K)
-    new_us = time_gpu_us(lambda: indexer_topk_triton(*args, TOP_K), reset=reset)
-    old_us = overlap_mean = overlap_min = None
-    if with_old:
+    def guarded(self, what: str, fn: Callable[[], None]) -> None:
         try:
-            old = indexer_topk_torch(*args, TOP_K)
-            old_us = time_gpu_us(lambda: indexer_topk_torch(*args, TOP_K), reset=reset, warmup=1, iters=5)
-            overlap_mean, overlap_min = overlap(new, old, length)
-        except torch.OutOfMemoryError:
-            logger.warning("old path out of memory at B=%d L=%d: skipped", batch, length)
+            fn()
+        except Exception as exc:  # one case failing must not lose the others
+            logger.exception("%s failed", what)
+            self.report.errors.append(f"{what}: {exc!r}"[:500])
         torch.cuda.empty_cache()
-    flops = 2.0 * batch * length * HEADS * 128
-    return Result(
-        batch=batch, length=length, scores_us=scores_us, topk_us=topk_us, topk_unsorted_sort_us=alt_us,
-        new_us=new_us, old_us=old_us, tflops=flops / (scores_us * 1e-6) / 1e12,
-        gbps=batch * length * BYTES_PER_POSITION / (scores_us * 1e-6) / 1e9,
-        speedup=old_us / new_us if old_us else None, overlap_mean=overlap_mean, overlap_min=overlap_min,
-        score_err=err,
-    )
+        self.save()
 
+    def time(self, fn: Callable[[], object]) -> float:
+        return time_gpu_us(fn, reset=self.flush.zero_)
 
-def sweep_configs(keys: torch.Tensor, scales: torch.Tensor,
-                  flush: torch.Tensor) -> list[tuple[str, float, float]]:
-    """Scores-kernel time and score error of other launch shapes at B=237, L=32768."""
-    batch, length = 237, 32768
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    token_rows = torch.randperm(POOL_ROWS, device="cuda", generator=gen)[: batch * length]
-    args = (torch.randn(batch, HEADS, 128, device="cuda", generator=gen),
-            torch.randn(batch, HEADS, device="cuda", generator=gen), keys, scales,
-            token_rows.to(torch.int32).reshape(batch, length), torch.arange(batch, device="cuda"),
-            torch.full((batch,), length, device="cuda", dtype=torch.int64))
-    configs = [ScoresConfig()] + [
-        ScoresConfig(block_n=bn, num_warps=nw, num_stages=ns, fp16=f16, heads_as_m=hm, blocks_per_program=bpp)
-        for bn, nw, ns, f16, hm, bpp in [
-            (64, 4, 3, False, False, None), (128, 4, 2, False, False, None), (64, 4, 4, True, False, None),
-            (128, 8, 3, True, False, None), (32, 4, 3, True, False, None), (64, 4, 3, True, True, None),
-            (128, 4, 3, True, True, None), (128, 8, 3, True, True, None), (64, 8, 3, True, True, None),
-            (64, 4, 3, True, False, 8), (64, 4, 3, True, False, 64),
-        ]
-    ]
-    out = []
-    for cfg in configs:
-        try:
-            err = score_error(indexer_scores_triton(*args, config=cfg), *args)
-            us = time_gpu_us(lambda cfg=cfg: indexer_scores_triton(*args, config=cfg), reset=flush.zero_)
-        except Exception as exc:  # a launch shape the compiler rejects (e.g. out of shared memory)
-            logger.warning("config %s failed: %s", cfg, exc)
-            us = err = float("nan")
-        out.append((str(cfg), us, err))
-    return out
+    def inputs(self, batch: int, length: int, seed: int):
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        token_rows = token_table(batch, length, self.args.layout, self.pool_rows, gen)
+        q = torch.randn(batch, HEADS, 128, device=DEVICE, generator=gen)
+        w = torch.randn(batch, HEADS, device=DEVICE, generator=gen) * HEADS**-0.5
+        seq = torch.full((batch,), length, device=DEVICE, dtype=torch.int64)
+        return (q, w, self.keys, self.scales, token_rows, torch.arange(batch, device=DEVICE), seq)
+
+    def scores_case(self, batch: int, length: int) -> None:
+        args = self.inputs(batch, length, batch * 7 + length)
+        q, w, keys, scales, token_rows, _, seq = args
+        position_bytes = batch * length * BYTES_PER_POSITION
+        flops = 2.0 * batch * length * HEADS * 128
+        kernels: list[tuple[str, Callable[[], torch.Tensor]]] = [
+            ("previous fp16x2", lambda: indexer_scores_triton(*args, PREVIOUS))]
+        kernels += [(f"fast {p}", lambda p=p: indexer_scores_fast(*args, FastScoresConfig(precision=p)))
+                    for p in PRECISIONS]
+        for name, fn in kernels:
+            scores = fn()
+            us = self.time(fn)
+            gbps = position_bytes / (us * 1e-6) / 1e9
+            res = ScoresResult(batch, length, name, us, gbps, gbps / self.report.hbm_copy_gbps,
+                               flops / (us * 1e-6) / 1e12, score_error(scores, q, w, keys, scales, token_rows))
+            logger.info("%s", res)
+            self.report.scores.append(res)
+        scores = indexer_scores_fast(*args)
+        if length >= TOPK_LENGTHS[0]:
+            self.topk_timing(batch, length, "indexer scores", scores, seq)
+        new = indexer_topk_fast(*args, TOP_K)
+        new_us = self.time(lambda: indexer_topk_fast(*args, TOP_K))
+        old = indexer_topk_triton(*args, TOP_K, PREVIOUS)
+        old_us = self.time(lambda: indexer_topk_triton(*args, TOP_K, PREVIOUS))
+        mean, low = overlap(new, old, length)
+        call = CallResult(batch, length, old_us, new_us, old_us / new_us, mean, low)
+        logger.info("%s", call)
+        self.report.calls.append(call)
+
+    def topk_timing(self, batch: int, length: int, source: str, scores: torch.Tensor, seq: torch.Tensor) -> None:
+        _, paths = topk_positions_triton(scores, seq, TOP_K, return_paths=True)
+        kernel_us = self.time(lambda: topk_positions_triton(scores, seq, TOP_K))
+        sorted_us = self.time(lambda: torch.topk(scores, TOP_K, dim=1, sorted=True))
+        unsorted_us = self.time(lambda: torch.topk(scores, TOP_K, dim=1, sorted=False))
+        res = TopkResult(batch, length, source, sorted_us, unsorted_us, kernel_us, sorted_us / kernel_us,
+                         unsorted_us / kernel_us, float((paths == 1).float().mean()))
+        logger.info("%s", res)
+        self.report.topk.append(res)
+
+    def topk_case(self, batch: int, length: int) -> None:
+        gen = torch.Generator(device=DEVICE).manual_seed(batch + length)
+        scores = torch.randn(batch, length, device=DEVICE, generator=gen)
+        self.topk_timing(batch, length, "randn", scores, torch.full((batch,), length, device=DEVICE))
+
+    def config_sweep(self) -> None:
+        batch, length = SWEEP_SHAPE
+        args = self.inputs(batch, length, 1)
+        shapes = [(64, 4, 3, None), (64, 4, 4, None), (64, 4, 5, None), (64, 4, 6, None), (64, 8, 5, None),
+                  (128, 4, 5, None), (128, 8, 4, None), (128, 8, 5, None), (64, 4, 5, 8), (64, 4, 5, 32),
+                  (64, 4, 5, 64)]
+        if SMOKE:
+            shapes = shapes[:1]
+        for precision in PRECISIONS:
+            for block_n, warps, stages, per_prog in shapes:
+                cfg = FastScoresConfig(precision=precision, block_n=block_n, num_warps=warps, num_stages=stages,
+                                       blocks_per_program=per_prog)
+
+                def one(cfg: FastScoresConfig = cfg) -> None:
+                    scores = indexer_scores_fast(*args, cfg)
+                    us = self.time(lambda: indexer_scores_fast(*args, cfg))
+                    gbps = batch * length * BYTES_PER_POSITION / (us * 1e-6) / 1e9
+                    entry = {"config": asdict(cfg), "us": us, "gbps": gbps,
+                             "hbm_fraction": gbps / self.report.hbm_copy_gbps,
+                             "score_err": score_error(scores, *args[:5])}
+                    logger.info("config %s", entry)
+                    self.report.configs.append(entry)
+
+                self.guarded(f"config {cfg}", one)
+
+    def run(self) -> None:
+        self.report.hbm_copy_gbps = hbm_copy_gbps()
+        torch.cuda.empty_cache()
+        logger.info("HBM copy: %.0f GB/s (read + write)", self.report.hbm_copy_gbps)
+        if not self.args.no_main:
+            for batch in SCORE_BATCHES:
+                for length in SCORE_LENGTHS:
+                    self.guarded(f"scores B {batch} L {length}", lambda b=batch, n=length: self.scores_case(b, n))
+            for batch in TOPK_BATCHES:
+                for length in TOPK_LENGTHS:
+                    self.guarded(f"topk B {batch} L {length}", lambda b=batch, n=length: self.topk_case(b, n))
+        if self.args.configs:
+            self.config_sweep()
+        self.save()
+        self.print_tables()
+
+    def print_tables(self) -> None:
+        r = self.report
+        print(f"\nLightning indexer, {r.device}, H={HEADS}, top-k {TOP_K}, {r.layout} keys, times in us "
+              f"(median, L2 flushed); HBM copy {r.hbm_copy_gbps:.0f} GB/s (read + write)")
+        if r.configs:
+            print(f"\nscores kernel launch shapes, B {SWEEP_SHAPE[0]}, L {SWEEP_SHAPE[1]}:")
+            for c in sorted(r.configs, key=lambda c: c["us"]):
+                cfg = c["config"]
+                print(f"  {cfg['precision']:>6} BLOCK_N {cfg['block_n']:3d} warps {cfg['num_warps']} stages "
+                      f"{cfg['num_stages']} per-prog {cfg['blocks_per_program']}: {c['us']:7.1f} us "
+                      f"{c['hbm_fraction']:5.1%} HBM  err {c['score_err']:.1e}")
+        if not r.scores and not r.topk:
+            return self.print_errors()
+        names = ["previous fp16x2"] + [f"fast {p}" for p in PRECISIONS]
+        print("\nscores: us, GB/s, fraction of the HBM copy (score err)")
+        print(f"{'B':>3} {'L':>6} | " + " | ".join(f"{n:>27}" for n in names))
+        cases = sorted({(s.batch, s.length) for s in r.scores})
+        for batch, length in cases:
+            cells = []
+            for name in names:
+                hit = [s for s in r.scores if (s.batch, s.length, s.kernel) == (batch, length, name)]
+                cells.append(f"{hit[0].us:7.1f} {hit[0].gbps:5.0f} {hit[0].hbm_fraction:5.1%} ({hit[0].score_err:.0e})"
+                             if hit else f"{'-':>27}")
+            print(f"{batch:3d} {length:6d} | " + " | ".join(cells))
+        print("\ntop-k of 2048: us (torch.topk sorted / unsorted / new kernel), speed-up of the new kernel")
+        print(f"{'B':>3} {'L':>6} {'scores':>14} | {'sorted':>8} {'unsorted':>8} {'new':>7} | {'vs sorted':>9} "
+              f"{'vs unsorted':>11} | fast path")
+        for t in sorted(r.topk, key=lambda t: (t.source, t.batch, t.length)):
+            print(f"{t.batch:3d} {t.length:6d} {t.source:>14} | {t.torch_sorted_us:8.1f} {t.torch_unsorted_us:8.1f} "
+                  f"{t.kernel_us:7.1f} | {t.speedup_vs_sorted:8.1f}x {t.speedup_vs_unsorted:10.1f}x | "
+                  f"{t.fast_path_fraction:.2f}")
+        print("\nwhole call (scores + top-k): previous path vs indexer_topk_fast, set overlap mean/min")
+        for c in r.calls:
+            print(f"{c.batch:3d} {c.length:6d} | {c.previous_us:8.1f} {c.new_us:8.1f} | {c.speedup:5.2f}x | "
+                  f"{c.overlap_mean:.4f}/{c.overlap_min:.4f}")
+        self.print_errors()
+
+    def print_errors(self) -> None:
+        if self.report.errors:
+            print(f"\n{len(self.report.errors)} case(s) failed:")
+            for err in self.report.errors:
+                print("  " + err)
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", action="store_true", help="also time other kernel launch shapes")
-    parser.add_argument("--no-old", action="store_true", help="skip the old pure-torch path")
-    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--configs", action="store_true", help="also time the new kernel's launch shapes")
+    parser.add_argument("--no-main", action="store_true", help="skip the main cases (with --configs: the sweep only)")
+    parser.add_argument("--layout", choices=("paged", "rows"), default="paged",
+                        help="token rows: random pages of 64 consecutive rows (engine) or random rows")
+    parser.add_argument("--json", type=Path, help="write the results here (rewritten after every case)")
+    parser.add_argument("--smoke", action="store_true", help="CPU check of the script (interpreter, tiny shapes)")
     args = parser.parse_args()
-    keys, scales = make_pool()
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    results = []
-    for batch in BATCHES:
-        for length in LENGTHS:
-            res = run_case(keys, scales, batch, length, flush, with_old=not args.no_old)
-            logger.info("%s", res)
-            results.append(res)
-    sweep = sweep_configs(keys, scales, flush) if args.configs else []
-    if args.json:
-        args.json.write_text(json.dumps({"device": device_name(), "results": [asdict(r) for r in results],
-                                         "configs": sweep}, indent=1))
-    for cfg, us, err in sweep:
-        print(f"config {cfg}: scores {us:.1f} us, score error {err:.2e}")
-    print(f"\nLightning indexer, {device_name()}: H={HEADS}, top-k {TOP_K}, times in us (median, L2 flushed)")
-    print(f"{'B':>4} {'L':>6} | {'scores':>8} {'TFLOP/s':>8} {'GB/s':>7} | {'topk':>8} {'tk+sort':>8} | "
-          f"{'new':>8} {'old':>9} {'speedup':>7} | {'overlap mean/min':>16} | score err")
-    for r in results:
-        old = f"{r.old_us:9.0f}" if r.old_us else f"{'-':>9}"
-        speed = f"{r.speedup:7.1f}" if r.speedup else f"{'-':>7}"
-        ov = f"{r.overlap_mean:.4f}/{r.overlap_min:.4f}" if r.overlap_mean is not None else "-"
-        print(f"{r.batch:4d} {r.length:6d} | {r.scores_us:8.1f} {r.tflops:8.1f} {r.gbps:7.0f} | {r.topk_us:8.1f} "
-              f"{r.topk_unsorted_sort_us:8.1f} | {r.new_us:8.1f} {old} {speed} | {ov:>16} | {r.score_err:.1e}")
+    Bench(args).run()
 
 
 if __name__ == "__main__":
     main()
+

@@ -1,10 +1,13 @@
-"""Lightning-indexer top-k for a batch: the Triton kernel on CUDA, batched torch ops elsewhere.
+"""Lightning-indexer top-k for a batch: the Triton kernels on CUDA, batched torch ops elsewhere.
 
-Same semantics as kernels/indexer_ref.py (`indexer_topk_ref`): scores in fp32, then torch.topk per query;
-queries whose request has <= top_k tokens get 0..n-1 ascending and −1 pads. Equal scores may be ordered
-differently (ties aside, the selected sets match). The dispatcher uses `indexer_topk_batched` on CUDA; it runs
-kernels/indexer_triton.py there (no host sync, no materialized keys) and the pure-torch version
-(`indexer_topk_torch`) on devices without Triton. Triton is imported lazily, so this module imports without it.
+Same semantics as kernels/indexer_ref.py (`indexer_topk_ref`): scores, then the selection rule of
+kernels/topk_ref.py (ascending positions, equal scores won by the lower position, −1 pads; queries whose request
+has <= top_k tokens get 0..n-1). The dispatcher uses `indexer_topk_batched` on CUDA; it runs
+kernels/indexer_fast.py there (scores kernel + top-k kernel: no host sync, no materialized keys) and the
+pure-torch version (`indexer_topk_torch`, the same rule through `topk_positions_ref`) on devices without Triton.
+The GPU scores carry the kernel's rounding (kernels/indexer_fast.py), so near-ties can select differently from
+the fp32 reference; every mode on one device calls the same code and selects the same positions. Triton is
+imported lazily, so this module imports without it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import functools
 import importlib.util
 
 import torch
+
+from kernels.topk_ref import topk_positions_ref
 
 # Bound on the fp32 [queries, heads, positions] logits materialized at once (elements).
 _MAX_LOGITS = 1 << 27
@@ -35,12 +40,12 @@ def indexer_topk_batched(
 ) -> torch.Tensor:
     """q [T, Hi, 128], weights [T, Hi], keys_fp8 [N, 128], scales [N], token_rows [B, L] (cache row of each
     position of each request), token_req [T] (request of each query), seq_lens [T]
-    → [T, top_k] int32 positions (best first), −1 pads. Triton on CUDA, torch ops otherwise."""
+    → [T, top_k] int32 positions (ascending), −1 pads. Triton on CUDA, torch ops otherwise."""
     args = (q, weights, keys_fp8, scales, token_rows, token_req, seq_lens, top_k)
     if q.is_cuda and triton_available():
-        from kernels.indexer_triton import indexer_topk_triton
+        from kernels.indexer_fast import indexer_topk_fast
 
-        return indexer_topk_triton(*args)
+        return indexer_topk_fast(*args)
     return indexer_topk_torch(*args)
 
 
@@ -56,7 +61,7 @@ def indexer_topk_torch(
 ) -> torch.Tensor:
     """q [T, Hi, 128], weights [T, Hi], keys_fp8 [N, 128], scales [N], token_rows [B, L] (cache row of each
     position of each request), token_req [T] (request of each query), seq_lens [T]
-    → [T, top_k] int32 positions (best first), −1 pads. Pure torch: gathers the keys as fp32 [t, L, 128]
+    → [T, top_k] int32 positions (ascending), −1 pads. Pure torch: gathers the keys as fp32 [t, L, 128]
     in chunks and syncs once with the host (max seq_len bounds the scored width)."""
     num_q = q.shape[0]
     max_len = token_rows.shape[1]
@@ -70,7 +75,6 @@ def indexer_topk_torch(
     max_len = min(max_len, max(top_k + 1, int(seq.max())))
     heads = q.shape[1]
     rows_per_chunk = max(1, _MAX_LOGITS // max(1, heads * max_len))
-    positions = torch.arange(max_len, device=device)
     picked = torch.empty((num_q, top_k), dtype=torch.int32, device=device)
     num_keys = keys_fp8.shape[0]
     for start in range(0, num_q, rows_per_chunk):
@@ -80,7 +84,5 @@ def indexer_topk_torch(
         logits = torch.bmm(q[start:end].float(), keys.transpose(1, 2))  # [t, Hi, L]
         scores = torch.bmm(weights[start:end].float().unsqueeze(1), torch.relu(logits)).squeeze(1)  # [t, L]
         scores = scores * scales.float()[rows]
-        visible = positions.unsqueeze(0) < seq[start:end].unsqueeze(1)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        picked[start:end] = torch.topk(scores, top_k, dim=1, sorted=True).indices.to(torch.int32)
+        picked[start:end] = topk_positions_ref(scores, seq[start:end], top_k)
     return torch.where((seq <= top_k).unsqueeze(1), dense, picked)

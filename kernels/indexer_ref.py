@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.topk_ref import topk_positions_ref
+
 FP8_MAX = 448.0
 INDEX_HEAD_DIM = 128
 
@@ -53,8 +55,9 @@ def indexer_topk_ref(
     q [T, Hi, 128] and weights [T, Hi] (float32), keys_fp8 [N, 128] / scales [N] (the key cache),
     token_rows [B, L] int (cache row of each position of each request), token_req [T] (request index 0..B-1 of
     each query), seq_lens [T] (tokens visible to each query, itself included).
-    Returns [T, top_k] int32: when seq_len <= top_k, positions 0..seq_len-1 ascending; otherwise the top_k
-    highest-scoring positions, best first (torch.topk order); −1 pads.
+    Returns [T, top_k] int32: when seq_len <= top_k, positions 0..seq_len-1 ascending, −1 pads; otherwise the
+    top_k highest-scoring positions in ascending order, equal scores won by the lower position (the selection
+    rule of kernels/topk_ref.py, shared by every path so that the choice never depends on the device).
     Queries are processed per request in chunks of `query_chunk`, so memory is O(query_chunk · L), never T · L.
     """
     num_q = q.shape[0]
@@ -76,10 +79,8 @@ def indexer_topk_ref(
         n_max = int(lens[queries].max())
         rows = token_rows[b, :n_max].long()
         keys, key_scales = keys_fp8[rows], scales[rows]
-        positions = torch.arange(n_max, device=q.device)
         for start in range(0, queries.numel(), query_chunk):
             qi = queries[start : start + query_chunk]
             s = index_scores_ref(q[qi], weights[qi], keys, key_scales)
-            s = s.masked_fill(positions.unsqueeze(0) >= lens[qi].unsqueeze(1), float("-inf"))
-            out[qi] = torch.topk(s, top_k, dim=-1, sorted=True).indices.to(torch.int32)
+            out[qi] = topk_positions_ref(s, lens[qi], top_k)
     return out

@@ -1,4 +1,8 @@
-"""Lightning-indexer scores in Triton, then top-k (same semantics as kernels/indexer_ref.py).
+"""The previous GPU indexer path, kept as the benchmark's baseline: Triton scores, then torch.topk.
+
+The engine runs kernels/indexer_fast.py instead (benchmarks/bench_indexer.py compares the two). This path's
+selection is best first, in torch.topk's order, equal scores in whatever order torch.topk leaves them: not the
+engine's rule (kernels/topk_ref.py).
 
 One program per (query, span of positions). The program loads its query's heads once, scales each head by a
 power of two (folded back into its weight, so the score is unchanged) and splits it into fp16 hi + lo parts
@@ -179,8 +183,8 @@ def indexer_topk_triton(
     top_k: int,
     config: ScoresConfig | None = None,
 ) -> torch.Tensor:
-    """[T, top_k] int32 positions, best first, −1 pads (semantics: kernels/indexer_ref.indexer_topk_ref).
-    Queries with seq_len <= top_k get 0..seq_len−1 ascending. No host sync."""
+    """[T, top_k] int32 positions, best first (torch.topk's order and tie handling), −1 pads; queries with
+    seq_len <= top_k get 0..seq_len−1 ascending. No host sync. The previous path (module docstring)."""
     num_q = q.shape[0]
     max_len = token_rows.shape[1]
     device = q.device

@@ -13,6 +13,7 @@ from decode_server.engine.attention_backend import AttentionBackend
 from decode_server.engine.forward_batch import ForwardBatch
 from decode_server.engine.forward_context import forward_context
 from kernels.indexer_ref import index_scores_ref
+from kernels.topk_ref import topk_positions_ref
 
 
 class ListBackend(AttentionBackend):
@@ -66,8 +67,10 @@ class ListBackend(AttentionBackend):
                 if n <= top_k:
                     out[t, :n] = torch.arange(n, dtype=torch.int32)
                 else:
-                    s = index_scores_ref(q[t : t + 1], weights[t : t + 1], keys[:n], scales[:n])[0]
-                    out[t] = torch.topk(s, top_k).indices.to(torch.int32)
+                    s = index_scores_ref(q[t : t + 1], weights[t : t + 1], keys[:n], scales[:n])
+                    # The engine's selection rule (ties to the lower position): small random models score
+                    # many positions exactly 0, where torch.topk's choice among equals is arbitrary.
+                    out[t] = topk_positions_ref(s, torch.tensor([n]), top_k)[0]
         self.topk_log.append((layer_id, out.clone()))
         return out
 

@@ -1,0 +1,253 @@
+"""Lightning-indexer top-k on the GPU: scores at memory speed (Triton), then the exact top-k kernel.
+
+`indexer_topk_fast` is what the engine runs on CUDA (kernels/indexer_gpu.py); both HiSparse and dense call it,
+so their selections are bit-identical. Semantics: kernels/indexer_ref.py (scores) and kernels/topk_ref.py (the
+selection rule and output order: ascending positions, ties to the lower position, −1 pads).
+
+Scores kernel (`indexer_scores_fast`), one program per (query, span of position blocks), like the previous kernel
+(kernels/indexer_triton.py, kept for the benchmark's comparison) but built for memory-level parallelism:
+- The main loop issues only the loads the software pipeliner makes asynchronous: the block's row ids and, through
+  them, the 128-byte FP8 key rows (cp.async into shared memory, `num_stages` 5 gives two key tiles in flight per
+  program besides the one being multiplied). The previous kernel also gathered each key's scale and re-read the row
+  ids in the MMA layout inside that loop; those loads were synchronous (a dot loop pipelines only the loads feeding
+  its dot), so every block waited twice for memory, and its key tile was single-buffered.
+- One tensor-core dot per block of BLOCK_N keys (keys as M, the query's heads as N, K = 128), fp32 accumulation;
+  the precision of q's operand is a launch option (`precision`):
+    "fp16"   — q in one fp16 part (each head scaled by a power of two so that max |q| ∈ [256, 512), the weight
+               divided by it: ReLU(2^s·x) = 2^s·ReLU(x), same score); keys e4m3 → fp16 in registers (exact).
+               Score error ≈ 2–3e-4 of the query's largest score (q rounded to 11 bits). The default.
+    "fp16x2" — q = fp16 hi + lo (≈ 22 bits), two dots: the previous kernel's precision (error < 1e-6).
+    "fp8"    — q in e4m3 as DeepSeek's own indexer computes it (per-head power-of-two scale, max |q| ∈ [128, 256),
+               round to nearest even, magnitudes below 2^−6 flushed to zero), FP8 × FP8 MMA: half the MMA work of
+               "fp16" and no key conversion, at a score error of ~3e-2 (top-k sets ~97.5 % equal to the exact ones).
+  ReLU, the weighted head sum and the store of the unscaled block score follow.
+- After the main loop (and a barrier), a second loop without a dot (so all its loads are pipelined) multiplies the
+  span's scores by their keys' scales (row ids read again, from L2).
+- Positions >= seq_len are neither read nor written (the top-k never reads them); spans wholly beyond seq_len
+  return at once, so a CUDA-graph batch padded to a wide token table costs little.
+No host sync; the launch shape depends only on T, L and the SM count; BLOCK_N is fixed, so a query's scores never
+depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.topk_triton import candidate_capacity, topk_positions_triton
+
+INDEX_HEAD_DIM = 128
+PRECISIONS = ("fp16", "fp16x2", "fp8")
+_PRECISION_CODE = {"fp16": 0, "fp16x2": 1, "fp8": 2}
+# Largest |score − exact score| / max |exact score| of a query, per precision: about 3× what a float64 emulation
+# of the rounding gives on random data (3.2e-4, 8e-8 and 4.1e-2 for 8–64 heads), with room for the fp32 (fp8:
+# Hopper's reduced-precision) accumulation. The GPU tests hold the kernel to it.
+SCORE_ERROR_BOUND = {"fp16": 1e-3, "fp16x2": 5e-6, "fp8": 0.12}
+# Bound on the bytes one chunk of queries materializes (fp32 scores + the top-k's candidate scratch): 512 MiB.
+MAX_CHUNK_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class FastScoresConfig:
+    """Launch shape of the scores kernel. block_n must stay fixed across batches (module docstring)."""
+
+    precision: str = "fp16"
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 5
+    scale_block: int = 256
+    blocks_per_program: int | None = None  # None: chosen from the batch shape and the SM count
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+
+
+DEFAULT_CONFIG = FastScoresConfig()
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def blocks_per_program(num_q: int, max_len: int, block_n: int, device: torch.device) -> int:
+    """Position blocks per program: enough programs to fill the GPU (~16 per SM), as few q reloads as that
+    allows (the previous kernel's rule)."""
+    blocks = triton.cdiv(max_len, block_n)
+    if device.type != "cuda":  # the Triton interpreter (tests on CPU)
+        return max(1, min(4, blocks))
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(64, blocks, (num_q * blocks) // (16 * sms)))
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (|x| <= 448) rounded to the nearest e4m3 value, ties to even; |x| < 2^-6 (below e4m3's normal range)
+    flushed to zero. Done in fp32 bits so that the conversion that follows is exact on every backend."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 mantissa bits (0xFFF00000)
+    return tl.where(tl.abs(x) < 0.015625, 0.0, rounded.to(tl.float32, bitcast=True))
+
+
+# Not specialized on the growing length, the span or the token table's row stride (a new compile in the middle of
+# serving would cost many steps); the output's row stride is padded to a multiple of 64 instead.
+@triton.jit(do_not_specialize=["max_len", "blocks_per_prog", "stride_rows_b"])
+def _scores_kernel(
+    q_ptr, w_ptr, keys_ptr, scales_ptr, rows_ptr, req_ptr, lens_ptr, out_ptr,
+    stride_qt, stride_qh, stride_wt, stride_keys, stride_rows_b, stride_rows_l, stride_out,
+    num_heads, max_len, blocks_per_prog,
+    HEADS_P: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    span = tl.program_id(1)
+    req = tl.load(req_ptr + t).to(tl.int64)
+    seq_len = tl.minimum(tl.load(lens_ptr + t).to(tl.int64), max_len).to(tl.int32)
+    start = span * blocks_per_prog * BLOCK_N
+    scored_end = tl.minimum(tl.minimum(start + blocks_per_prog * BLOCK_N, max_len), seq_len)
+    if scored_end > start:
+        heads = tl.arange(0, HEADS_P)
+        dims = tl.arange(0, 128)  # INDEX_HEAD_DIM
+        offs = tl.arange(0, BLOCK_N)
+        head_ok = heads < num_heads
+        q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
+                    other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + t * stride_wt + heads, mask=head_ok, other=0.0).to(tl.float32)
+        # Per-head power of two 2^s (folded into w as 2^-s): the largest |q| of the head lands in
+        # [256, 512) for fp16 operands, [128, 256) for e4m3 ones.
+        exp_field = (tl.max(tl.abs(q), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        if PRECISION == 2:
+            s = tl.minimum(tl.maximum(134 - exp_field, -60), 60)
+        else:
+            s = tl.minimum(tl.maximum(135 - exp_field, -60), 60)
+        q = q * ((s + 127) << 23).to(tl.float32, bitcast=True)[:, None]
+        w = w * ((127 - s) << 23).to(tl.float32, bitcast=True)
+        if PRECISION == 2:
+            q_op = tl.trans(_round_to_e4m3(q).to(tl.float8e4nv))  # [128, HEADS_P], exact conversion
+            q_lo = q_op
+        else:
+            q_hi = q.to(tl.float16)
+            q_op = tl.trans(q_hi)
+            q_lo = tl.trans((q - q_hi.to(tl.float32)).to(tl.float16))
+        row_base = rows_ptr + req * stride_rows_b
+        out_base = out_ptr + t * stride_out
+        num_blocks = (scored_end - start + BLOCK_N - 1) // BLOCK_N
+        # Main loop: row ids → key rows (both pipelined) → one dot → unscaled block scores.
+        for i in range(0, num_blocks):
+            pos = start + i * BLOCK_N + offs
+            visible = pos < scored_end
+            rows = tl.load(row_base + pos * stride_rows_l, mask=visible, other=-1).to(tl.int64)
+            valid = visible & (rows >= 0)
+            raw = tl.load(keys_ptr + rows[:, None] * stride_keys + dims[None, :], mask=valid[:, None], other=0)
+            if PRECISION == 2:
+                logits = tl.dot(raw.to(tl.float8e4nv, bitcast=True), q_op)  # [BLOCK_N, HEADS_P]
+            else:
+                keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)  # exact: e4m3 ⊂ fp16
+                logits = tl.dot(keys, q_op)
+                if PRECISION == 1:
+                    logits = tl.dot(keys, q_lo, logits)
+            score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
+            tl.store(out_base + pos, score, mask=visible)
+        tl.debug_barrier()  # the scale loop reads scores other threads of this program wrote
+        # Scale loop (no dot: its loads are pipelined): score × the key's scale; 0 for a row id < 0.
+        span_offs = tl.arange(0, SCALE_BLOCK)
+        for first in tl.range(start, scored_end, SCALE_BLOCK, num_stages=3):
+            pos = first + span_offs
+            inside = pos < scored_end
+            rows = tl.load(row_base + pos * stride_rows_l, mask=inside, other=-1).to(tl.int64)
+            key_scale = tl.load(scales_ptr + rows, mask=inside & (rows >= 0), other=0.0)
+            score = tl.load(out_base + pos, mask=inside, other=0.0, cache_modifier=".cg")
+            tl.store(out_base + pos, score * key_scale, mask=inside)
+
+
+def indexer_scores_fast(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys_fp8: torch.Tensor,
+    scales: torch.Tensor,
+    token_rows: torch.Tensor,
+    token_req: torch.Tensor,
+    seq_lens: torch.Tensor,
+    config: FastScoresConfig | None = None,
+) -> torch.Tensor:
+    """fp32 scores [T, L] (L = token_rows.shape[1]); positions >= seq_len are left unwritten. Arguments as in
+    kernels/indexer_ref.py; q and weights may be any float dtype (computed in fp32)."""
+    cfg = config or DEFAULT_CONFIG
+    num_q, heads, dim = q.shape
+    if dim != INDEX_HEAD_DIM:
+        raise ValueError(f"indexer head dim must be {INDEX_HEAD_DIM}, got {dim}")
+    if keys_fp8.dim() != 2 or keys_fp8.shape[1] != INDEX_HEAD_DIM or keys_fp8.stride(1) != 1:
+        raise ValueError(f"keys_fp8 must be [N, {INDEX_HEAD_DIM}] with unit inner stride")
+    max_len = token_rows.shape[1]
+    # Row stride padded to a multiple of 64 elements: always the same alignment, so one compiled variant.
+    padded = triton.cdiv(max(max_len, 1), 64) * 64
+    out = torch.empty((num_q, padded), dtype=torch.float32, device=q.device)[:, :max_len]
+    if num_q == 0 or max_len == 0:
+        return out
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    weights = weights if weights.stride(1) == 1 else weights.contiguous()
+    scales = scales.contiguous()
+    per_prog = cfg.blocks_per_program or blocks_per_program(num_q, max_len, cfg.block_n, q.device)
+    grid = (num_q, triton.cdiv(max_len, per_prog * cfg.block_n))
+    _scores_kernel[grid](
+        q, weights, keys_fp8.view(torch.uint8), scales, token_rows, token_req, seq_lens, out,
+        q.stride(0), q.stride(1), weights.stride(0), keys_fp8.stride(0), token_rows.stride(0),
+        token_rows.stride(1), out.stride(0),
+        heads, max_len, per_prog,
+        HEADS_P=max(16, triton.next_power_of_2(heads)), BLOCK_N=cfg.block_n, SCALE_BLOCK=cfg.scale_block,
+        PRECISION=_PRECISION_CODE[cfg.precision],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def short_rows_topk(seq_lens: torch.Tensor, top_k: int, device: torch.device) -> torch.Tensor:
+    """[T, top_k] int32: 0..n−1 then −1 (what every query with n <= top_k visible positions selects)."""
+    seq = seq_lens.to(device=device, dtype=torch.int64)
+    ar = torch.arange(top_k, device=device, dtype=torch.int64)
+    return torch.where(ar.unsqueeze(0) < seq.unsqueeze(1), ar.unsqueeze(0), -1).to(torch.int32)
+
+
+def queries_per_chunk(max_len: int, top_k: int) -> int:
+    """Queries scored and selected at once: their fp32 scores and the top-k's scratch stay under
+    MAX_CHUNK_BYTES."""
+    per_query = 4 * max_len + 8 * candidate_capacity(top_k)
+    return max(1, MAX_CHUNK_BYTES // per_query)
+
+
+def indexer_topk_fast(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys_fp8: torch.Tensor,
+    scales: torch.Tensor,
+    token_rows: torch.Tensor,
+    token_req: torch.Tensor,
+    seq_lens: torch.Tensor,
+    top_k: int,
+    config: FastScoresConfig | None = None,
+) -> torch.Tensor:
+    """[T, top_k] int32 positions, ascending, −1 pads (rule: kernels/topk_ref.py). No host sync: the launch
+    shapes depend on T, L = token_rows.shape[1] and top_k only."""
+    num_q = q.shape[0]
+    max_len = token_rows.shape[1]
+    device = q.device
+    if num_q == 0 or max_len <= top_k:
+        return short_rows_topk(seq_lens, top_k, device)  # every request fits: dense over 0..n−1
+    req = token_req.to(device=device, dtype=torch.int64)
+    seq = seq_lens.to(device=device, dtype=torch.int64)
+    chunk = queries_per_chunk(max_len, top_k)
+    if num_q <= chunk:
+        scores = indexer_scores_fast(q, weights, keys_fp8, scales, token_rows, req, seq, config)
+        return topk_positions_triton(scores, seq, top_k)
+    picked = torch.empty((num_q, top_k), dtype=torch.int32, device=device)
+    for start in range(0, num_q, chunk):
+        end = min(num_q, start + chunk)
+        scores = indexer_scores_fast(q[start:end], weights[start:end], keys_fp8, scales, token_rows,
+                                     req[start:end], seq[start:end], config)
+        picked[start:end] = topk_positions_triton(scores, seq[start:end], top_k)
+    return picked

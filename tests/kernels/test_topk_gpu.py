@@ -1,0 +1,132 @@
+"""The Triton top-k kernel (kernels/topk_triton.py) against the reference rule (kernels/topk_ref.py): the positions
+must be equal, element for element, for every shape, length and tie pattern; plus determinism, the path each kind
+of row takes, no host sync, and CUDA-graph replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.topk_ref import topk_positions_ref
+
+DEV = "cuda"
+K = 2048
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _topk(scores: torch.Tensor, lens: torch.Tensor, k: int = K, paths: bool = False):
+    from kernels.topk_triton import topk_positions_triton
+
+    return topk_positions_triton(scores, lens, k, return_paths=paths)
+
+
+def _assert_equal_to_reference(scores: torch.Tensor, lens: torch.Tensor, k: int = K) -> torch.Tensor:
+    got, paths = _topk(scores, lens, k, paths=True)
+    want = topk_positions_ref(scores, lens, k)  # on the GPU: a stable sort of the same keys
+    if not torch.equal(got, want):
+        row = int((got != want).any(1).nonzero()[0])
+        diff = int((got[row] != want[row]).sum())
+        raise AssertionError(f"row {row} (len {int(lens[row])}, path {int(paths[row])}): {diff} entries differ; "
+                             f"got {got[row, :8].tolist()}, want {want[row, :8].tolist()}")
+    return paths
+
+
+@pytest.mark.parametrize("length", [32768, 65536, 131072])
+@pytest.mark.parametrize("batch", [1, 17, 64, 128])
+def test_random_rows_match_reference(batch: int, length: int) -> None:
+    gen = torch.Generator(device=DEV).manual_seed(batch * 1000 + length)
+    scores = torch.randn(batch, length, device=DEV, generator=gen)
+    lens = torch.randint(K // 2, length + 1, (batch,), device=DEV, generator=gen)
+    lens[0] = length
+    if batch > 4:
+        lens[1:5] = torch.tensor([K - 1, K, K + 1, 8193], device=DEV)
+    paths = _assert_equal_to_reference(scores, lens)
+    long_rows = lens > K
+    # Random scores always take the fast path (the speed depends on it).
+    assert bool((paths[long_rows] == 1).all()), paths.tolist()
+
+
+@pytest.mark.parametrize("length", [32768, 131072])
+def test_ties_special_values_and_every_path(length: int) -> None:
+    from kernels.topk_triton import sample_positions
+
+    gen = torch.Generator(device=DEV).manual_seed(length)
+    rows = []
+    rows.append(torch.randint(0, 50, (length,), device=DEV, generator=gen).float())  # many equal scores
+    rows.append(torch.full((length,), 0.25, device=DEV))  # all equal
+    rows.append(torch.full((length,), float("-inf"), device=DEV))  # all −inf
+    part = torch.randn(length, device=DEV, generator=gen)
+    part[torch.rand(length, device=DEV, generator=gen) < 0.97] = float("-inf")  # fewer finite than K
+    rows.append(part)
+    special = torch.randn(length, device=DEV, generator=gen)
+    pick = torch.rand(length, device=DEV, generator=gen)
+    special[pick < 0.3] = 0.0
+    special[(pick >= 0.3) & (pick < 0.6)] = -0.0
+    special[(pick >= 0.6) & (pick < 0.61)] = float("nan")
+    special[(pick >= 0.61) & (pick < 0.62)] = float("inf")
+    rows.append(special)
+    sampled = torch.tensor(sample_positions(length), device=DEV)
+    high = torch.rand(length, device=DEV, generator=gen)
+    high[sampled] += 10.0  # the sample sees only high scores: too few candidates
+    rows.append(high)
+    low = torch.rand(length, device=DEV, generator=gen) + 10.0
+    low[sampled] -= 10.0  # the sample sees only low scores: too many candidates
+    rows.append(low)
+    coarse = (torch.randn(length, device=DEV, generator=gen) * 4).round()  # a few wide tie runs
+    rows.append(coarse)
+    scores = torch.stack(rows)
+    lens = torch.full((len(rows),), length, device=DEV)
+    paths = _assert_equal_to_reference(scores, lens).tolist()
+    assert paths[1] == 2 and paths[2] == 2, paths  # the estimate is the threshold
+    assert paths[5] == 3 and paths[6] == 3, paths  # the sample lied: full search
+    # The same rows with shorter lengths.
+    lens = torch.tensor([length - 1, 9000, 8193, 8192, K + 1, K, 20000, length // 2], device=DEV)
+    _assert_equal_to_reference(scores, lens)
+
+
+def test_short_rows_and_narrow_tables() -> None:
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    scores = torch.randn(6, 3000, device=DEV, generator=gen)
+    lens = torch.tensor([0, 1, K - 1, K, K + 1, 5000], device=DEV)  # 5000 > L: L visible
+    paths = _assert_equal_to_reference(scores, lens).tolist()
+    assert paths == [0, 0, 0, 0, 1, 1]
+    narrow = scores[:, :1000].contiguous()  # L < K: every row is short
+    _assert_equal_to_reference(narrow, torch.tensor([1000, 999, 0, 1, 500, 1000], device=DEV))
+    # Other k, int32 lengths, a row stride that is not the width.
+    wide = torch.randn(5, 20000, device=DEV, generator=gen)[:, 100:19000]
+    for k in (64, 256, 1000):
+        _assert_equal_to_reference(wide, torch.tensor([18900, 18000, 9000, k, k + 1], device=DEV,
+                                                      dtype=torch.int32), k)
+
+
+def test_deterministic_and_row_independent() -> None:
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    scores = torch.randint(0, 200, (40, 65536), device=DEV, generator=gen).float()
+    lens = torch.randint(1, 65537, (40,), device=DEV, generator=gen)
+    first = _topk(scores, lens)
+    for _ in range(3):
+        assert torch.equal(_topk(scores, lens), first)
+    assert torch.equal(_topk(scores[7:8], lens[7:8]), first[7:8])
+
+
+def test_no_host_sync_and_cuda_graph_replay() -> None:
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    scores = torch.randn(16, 32768, device=DEV, generator=gen)
+    lens = torch.randint(1, 32769, (16,), device=DEV, generator=gen)
+    _topk(scores, lens)  # compile outside capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _topk(scores, lens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _topk(scores, lens)
+    for seed in range(3):
+        g = torch.Generator(device=DEV).manual_seed(100 + seed)
+        scores.copy_(torch.randint(0, 1000, scores.shape, device=DEV, generator=g).float())
+        lens.copy_(torch.randint(1, 32769, (16,), device=DEV, generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, topk_positions_ref(scores, lens, K))

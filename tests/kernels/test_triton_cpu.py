@@ -1,0 +1,48 @@
+"""The indexer's Triton kernels without a GPU: run by Triton's interpreter against the references, and compiled
+for sm_90 with their speed-critical properties checked (tests/kernels/triton_cpu_checks.py; one process per
+check, since the interpreter is chosen when triton is imported). Skipped where triton is not installed (the
+Makefile installs it on machines without a GPU, where torch does not bring it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = Path(__file__).with_name("triton_cpu_checks.py")
+CHECKS = ["interpret-topk", "interpret-scores", "compile-topk", "compile-scores-fp16", "compile-scores-fp16x2",
+          "compile-scores-fp8"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("check", CHECKS)
+def test_triton_kernel_without_gpu(check: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(SCRIPT), check], capture_output=True, text=True, env=env,
+                          timeout=840)
+    assert done.returncode == 0, f"{check} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    assert "FAILED" not in done.stdout
+
+
+@pytest.mark.timeout(900)
+def test_bench_indexer_smoke(tmp_path: Path) -> None:
+    """benchmarks/bench_indexer.py runs end to end (interpreter, tiny shapes) and fills every table of its JSON."""
+    import json
+
+    out = tmp_path / "bench.json"
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_indexer.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(bench), "--smoke", "--json", str(out)], capture_output=True,
+                          text=True, env=env, timeout=840)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert not report["errors"], report["errors"]
+    assert {s["kernel"] for s in report["scores"]} == {"previous fp16x2", "fast fp16", "fast fp16x2", "fast fp8"}
+    assert all(s["hbm_fraction"] > 0 for s in report["scores"])
+    assert {t["source"] for t in report["topk"]} == {"randn", "indexer scores"} and report["calls"]
+    assert report["calls"][0]["overlap_min"] > 0.99

@@ -1,0 +1,255 @@
+"""Checks of the indexer's Triton kernels that run without a GPU (used by tests/kernels/test_triton_cpu.py, each in
+its own process; also a tool: `python tests/kernels/triton_cpu_checks.py <check>`).
+
+- `interpret-*`: the kernels run under Triton's interpreter (TRITON_INTERPRET=1, numpy on CPU tensors) against
+  the references: the top-k kernel must return exactly kernels/topk_ref.py's positions on every path; the scores
+  kernel must equal a float64 emulation of its documented rounding (per-head power-of-two scaling, q rounded to
+  fp16 / fp16 hi + lo / e4m3) to fp32 accuracy, for each precision.
+- `compile-*`: the kernels are compiled for sm_90 (Triton's own LLVM and ptxas, no GPU needed) with the argument
+  specialization a launch gives them, and the compiled code must keep the properties the speed depends on:
+  in the scores kernel, no synchronous global load in the main (dot) loop, key tiles multi-buffered, the scale
+  loop pipelined; in the top-k kernel, the scan loops pipelined.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+MODE = sys.argv[1] if len(sys.argv) > 1 else ""
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+if MODE.startswith("interpret"):
+    from kernels import triton_interpret
+
+    triton_interpret.enable()
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+
+def _fail(msg: str) -> None:
+    print("FAILED:", msg)
+    sys.exit(1)
+
+
+# ---------------------------------------------------------------------------------------------------- interpret
+
+
+def interpret_topk() -> None:
+    from kernels import topk_triton
+    from kernels.topk_ref import topk_positions_ref
+    from kernels.topk_triton import topk_positions_triton
+
+    gen = torch.Generator().manual_seed(0)
+
+    def check(name: str, scores: torch.Tensor, lens: torch.Tensor, k: int, paths_wanted: list[int] | None = None):
+        t0 = time.time()
+        got, paths = topk_positions_triton(scores, lens, k, return_paths=True)
+        want = topk_positions_ref(scores, lens, k)
+        if not torch.equal(got, want):
+            row = int((got != want).any(1).nonzero()[0])
+            _fail(f"{name}: row {row} differs: got {got[row, :12].tolist()} want {want[row, :12].tolist()}")
+        if paths_wanted is not None and paths.tolist() != paths_wanted:
+            _fail(f"{name}: paths {paths.tolist()} != {paths_wanted}")
+        print(f"{name}: ok, paths {paths.tolist()} ({time.time() - t0:.1f} s)")
+
+    k = 64
+    small = torch.randn(8, 700, generator=gen)
+    small[1] = torch.randint(0, 6, (700,), generator=gen).float()  # many ties
+    small[2, ::3] = float("-inf")
+    small[3] = 2.5  # all equal
+    small[4, 5:300] = -0.0
+    small[4, 300:600] = 0.0
+    small[4, [7, 99, 650]] = float("nan")
+    small[5] = float("-inf")
+    lens = torch.tensor([700, 650, 500, 400, 700, 300, k, k + 1])
+    check("short rows, ties, -inf, nan, ±0", small, lens, k, [1, 1, 1, 1, 1, 1, 0, 1])
+
+    # Rows above the candidate capacity (8192 for k 2048): sampled threshold; path 2 (threshold = estimate) on
+    # an all-equal row; path 3 when the sample lies (only the sampled positions high: too few candidates; only
+    # they low: too many).
+    k, n = 2048, 12000
+    long = torch.randn(5, n, generator=gen)
+    long[1] = torch.randint(0, 40, (n,), generator=gen).float()
+    long[2] = -1.0
+    sampled = torch.tensor(topk_triton.sample_positions(n))
+    long[3] = torch.rand(n, generator=gen)
+    long[3, sampled] += 10.0
+    long[4] = torch.rand(n, generator=gen) + 10.0
+    long[4, sampled] -= 10.0
+    check("long rows, every path", long, torch.full((5,), n), k, [1, 1, 2, 3, 3])
+    check("long rows, shorter lengths", long, torch.tensor([n - 1, 9000, 8193, 8192, 2049]), k)
+
+    real = torch.randn(1, 32768, generator=gen)
+    check("k 2048 of 32768", real, torch.tensor([32768]), k, [1])
+
+
+def _emulated_scores(q, w, keys, scales, rows, n, precision):
+    """float64 emulation of kernels/indexer_fast.py's documented rounding of q (the keys are exact)."""
+    q, w = q.double(), w.double()
+    e = torch.floor(torch.log2(q.abs().amax(1)))
+    shift = (7 - e) if precision == "fp8" else (8 - e)
+    qs = (q * (2.0**shift)[:, None]).float()
+    if precision == "fp8":
+        qq = torch.where(qs.abs() < 2**-6, torch.zeros_like(qs), qs.to(torch.float8_e4m3fn).float()).double()
+    elif precision == "fp16":
+        qq = qs.half().double()
+    else:
+        hi = qs.half()
+        qq = hi.double() + (qs - hi.float()).half().double()
+    k = keys[rows[:n].long()].double()
+    return ((qq @ k.T).relu() * (w * 2.0 ** (-shift))[:, None]).sum(0) * scales[rows[:n].long()].double()
+
+
+def interpret_scores() -> None:
+    from kernels.indexer_fast import PRECISIONS, FastScoresConfig, indexer_scores_fast, indexer_topk_fast
+    from kernels.indexer_ref import quantize_index_keys
+    from kernels.topk_ref import topk_positions_ref
+
+    gen = torch.Generator().manual_seed(1)
+    keys, scales = quantize_index_keys(torch.randn(3000, 128, generator=gen))
+    table = torch.stack([torch.randperm(3000, generator=gen)[:1100] for _ in range(3)]).to(torch.int32)
+    table[1, 600:] = -1  # beyond that request's length
+    token_rows = table[:, :1000]  # a slice, like the engine's
+    token_req = torch.tensor([0, 1, 2, 0, 2])
+    seq_lens = torch.tensor([1000, 517, 999, 1, 64])
+    for heads in (8, 64):
+        q = torch.randn(5, heads, 128, generator=gen) * 3
+        w = torch.randn(5, heads, generator=gen)
+        for precision in PRECISIONS:
+            cfg = FastScoresConfig(precision=precision)
+            scores = indexer_scores_fast(q, w, keys, scales, token_rows, token_req, seq_lens, cfg)
+            worst = 0.0
+            for t in range(5):
+                n = int(seq_lens[t])
+                exact = _emulated_scores(q[t], w[t], keys, scales, token_rows[int(token_req[t])], n, precision)
+                worst = max(worst, float((scores[t, :n].double() - exact).abs().max() / exact.abs().max()))
+            if worst > 1e-6:
+                _fail(f"scores {precision} H {heads}: {worst:.2e} from the emulation")
+            picked = indexer_topk_fast(q, w, keys, scales, token_rows, token_req, seq_lens, 200, cfg)
+            want = topk_positions_ref(scores, seq_lens, 200)
+            if not torch.equal(picked, want):
+                _fail(f"indexer_topk_fast {precision} H {heads}: not the rule applied to its own scores")
+            print(f"scores {precision} H {heads}: {worst:.1e} from the emulation; top-k = rule(scores)")
+
+
+# ------------------------------------------------------------------------------------------------------ compile
+
+
+def _compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: list[str], num_warps: int, num_stages: int):
+    """Compile as a launch would specialize it: pointers and the listed ints divisible by 16, ints equal to 1
+    constant."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    signature = {name: types.get(name, "constexpr") for name in names}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _resources(kernel) -> str:
+    """Registers, spills and shared memory of a compiled kernel, read from its cubin by the cuobjdump that
+    ships with Triton."""
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nvidia
+
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
+    if not found:
+        return f"{kernel.metadata.shared} B shared"
+    return (f"{found.group(1)} registers, {found.group(3)} B spilled, stack {found.group(2)} B, "
+            f"{kernel.metadata.shared} B shared")
+
+
+def _loops(ttgir: str) -> list[str]:
+    """Bodies of the scf.for loops of a TTGIR module (outermost text up to the matching brace)."""
+    bodies = []
+    for match in re.finditer(r"scf\.for ", ttgir):
+        depth, i = 0, ttgir.index("{\n", match.start())
+        for j in range(i, len(ttgir)):
+            depth += {"{": 1, "}": -1}.get(ttgir[j], 0)
+            if depth == 0:
+                bodies.append(ttgir[i:j])
+                break
+    return bodies
+
+
+def compile_scores(precision: str) -> None:
+    from kernels.indexer_fast import _PRECISION_CODE, DEFAULT_CONFIG, _scores_kernel
+
+    cfg = DEFAULT_CONFIG
+    types = {"q_ptr": "*fp32", "w_ptr": "*fp32", "keys_ptr": "*u8", "scales_ptr": "*fp32", "rows_ptr": "*i32",
+             "req_ptr": "*i64", "lens_ptr": "*i64", "out_ptr": "*fp32"}
+    types |= {name: "i32" for name in ("stride_qt", "stride_qh", "stride_wt", "stride_keys", "stride_rows_b",
+                                       "stride_out", "num_heads", "max_len", "blocks_per_prog")}
+    aligned = [n for n in types if n.endswith("_ptr")] + ["stride_qt", "stride_qh", "stride_wt", "stride_keys",
+                                                          "stride_out", "num_heads"]
+    constexprs = {"stride_rows_l": 1, "HEADS_P": 64, "BLOCK_N": cfg.block_n, "SCALE_BLOCK": cfg.scale_block,
+                  "PRECISION": _PRECISION_CODE[precision]}
+    t0 = time.time()
+    kernel = _compile_sm90(_scores_kernel, types, constexprs, aligned, cfg.num_warps, cfg.num_stages)
+    ttgir = kernel.asm["ttgir"]
+    loops = _loops(ttgir)
+    main = [body for body in loops if "warp_group_dot" in body]
+    if len(main) != 1:
+        _fail(f"expected one loop with a dot, found {len(main)}")
+    if "tt.load" in main[0]:
+        _fail("the main loop has a synchronous global load (only async copies may feed it)")
+    buffers = re.findall(r"memdesc<(\d+)x" + str(cfg.block_n) + r"x128xi8", ttgir)
+    if not buffers or max(int(b) for b in buffers) < 2:
+        _fail(f"key tiles are not multi-buffered ({buffers})")
+    scale = [body for body in loops if "warp_group_dot" not in body and "tt.store" in body]
+    if not scale or "tt.load" in scale[-1]:
+        _fail("the scale loop is not pipelined")
+    print(f"scores {precision}: compiled for sm_90 in {time.time() - t0:.0f} s, {_resources(kernel)}; main loop "
+          f"fully asynchronous, {max(int(b) for b in buffers)} key tiles buffered")
+
+
+def compile_topk() -> None:
+    from kernels.topk_triton import (
+        NUM_WARPS,
+        SAMPLE_CHUNK,
+        SAMPLE_CHUNKS,
+        SCAN_BLOCK,
+        SCAN_STAGES,
+        _topk_kernel,
+        candidate_capacity,
+    )
+
+    types = {"scores_ptr": "*fp32", "lens_ptr": "*i64", "out_ptr": "*i32", "cand_key_ptr": "*i32",
+             "cand_pos_ptr": "*i32", "paths_ptr": "*i32", "stride_s": "i32", "stride_o": "i32", "stride_c": "i32",
+             "width": "i32", "top_k": "i32"}
+    aligned = [n for n in types if n.endswith("_ptr")] + ["stride_s", "stride_o", "stride_c", "top_k"]
+    constexprs = {"CAPACITY": candidate_capacity(2048), "BLOCK": SCAN_BLOCK, "CHUNKS": SAMPLE_CHUNKS,
+                  "CHUNK": SAMPLE_CHUNK, "STAGES": SCAN_STAGES}
+    t0 = time.time()
+    kernel = _compile_sm90(_topk_kernel, types, constexprs, aligned, NUM_WARPS, 3)
+    scans = [body for body in _loops(kernel.asm["ttgir"]) if "tt.cumsum" in body or "tt.scan" in body]
+    if not scans or any("tt.load" in body for body in scans):
+        _fail("a scan loop of the top-k kernel is not pipelined")
+    print(f"top-k: compiled for sm_90 in {time.time() - t0:.0f} s, {_resources(kernel)}; scan loops pipelined")
+
+
+CHECKS = {
+    "interpret-topk": interpret_topk,
+    "interpret-scores": interpret_scores,
+    "compile-topk": compile_topk,
+    **{f"compile-scores-{p}": (lambda p=p: compile_scores(p)) for p in ("fp16", "fp16x2", "fp8")},
+}
+
+if __name__ == "__main__":
+    if MODE not in CHECKS:
+        print(f"usage: {sys.argv[0]} {{{','.join(CHECKS)}}}")
+        sys.exit(2)
+    CHECKS[MODE]()
