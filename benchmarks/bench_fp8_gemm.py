@@ -96,7 +96,7 @@ def routing(m: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, i
 
 def choose(restriction: str, kind: str, weights, m: int) -> fp8_gemm.GemmChoice:
     """The autotuner's pick under a backend restriction (a fresh tuner: nothing cached from other runs)."""
-    fp8_gemm.reset_tuner()
+    fp8_gemm.reset_tuner("measure")
     with fp8_gemm.force_backend(restriction):
         return fp8_gemm.tune(kind, weights, m, torch.bfloat16, BLOCK)
 

@@ -13,7 +13,12 @@ their accumulation order):
   - "triton": kernels/fp8_gemm_triton.py (any shape, grouped too), with a launch configuration per shape.
 
 Choice per shape (`Fp8GemmTuner`): the key is (kind, N, K, experts, M bucket, output dtype, device, block); M
-buckets are powers of two. On the first call of a key outside CUDA-graph capture — normally the engine's warm-up,
+buckets are powers of two. Two modes ($HISPARSE_FP8_GEMM_TUNING):
+  - "table" (the default): the choice comes from the GPU model's tuned table (kernels/fp8_gemm_table.py,
+    kernels/fp8_gemm_tables/), else the untimed default Triton configuration. Nothing is timed, so every process
+    on the same GPU model decides the same: replicas, and servers with and without CUDA graphs, give the same bits.
+  - "measure": the per-process autotuner below (what benchmarks/tune_fp8_gemm.py runs to write the tables).
+In "measure" mode, on the first call of a key outside CUDA-graph capture — normally the engine's warm-up,
 which tunes every shape of the model at every bucket it can run before any graph is captured
 (decode_server/model/fp8_warmup.py) — every candidate (scaled_mm where supported, a few Triton configurations) is
 checked against the default Triton configuration's output (a candidate that disagrees is rejected with a warning)
@@ -48,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 BACKEND_ENV = "HISPARSE_FP8_GEMM"
 BACKENDS = ("auto", "triton", "scaled_mm")
+TUNING_ENV = "HISPARSE_FP8_GEMM_TUNING"
+TUNING_MODES = ("table", "measure")
 MAX_M_BUCKET = 16384
 SCALED_MM_ROW_ALIGN = 4
 _SPIN_CYCLES_PER_CALL = 200_000  # ~0.1 ms of GPU spin per timed call: the host enqueues every call behind it
@@ -122,6 +129,14 @@ def force_backend(name: str) -> Iterator[None]:
         yield
     finally:
         _forced.pop()
+
+
+def tuning_mode() -> str:
+    """$HISPARSE_FP8_GEMM_TUNING: "table" (default) or "measure"."""
+    value = (os.environ.get(TUNING_ENV, "") or "table").strip().lower()
+    if value not in TUNING_MODES:
+        raise ValueError(f"{TUNING_ENV}={value!r}: expected one of {TUNING_MODES}")
+    return value
 
 
 def _triton():
@@ -236,7 +251,10 @@ def _time_us(fn: Callable[[int], object], calls: int) -> float:
 class Fp8GemmTuner:
     """The per-process cache of backend choices (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str | None = None) -> None:
+        self.mode = mode if mode is not None else tuning_mode()
+        if self.mode not in TUNING_MODES:
+            raise ValueError(f"unknown FP8 GEMM tuning mode {self.mode!r}; expected one of {TUNING_MODES}")
         self._choices: dict[tuple, GemmChoice] = {}
         self._lock = threading.RLock()
         self.records: list[TuningRecord] = []
@@ -266,25 +284,30 @@ class Fp8GemmTuner:
         with self._lock:
             choice = self._choices.get(key)
             if choice is None:
-                choice = self._decide(key, weights)
+                choice = self._decide(key, weights, device)
                 self._choices[key] = choice
         return choice
 
-    def _decide(self, key: tuple, weights: Weights) -> GemmChoice:
+    def _decide(self, key: tuple, weights: Weights, device: torch.device) -> GemmChoice:
         kind, n, k, experts, bucket, dtype, index, block = key
-        device = weights[0][0].device
         default = default_choice(kind, bucket, n, k, experts, device)
         if self.frozen:
             logger.info("FP8 GEMM %s N=%d K=%d M≤%d not decided at warm-up: default %s (decisions frozen)", kind, n,
                         k, bucket, default.label())
             self.records.append(TuningRecord(kind, n, k, experts, bucket, default))
             return default
+        restriction = forced_backend()
+        if self.mode == "table":
+            choice, source = self._from_table(key, default, restriction, device)
+            logger.info("FP8 GEMM %s N=%d K=%d%s M≤%d: %s (%s)", kind, n, k, f" E={experts}" if experts else "",
+                        bucket, choice.label(), source)
+            self.records.append(TuningRecord(kind, n, k, experts, bucket, choice))
+            return choice
         if _capturing():
             logger.warning("FP8 GEMM %s N=%d K=%d M≤%d first met during CUDA-graph capture: default %s, untimed",
                            kind, n, k, bucket, default.label())
             self.records.append(TuningRecord(kind, n, k, experts, bucket, default))
             return default
-        restriction = forced_backend()
         candidates = [] if restriction == "scaled_mm" else triton_candidates(kind, bucket, n, k, experts, device)
         if kind == "dense" and restriction != "triton" and scaled_mm_supported(n, k, block, device):
             candidates.insert(0, GemmChoice("scaled_mm"))
@@ -298,6 +321,30 @@ class Fp8GemmTuner:
         logger.info("FP8 GEMM %s N=%d K=%d%s M≤%d: %s (µs per call: %s)", kind, n, k,
                     f" E={experts}" if experts else "", bucket, record.choice.label(), timed)
         return record.choice
+
+    @staticmethod
+    def _from_table(key: tuple, default: GemmChoice, restriction: str,
+                    device: torch.device) -> tuple[GemmChoice, str]:
+        """The tuned table's choice for `key` on this GPU model (honouring a forced backend), else the default."""
+        kind, n, k, experts, bucket, dtype, _index_, block = key
+        if restriction == "scaled_mm":
+            if kind == "dense" and scaled_mm_supported(n, k, block, device):
+                return GemmChoice("scaled_mm"), "forced"
+            return default, "forced scaled_mm cannot run it: default"
+        if device.type != "cuda":
+            return default, "default"
+        from kernels.fp8_gemm_table import device_table, dtype_name
+
+        entry = device_table(torch.cuda.get_device_name(_index(device))).get(
+            (kind, n, k, experts, bucket, dtype_name(dtype)))
+        if entry is None:
+            return default, "no table entry: default"
+        backend, fields = entry
+        if backend == "scaled_mm":
+            if restriction == "triton" or kind != "dense" or not scaled_mm_supported(n, k, block, device):
+                return default, "table's scaled_mm not allowed here: default"
+            return GemmChoice("scaled_mm"), "table"
+        return GemmChoice("triton", _triton().TritonGemmConfig(**(fields or {}))), "table"
 
     def _measure(self, record: TuningRecord, candidates: list[GemmChoice], default: GemmChoice, weights: Weights,
                  dtype: torch.dtype, device: torch.device, block: tuple[int, int]) -> GemmChoice:
@@ -354,10 +401,11 @@ def tuner() -> Fp8GemmTuner:
     return _TUNER
 
 
-def reset_tuner() -> Fp8GemmTuner:
-    """Forget every choice (tests and benchmarks that compare backends in one process)."""
+def reset_tuner(mode: str | None = None) -> Fp8GemmTuner:
+    """Forget every choice (tests and benchmarks that compare backends in one process); `mode` "table" or
+    "measure" (default: $HISPARSE_FP8_GEMM_TUNING)."""
     global _TUNER
-    _TUNER = Fp8GemmTuner()
+    _TUNER = Fp8GemmTuner(mode)
     return _TUNER
 
 

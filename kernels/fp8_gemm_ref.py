@@ -35,7 +35,9 @@ def quantize_activations_ref(x: torch.Tensor, group: int = GROUP) -> tuple[torch
     groups = math.ceil(k / group) if k else 0
     padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
     amax = padded.abs().amax(dim=-1)
-    scales = torch.clamp(amax, min=ACT_EPS) / FP8_MAX
+    # A tensor divisor, not the Python float: PyTorch's CUDA division by a scalar multiplies by its reciprocal,
+    # which rounds differently from the IEEE division the Triton kernel does (seen on an H100: 1-ulp scales).
+    scales = torch.clamp(amax, min=ACT_EPS) / torch.full_like(amax, FP8_MAX)
     values = (padded / scales.unsqueeze(-1)).view(m, groups * group)[:, :k]
     return values.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
 
@@ -53,6 +55,13 @@ def dequantize_weight_ref(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple
     return w.float() * expanded[..., :n, :k]
 
 
+def _matmul_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of float32 operands, summed in float64 and rounded once to float32: a reference whose own error is
+    negligible next to the kernels' (a float32 GEMM on a GPU may run on TF32 tensor cores, 10-bit products, whatever
+    `allow_tf32` says under some torch settings; seen on an H100 as errors 3.5x the kernels' tolerance)."""
+    return (a.double() @ b.double()).float()
+
+
 def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
                    *, quantize_input: bool = True) -> torch.Tensor:
     """x [M, K] @ dequant(W)ᵀ in float32 → [M, N] float32. `quantize_input`: round x per token and 128-channel
@@ -60,7 +69,7 @@ def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, bl
     if block[1] != GROUP and quantize_input:
         raise ValueError(f"activation groups are {GROUP} channels: the weight's K block must be {GROUP}, got {block}")
     xf = dequantize_activations_ref(*quantize_activations_ref(x)) if quantize_input else x.float()
-    return xf @ dequantize_weight_ref(w, scale_inv, block).t()
+    return _matmul_exact(xf, dequantize_weight_ref(w, scale_inv, block).t())
 
 
 def fp8_grouped_ref(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, end_offsets: torch.Tensor,
@@ -72,7 +81,7 @@ def fp8_grouped_ref(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, e
     start = 0
     for e, end in enumerate(end_offsets.tolist()):
         if end > start:
-            out[start:end] = xf[start:end] @ dequantize_weight_ref(w[e], scale_inv[e], block).t()
+            out[start:end] = _matmul_exact(xf[start:end], dequantize_weight_ref(w[e], scale_inv[e], block).t())
         start = end
     return out
 

@@ -3,8 +3,8 @@
 - tiny-dsa through `Engine(EngineConfig(model_path="tiny-dsa"))` (default --quantization: the checkpoint's): FP8
   projections in memory, `weights_bytes_by_kind["fp8"]` / `["fp8_scales"]` equal to the checkpoint's FP8 / scale
   bytes (read from the safetensors headers), the absorbed W_UK / W_UV bf16 (2 bytes × kv_b_proj's values), and
-  the total equal to what loading allocated on the device (torch.cuda.memory_allocated, to the allocator's
-  512-byte rounding per tensor); `--quantization none` dequantizes (bf16, more bytes);
+  the total equal to what loading allocated on the device (the caching allocator's requested bytes, within 512
+  bytes per tensor); `--quantization none` dequantizes (bf16, more bytes);
 - a random FP8 checkpoint of DeepSeek-V3.2's layer sizes written by the project's writer loads back with the same
   FP8 bytes, and its weight bytes are reported the same way.
 
@@ -50,14 +50,21 @@ def checkpoint_fp8_bytes(path) -> tuple[int, int, int]:
     return fp8, scales, kv_b
 
 
+def _requested() -> int:
+    return int(torch.cuda.memory_stats().get("requested_bytes.all.current", 0))
+
+
 def allocated_by(fn):
+    """What `fn` left allocated, in bytes as requested from the caching allocator: memory_allocated counts whole
+    blocks, and a large block keeps an unsplit remainder of up to 1 MiB (seen on an H100: 1.6 MiB over 114
+    tensors), so it cannot check the count to the byte."""
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    before = _requested()
     out = fn()
     torch.cuda.synchronize()
-    return out, torch.cuda.memory_allocated() - before
+    return out, _requested() - before
 
 
 def test_tiny_dsa_engine_holds_and_reports_fp8_weights() -> None:
@@ -87,7 +94,9 @@ def test_tiny_dsa_engine_holds_and_reports_fp8_weights() -> None:
 
 
 def test_written_fp8_checkpoint_of_deepseek_layer_sizes_loads_back(tmp_path) -> None:
-    config = dataclasses.replace(load_config("dsv32-bench"), num_hidden_layers=2)  # 1 dense + 1 MoE layer
+    bench = load_config("dsv32-bench")
+    config = dataclasses.replace(bench, num_hidden_layers=2, indexer_types=bench.indexer_types[:2],
+                                 mlp_layer_types=bench.mlp_layer_types[:2])  # 1 dense + 1 MoE layer
     files = write_random_checkpoint(config, tmp_path, device="cuda", seed=4, max_shard_bytes=2 << 30)
     assert len(files) >= 2
     (loaded, _), allocated = allocated_by(lambda: load_model(tmp_path, "cuda", torch.bfloat16))

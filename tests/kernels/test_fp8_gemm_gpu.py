@@ -166,7 +166,7 @@ def test_grouped_kernel_against_the_reference(n: int, k: int, tokens: int, local
 
 
 def test_tuner_choice_is_measured_cached_and_deterministic(caplog) -> None:
-    tuner = fp8_gemm.reset_tuner()
+    tuner = fp8_gemm.reset_tuner("measure")
     w, s, _ = weight(*SHAPES["q_b"])
     x = activations(1, SHAPES["q_b"][1])
     with caplog.at_level(logging.INFO, logger="kernels.fp8_gemm"):
@@ -188,7 +188,7 @@ def test_forced_backend(backend: str) -> None:
     n, k = SHAPES["shared_up"]
     w, s, wabs = weight(n, k)
     x = activations(16, k)
-    tuner = fp8_gemm.reset_tuner()
+    tuner = fp8_gemm.reset_tuner("measure")
     with fp8_gemm.force_backend(backend):
         out = fp8_gemm.fp8_linear(x, w, s)
     record = tuner.records[-1]
@@ -203,7 +203,7 @@ def test_forced_backend(backend: str) -> None:
 
 
 def test_cuda_graph_replay_equals_eager_even_for_a_shape_first_met_in_capture(caplog) -> None:
-    fp8_gemm.reset_tuner()
+    fp8_gemm.reset_tuner("measure")
     n, k = SHAPES["q_b"]
     w, s, _ = weight(n, k)
     gw = weight(2048, 7168)
