@@ -48,11 +48,23 @@ def models():
     return config, fp8, bf16, seconds
 
 
-def logits_of(model, config, prompt: list[int]) -> torch.Tensor:
+def logits_of(model, config, prompt: list[int], first_layer: list | None = None) -> torch.Tensor:
+    """The prompt's logits; `first_layer` receives layer 0's output (float32)."""
     backend = dense_backend(config, num_slots=4096, max_requests=2, max_context=4096, kv_dtype=torch.bfloat16,
                             device="cuda")
     backend.reserve(0, len(prompt))
-    return model.compute_logits(forward_tokens(model, backend, [0], [0], [prompt]))
+    hook = None
+    if first_layer is not None:
+        hook = model.model.layers[0].register_forward_hook(lambda mod, args, out: first_layer.append(out[0].float()))
+    try:
+        return model.compute_logits(forward_tokens(model, backend, [0], [0], [prompt]))
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
 
 
 def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -92,33 +104,49 @@ def test_fp8_model_against_its_references_and_bf16(models, monkeypatch) -> None:
     prompts = [torch.randint(2, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPTS]
     torch.backends.cuda.matmul.allow_tf32 = False
     kernel_vs_bf16, kernel_vs_ref = [], []
+    layer0 = {"fp8_kernels_vs_fp8_reference": 0.0, "fp8_vs_bf16": 0.0}
     for prompt in prompts:
+        firsts: list[torch.Tensor] = []
         with torch.inference_mode():
-            kernels = logits_of(fp8, config, prompt)
-            dequantized = logits_of(bf16, config, prompt)
+            kernels = logits_of(fp8, config, prompt, firsts)
+            dequantized = logits_of(bf16, config, prompt, firsts)
             with monkeypatch.context() as patch:
                 reference_gemms(patch)
-                emulated = logits_of(fp8, config, prompt)
+                emulated = logits_of(fp8, config, prompt, firsts)
         kernel_vs_bf16.append(compare(kernels, dequantized))
         kernel_vs_ref.append(compare(kernels, emulated))
-        del kernels, dequantized, emulated
+        if len(prompt) <= config.index_topk:  # layer 0 attends densely: no discrete choice before its output
+            layer0["fp8_kernels_vs_fp8_reference"] = max(layer0["fp8_kernels_vs_fp8_reference"],
+                                                         relative_error(firsts[0], firsts[2]))
+            layer0["fp8_vs_bf16"] = max(layer0["fp8_vs_bf16"], relative_error(firsts[0], firsts[1]))
+        del kernels, dequantized, emulated, firsts
     results = {"config": "dsv32-bench", "device": torch.cuda.get_device_name(), "prompts": PROMPTS,
                "fp8_build_seconds": build_seconds, "weights_bytes_fp8": weight_bytes(fp8),
                "weights_bytes_bf16": weight_bytes(bf16), "fp8_kernels_vs_fp8_reference": merge(kernel_vs_ref),
-               "fp8_vs_bf16": merge(kernel_vs_bf16)}
+               "fp8_vs_bf16": merge(kernel_vs_bf16), "layer0_relative_error": layer0}
     for key in ("fp8_kernels_vs_fp8_reference", "fp8_vs_bf16"):
         r = results[key]
         print(f"\nFP8-MODEL {key}: top-1 agreement {r['top1_agreement']:.4f} over {r['positions']} positions, max "
               f"|Δlogit| {r['max_abs_logit_error']:.4f} (mean {r['mean_abs_logit_error']:.5f}, max/max|logit| "
               f"{r['max_error_over_max_logit']:.4f})")
+    print(f"FP8-MODEL layer 0 output, relative error (Frobenius, prompts attended densely): kernels vs reference "
+          f"{layer0['fp8_kernels_vs_fp8_reference']:.2e}, FP8 vs bf16 {layer0['fp8_vs_bf16']:.2e}")
     print(f"FP8-MODEL weights: FP8 {results['weights_bytes_fp8']['total'] / 2**30:.2f} GiB vs bf16 "
           f"{results['weights_bytes_bf16']['total'] / 2**30:.2f} GiB; FP8 model built in {build_seconds:.1f} s")
     out_dir = os.environ.get("FP8_RESULTS_DIR")
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "fp8_model_accuracy.json").write_text(json.dumps(results, indent=2))
-    # The kernels through 4 layers stay with the float32 reference GEMMs up to bf16 noise; FP8 activations move the
-    # random model more (its near-ties flip) but an indexing or scale bug would leave chance-level agreement.
-    assert results["fp8_kernels_vs_fp8_reference"]["top1_agreement"] >= 0.9
-    assert results["fp8_vs_bf16"]["top1_agreement"] >= 0.5
+    # Layer 0 (dense MLA, the indexer, the dense MLP: no discrete choice at 512 tokens) is where the kernels can be
+    # held to their arithmetic: against the float32 reference GEMMs with the same activation rounding they differ
+    # by bf16 output rounding (~2^-9 per element), against the bf16 model by FP8 activation rounding (~2^-5); a
+    # scale or indexing bug would be O(1). Through the MoE layers a random model is chaotic: its router scores are
+    # near-ties, so bf16-level noise changes which experts a token takes, and the logits then differ by O(1) at
+    # many positions (H100, 2026-11-25: top-1 agreement 0.59 between kernels and the float32 reference, 0.60
+    # against bf16, although every GEMM passed its own tolerance). So the logits are recorded, and held only above
+    # chance level (1 / vocabulary).
+    assert layer0["fp8_kernels_vs_fp8_reference"] <= 2.0**-7, layer0
+    assert layer0["fp8_vs_bf16"] <= 2.0**-3, layer0
+    assert results["fp8_kernels_vs_fp8_reference"]["top1_agreement"] >= 0.3
+    assert results["fp8_vs_bf16"]["top1_agreement"] >= 0.3
     assert build_seconds < 60
