@@ -137,15 +137,17 @@ def test_fp8_model_against_its_references_and_bf16(models, monkeypatch) -> None:
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "fp8_model_accuracy.json").write_text(json.dumps(results, indent=2))
-    # Layer 0 (dense MLA, the indexer, the dense MLP: no discrete choice at 512 tokens) is where the kernels can be
-    # held to their arithmetic: against the float32 reference GEMMs with the same activation rounding they differ
-    # by bf16 output rounding (~2^-9 per element), against the bf16 model by FP8 activation rounding (~2^-5); a
-    # scale or indexing bug would be O(1). Through the MoE layers a random model is chaotic: its router scores are
-    # near-ties, so bf16-level noise changes which experts a token takes, and the logits then differ by O(1) at
-    # many positions (H100, 2026-11-25: top-1 agreement 0.59 between kernels and the float32 reference, 0.60
-    # against bf16, although every GEMM passed its own tolerance). So the logits are recorded, and held only above
-    # chance level (1 / vocabulary).
-    assert layer0["fp8_kernels_vs_fp8_reference"] <= 2.0**-7, layer0
+    # Layer 0 (dense MLA, the indexer, the dense MLP: no discrete choice at 512 tokens) holds the kernels to their
+    # arithmetic: a scale or indexing bug would put it O(1) away from the references. Not to bf16 noise, though:
+    # each FP8 GEMM re-quantizes its input per 128-channel group, so a 1-ulp difference in a bf16 input can move an
+    # element across an e4m3 rounding boundary (2^-4 of it) or change its group's scale, and chained projections
+    # (q_a → q_b, o_proj, MLP up → down) carry that on. Measured on an H100 (2026-11-25): kernels vs the float32
+    # reference GEMMs 2.4e-2, FP8 vs the bf16 model 3.8e-2; bounds 2^-4 and 2^-3 (the per-element rounding scale).
+    # Through the MoE layers a random model is chaotic: its router scores are near-ties, so such differences change
+    # which experts a token takes, and the logits then differ by O(1) at many positions (the same run: top-1
+    # agreement 0.60 between kernels and reference, 0.59 against bf16, although every GEMM passed its own
+    # tolerance in tests/kernels). So the logits are recorded, and held only above chance level (1 / vocabulary).
+    assert layer0["fp8_kernels_vs_fp8_reference"] <= 2.0**-4, layer0
     assert layer0["fp8_vs_bf16"] <= 2.0**-3, layer0
     assert results["fp8_kernels_vs_fp8_reference"]["top1_agreement"] >= 0.3
     assert results["fp8_vs_bf16"]["top1_agreement"] >= 0.3
