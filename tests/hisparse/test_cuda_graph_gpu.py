@@ -5,8 +5,10 @@ batches above the largest bucket run eagerly) and grow pages and swap-in misses 
 (a) a replayed step == the same padded step run eagerly (the graph runner's uncaptured path), bit for bit: tokens,
     logits (torch.equal), swap-in counters, in both modes;
 (b) HiSparse == dense bit for bit with graphs on in both (same buckets), HiSparse pools NaN-poisoned;
-(c) graphs on == `--disable-cuda-graph` in greedy tokens (logits are not promised equal there: padding changes
-    the GEMM shapes and the indexer's top-k runs over the table's full width; the largest difference is reported).
+(c) graphs on == `--disable-cuda-graph` in greedy tokens up to near-ties (logits are not promised equal there:
+    padding changes the GEMM shapes and FlashMLA's split plan; a request may take another token where its two
+    runs' logits are within their measured difference of a tie, and is compared up to there; see
+    `compare_up_to_near_ties`).
 
 Run: pytest -m gpu tests/hisparse/test_cuda_graph_gpu.py -v
 """
@@ -57,6 +59,36 @@ def compare(what: str, a: RunResult, b: RunResult, exact: bool = True) -> float:
             if exact and not torch.equal(x, y):
                 raise AssertionError(f"{what}: {rid} logits of token {i} differ, max abs diff {diff:.3e}")
     return worst
+
+
+def compare_up_to_near_ties(what: str, a: RunResult, b: RunResult) -> tuple[float, list[str]]:
+    """(c)'s contract. Graphs pad the batch to a bucket, so GEMM shapes and FlashMLA's split plan differ from the
+    eager step and the logits differ in rounding, which a random model's MoE routing amplifies. Tokens must agree
+    except where a request's two runs take different tokens at a near-tie: at the first differing token (the
+    histories are identical up to there), the chosen token's margin over the other's, in either run, must not
+    exceed the largest logits difference measured at the steps where the runs agreed (the bound, measured
+    independently of the divergence). After a divergence the request's histories differ and are not compared.
+    Returns (the bound, one line per divergence)."""
+    assert a.tokens.keys() == b.tokens.keys(), f"{what}: different requests"
+    bound, divergences = 0.0, []
+    for rid in a.tokens:
+        for i, (x, y) in enumerate(zip(a.tokens[rid], b.tokens[rid], strict=False)):
+            if x == y:
+                bound = max(bound, float((a.logits[rid][i] - b.logits[rid][i]).abs().max()))
+                continue
+            divergences.append((rid, i, x, y))
+            break
+        else:
+            assert a.tokens[rid] == b.tokens[rid] and a.finish[rid] == b.finish[rid], f"{what}: {rid} ends differ"
+    lines = []
+    for rid, i, x, y in divergences:
+        la, lb = a.logits[rid][i], b.logits[rid][i]
+        margin = max(float(la[x] - la[y]), float(lb[y] - lb[x]))
+        lines.append(f"{rid} token {i}: {x} vs {y}, margin {margin:.3e} (bound {bound:.3e})")
+        assert margin <= bound, f"{what}: {rid} tokens differ from token {i} ({x} vs {y}) by a margin of " \
+                                f"{margin:.3e}, more than the largest logits difference {bound:.3e}: not a near-tie"
+    assert len(divergences) <= len(a.tokens) // 3, f"{what}: {len(divergences)} of {len(a.tokens)} requests diverge"
+    return bound, lines
 
 
 def counters(engine) -> list[tuple[int, int]]:
@@ -156,10 +188,10 @@ def test_graphs_on_and_off_give_the_same_tokens(request, model: str, backend: st
         assert off.graph_runner is None
         with_graphs, without = run_script(on, arrivals), run_script(off, arrivals)
         assert on.graph_runner.num_replays > 20
-        worst = compare(f"(c) hisparse={hisparse}: graphs on vs --disable-cuda-graph", with_graphs, without,
-                        exact=False)
-        print(f"(c) {model} {backend} {kv_cache_dtype} hisparse={hisparse}: tokens equal, "
-              f"largest logits difference {worst:.3e}")
+        bound, divergences = compare_up_to_near_ties(f"(c) hisparse={hisparse}: graphs on vs --disable-cuda-graph",
+                                                     with_graphs, without)
+        print(f"(c) {model} {backend} {kv_cache_dtype} hisparse={hisparse}: largest logits difference {bound:.3e}; "
+              + (f"near-tie divergences: {'; '.join(divergences)}" if divergences else "tokens equal"))
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
