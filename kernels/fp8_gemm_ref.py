@@ -56,10 +56,14 @@ def dequantize_weight_ref(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple
 
 
 def _matmul_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b of float32 operands, summed in float64 and rounded once to float32: a reference whose own error is
-    negligible next to the kernels' (a float32 GEMM on a GPU may run on TF32 tensor cores, 10-bit products, whatever
-    `allow_tf32` says under some torch settings; seen on an H100 as errors 3.5x the kernels' tolerance)."""
-    return (a.double() @ b.double()).float()
+    """a @ b of float32 operands. On a GPU: summed in float64 and rounded once to float32, a reference whose own
+    error is negligible next to the kernels' (a float32 GEMM there may run on TF32 tensor cores, 10-bit products,
+    whatever `allow_tf32` says under some torch settings; seen on an H100 as errors 3.5x the kernels' tolerance).
+    On the CPU, where this is also the serving path of `--quantization fp8`, a float32 GEMM is float32 arithmetic:
+    kept in float32, so it is the same arithmetic as the dequantized model's `F.linear` (tests hold it bit for bit)."""
+    if a.is_cuda:
+        return (a.double() @ b.double()).float()
+    return a @ b
 
 
 def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),

@@ -80,8 +80,8 @@ def weight(n: int, k: int, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
 def test_linear_reference_without_input_rounding_is_the_dequantized_matmul(n: int, k: int) -> None:
     w, s = weight(n, k)
     x = activations(5, k)
-    expected = (x.double() @ dequantize_block_fp8(w, s).double().t()).float()  # the reference sums in float64
-    torch.testing.assert_close(fp8_linear_ref(x, w, s, quantize_input=False), expected, rtol=1e-6, atol=1e-5)
+    # On the CPU the reference is the dequantized float32 matmul itself (the float64 sum is for GPU oracles).
+    assert torch.equal(fp8_linear_ref(x, w, s, quantize_input=False), x @ dequantize_block_fp8(w, s).t())
 
 
 def test_input_rounding_error_is_within_its_bound_and_the_bound_is_tight() -> None:
