@@ -125,6 +125,9 @@ class EngineStats(BaseModel):
     dense_kv_slots: PoolUsage = Field(default_factory=PoolUsage)
     disagg: DisaggStats | None = None
     tp_ranks: list[TPRankStats] = Field(default_factory=list, description="per rank with --tp-size > 1; else empty")
+    weights_bytes: int = Field(default=0, description="device bytes of the model's parameters and buffers (this rank)")
+    device_kv_budget_bytes: int = Field(default=0, description="the device KV budget the pools were sized from")
+    host_kv_budget_bytes: int = Field(default=0, description="the HiSparse host pool budget (0: dense)")
 
     @property
     def hisparse_hits(self) -> int:
