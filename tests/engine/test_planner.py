@@ -1,0 +1,296 @@
+"""The memory planner (`decode-server plan`) against what the engine really allocates and admits.
+
+The planner reads only config.json; the engine here is built for real (tiny-dsa, tiny-glm5 loaded from their
+checkpoints) or, for the bench configs (billions of parameters), around the same model built on the meta device
+(no memory, same module tree), with explicit small budgets on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from decode_server.cli import main
+from decode_server.config import EngineConfig, HiSparseConfig
+from decode_server.engine.engine import Engine
+from decode_server.engine.kv_sizing import hisparse_bytes
+from decode_server.engine.sampling_params import SamplingParams
+from decode_server.model import load_config, load_model, resolve_model_path
+from decode_server.model.construct import build_empty_model
+from decode_server.model.fp8 import scale_shape
+from decode_server.model.quantization import checkpoint_quantization, is_fp8_weight, resolve_quantization
+from decode_server.model.weight_bytes import fp8_scale_bytes, model_weight_bytes, planned_weight_bytes
+from decode_server.parallel.layers import Shard
+from decode_server.parallel.state import ParallelState
+from decode_server.planner import GPU_MEMORY, make_plan, read_config_json
+
+BENCH_CONFIGS = ["dsv32-bench", "dsv32-bench-16l", "glm5-bench", "glm5-shared-bench"]
+HS = HiSparseConfig(device_buffer_size=64, num_recent_slots=2)
+
+
+def _plan(name: str, **fields):
+    return make_plan(read_config_json(name)[0], EngineConfig(**fields), model_name=name)
+
+
+def _check_pools_match(engine: Engine, plan) -> None:
+    """The planner's pool sizes and bytes are the engine's own tensors."""
+    kv = engine.kv
+    if engine.config.enable_hisparse:
+        lay, hs = kv.layout, plan.hisparse
+        assert (lay.num_buffers, lay.host_pages, lay.indexer_pages, lay.prefill_staging_rows) == (
+            hs.num_buffers, hs.host_pages, hs.indexer_pages, hs.prefill_staging_rows)
+        staging = kv.staging.nbytes if kv.staging is not None else 0
+        assert kv.buffers.nbytes + kv.indexer.nbytes + staging == hs.device_pool_bytes
+        assert kv.host.nbytes == hs.host_pool_bytes == hisparse_bytes(lay).host_pool
+        tables = (kv.host.rows.table, kv.indexer.rows.table, kv.buffers.buffer_slots, kv.buffers.buffer_tokens,
+                  kv.buffers.lru_order, kv.buffers._identity)
+        assert sum(t.numel() * t.element_size() for t in tables) == hs.table_bytes
+    else:
+        cache = kv.cache
+        assert cache.allocator.num_slots == plan.dense.slots
+        assert sum(t.numel() * t.element_size() for t in (cache.kv, cache.index_keys, cache.index_scales)) == (
+            plan.dense.pool_bytes)
+        assert cache.tokens.table.numel() * 4 == plan.dense.table_bytes
+    assert engine.kv_budgets.device == plan.kv_budget_bytes_per_gpu
+    stats = engine.stats()
+    assert stats.weights_bytes == engine.weights_bytes == plan.weights_bytes_per_gpu
+    assert stats.device_kv_budget_bytes == plan.kv_budget_bytes_per_gpu
+
+
+@pytest.fixture(scope="module")
+def tiny_glm5_cpu():
+    return load_model("tiny-glm5", "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("hisparse", [False, True])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_tiny_models_weights_and_pools_equal_the_engines(tiny_cpu, tiny_glm5_cpu, hisparse, kv_cache_dtype):
+    fields = dict(device="cpu", page_size=16, chunked_prefill_size=128, device_kv_budget_bytes=24 << 20,
+                  host_kv_budget_bytes=48 << 20, enable_hisparse=hisparse, hisparse=HS, context_length=2048,
+                  kv_cache_dtype=kv_cache_dtype)
+    for name, (model, config) in (("tiny-dsa", tiny_cpu[:2]), ("tiny-glm5", tiny_glm5_cpu)):
+        engine = Engine(EngineConfig(**fields), model=model, model_config=config, tokenizer=None)
+        plan = _plan(name, **fields)
+        assert plan.quantization is None and plan.model_dtype == "float32"  # CPU dequantizes
+        _check_pools_match(engine, plan)
+
+
+@pytest.mark.parametrize("name", BENCH_CONFIGS)
+@pytest.mark.parametrize("hisparse", [False, True])
+def test_bench_configs_weights_and_pools_equal_the_engines(name, hisparse):
+    """The engine around the bench model built on the meta device: its parameters and buffers are what a GPU
+    holds in bf16 (4-16 billion parameters, not allocated here), its pools are real (small budgets)."""
+    config = load_config(name)
+    model = build_empty_model(config, "meta", torch.bfloat16)
+    model.finalize_weights()
+    fields = dict(device="cpu", dtype="bfloat16", kv_cache_dtype="fp8_e4m3", device_kv_budget_bytes=96 << 20,
+                  host_kv_budget_bytes=192 << 20, enable_hisparse=hisparse, context_length=8192)
+    engine = Engine(EngineConfig(**fields), model=model, model_config=config, tokenizer=None)
+    plan = _plan(name, **fields)
+    assert plan.weights_bytes_per_gpu == model_weight_bytes(model)
+    _check_pools_match(engine, plan)
+
+
+@pytest.mark.parametrize("name", ["tiny-dsa", "tiny-glm5", "dsv32-bench", "glm5-shared-bench"])
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_tensor_parallel_weights_equal_each_ranks_model(name, ep_size):
+    """Per GPU with TP=2 (experts tensor-sharded or split): every rank's whole model, built layer by layer, holds
+    what the planner computes from one layer of each kind."""
+    config = load_config(name)
+    plan = planned_weight_bytes(config, torch.bfloat16, tp_size=2, ep_size=ep_size)
+    for rank in range(2):
+        model = build_empty_model(config, "meta", torch.bfloat16, ParallelState(rank, 2, ep_size))
+        model.finalize_weights()
+        assert model_weight_bytes(model) == plan.total
+    single = planned_weight_bytes(config, torch.bfloat16)
+    assert plan.total < single.total < 2 * plan.total  # sharded, plus what every rank replicates
+
+
+# -- FP8 weights as stored --------------------------------------------------------------------------------------
+
+def test_fp8_weights_count_one_byte_plus_block_scales():
+    config = load_config("tiny-dsa")
+    fp8 = planned_weight_bytes(config, torch.bfloat16, quantization="fp8")
+    bf16 = planned_weight_bytes(config, torch.bfloat16)
+    model = build_empty_model(config, "meta", torch.bfloat16)
+    quantized = {n: t.shape for n, t in model.state_dict().items() if is_fp8_weight(n)}
+    elements = sum(s.numel() for s in quantized.values())
+    scales = sum(4 * r * c for r, c in (scale_shape(tuple(s), (128, 128)) for s in quantized.values()))
+    assert fp8.by_kind["fp8"] == elements and fp8.by_kind["fp8 block scales"] == scales
+    assert bf16.total - fp8.total == elements - scales  # 2 bytes → 1 byte + scales
+    assert fp8.parameters == bf16.parameters
+
+
+def test_fp8_weight_rule_matches_the_checkpoint_writer():
+    """tiny-dsa's generated checkpoint stores in FP8 exactly the tensors the rule names, except
+    kv_a_proj_with_mqa: its 576 rows give ragged blocks that transformers cannot read, so the writer keeps it bf16
+    (real DeepSeek-V3.2 checkpoints store it in FP8: docs/deploy.md "Planning memory")."""
+    path = resolve_model_path("tiny-dsa") / "model.safetensors"
+    with safe_open(str(path), framework="pt") as handle:
+        names = set(handle.keys())
+        stored_fp8 = {n for n in names if handle.get_slice(n).get_dtype() == "F8_E4M3"}
+        for n in stored_fp8:
+            assert tuple(handle.get_slice(n + "_scale_inv").get_shape()) == scale_shape(
+                tuple(handle.get_slice(n).get_shape()), (128, 128))
+    by_rule = {n for n in names if is_fp8_weight(n)}
+    assert stored_fp8 <= by_rule
+    assert {n.rsplit(".", 2)[-2] for n in by_rule - stored_fp8} == {"kv_a_proj_with_mqa"}
+    assert not any(is_fp8_weight(n) for n in ("model.layers.1.mlp.gate.weight", "lm_head.weight",
+                                              "model.layers.0.self_attn.indexer.weights_proj.weight",
+                                              "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"))
+
+
+def test_fp8_scales_of_a_piece_are_the_blocks_it_touches():
+    # 300 rows in 2 pieces of 150: [0, 150) touches blocks 0-1, [150, 300) blocks 1-2; 3 pieces of 100: at most 2.
+    assert fp8_scale_bytes((150, 256), Shard(0, 0, 2), (128, 128)) == 2 * 2 * 4
+    assert fp8_scale_bytes((100, 256), Shard(0, 0, 3), (128, 128)) == 2 * 2 * 4
+    assert fp8_scale_bytes((256, 64), Shard(1, 0, 2), (128, 128)) == 2 * 1 * 4  # 128 cols cut at 64
+    assert fp8_scale_bytes((300, 256), None, (128, 128)) == 3 * 2 * 4
+
+
+def test_quantization_default_rule():
+    assert checkpoint_quantization(read_config_json("tiny-dsa")[0]) == "fp8"
+    assert checkpoint_quantization(load_config("deepseek-v3.2")) == "fp8"
+    assert checkpoint_quantization(read_config_json("dsv32-bench")[0]) is None
+    with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
+        checkpoint_quantization({"quantization_config": {"quant_method": "awq"}})
+    assert resolve_quantization(None, "fp8", "cuda") == "fp8"
+    assert resolve_quantization(None, "fp8", "cpu") is None  # CPU always dequantizes
+    assert resolve_quantization("fp8", "fp8", "cpu") is None
+    assert resolve_quantization("none", "fp8", "cuda") is None
+    assert resolve_quantization(None, None, "cuda") is None
+    with pytest.raises(ValueError, match="needs a checkpoint stored in FP8"):
+        resolve_quantization("fp8", None, "cuda")
+
+
+# -- capacity: what the scheduler admits ------------------------------------------------------------------------
+
+CONTEXT = 256  # tokens per request: prompt 255 + 1 generated, 255 tokens of KV = 16 pages of 16
+
+
+@pytest.mark.parametrize(("hisparse", "budgets", "limit"), [
+    (False, dict(device_kv_budget_bytes=6 << 20), "device KV cache"),
+    (False, dict(device_kv_budget_bytes=16 << 20, max_running_requests=3), "max_running_requests"),
+    (True, dict(device_kv_budget_bytes=6 << 20, host_kv_budget_bytes=64 << 20), "device buffers"),
+    (True, dict(device_kv_budget_bytes=16 << 20, host_kv_budget_bytes=4 << 20), "host KV pool"),
+    (True, dict(device_kv_budget_bytes=2 << 20, host_kv_budget_bytes=64 << 20), "GPU indexer keys"),
+    (True, dict(device_kv_budget_bytes=16 << 20, host_kv_budget_bytes=64 << 20, max_running_requests=3),
+     "max_running_requests"),
+])
+def test_max_requests_is_what_the_scheduler_admits(make_engine, hisparse, budgets, limit):
+    """n = the planner's max_requests at CONTEXT: n requests of that length are admitted at once, the next one
+    waits until one finishes, and all complete without a retraction."""
+    fields = dict(device="cpu", page_size=16, chunked_prefill_size=128, hisparse=HS, context_length=CONTEXT,
+                  enable_hisparse=hisparse, **budgets)
+    plan = _plan("tiny-dsa", **fields)
+    mode = plan.hisparse if hisparse else plan.dense
+    n = plan.max_requests["hisparse" if hisparse else "dense"]
+    assert mode.limit == limit and n >= 2
+    engine = make_engine(**{k: v for k, v in fields.items() if k != "device"})
+    _check_pools_match(engine, plan)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    for i in range(n + 1):
+        engine.add_request(f"r{i}", [(7 * i + j) % 1000 + 3 for j in range(CONTEXT - 1)], params)
+    engine.step()
+    assert engine.stats().num_running_reqs == n and len(engine.scheduler.waiting) == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_retractions == 0 and engine.is_idle_and_empty()
+
+
+def test_best_hisparse_host_pool_holds_its_batch():
+    """best_max_requests with best_host_kv_budget_bytes as the host budget is what the layout then holds."""
+    fields = dict(device="cpu", page_size=16, hisparse=HS, context_length=CONTEXT, device_kv_budget_bytes=6 << 20,
+                  host_kv_budget_bytes=64 << 20)
+    plan = _plan("tiny-dsa", **fields)
+    best = plan.hisparse.best_max_requests
+    assert best >= plan.hisparse.max_requests
+    again = _plan("tiny-dsa", **{**fields, "host_kv_budget_bytes": plan.hisparse.best_host_kv_budget_bytes})
+    assert again.hisparse.max_requests == best
+    more = _plan("tiny-dsa", **{**fields, "host_kv_budget_bytes": 10 * plan.hisparse.best_host_kv_budget_bytes})
+    assert more.hisparse.max_requests <= best  # a larger host pool takes device memory for indexer keys
+
+
+# -- the command ------------------------------------------------------------------------------------------------
+
+def _run_plan(capsys, *args: str) -> dict:
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_command_deepseek_v32_on_h200(capsys):
+    out = _run_plan(capsys, "--model-path", "deepseek-v3.2", "--tp-size", "8", "--ep-size", "8",
+                    "--device-memory", "H200", "--kv-cache-dtype", "fp8_e4m3", "--context-length", "32768",
+                    "--max-running-requests", "256")
+    for key in ("weights_bytes_per_gpu", "kv_budget_bytes_per_gpu", "max_requests", "kv_bytes_per_token"):
+        assert key in out
+    assert out["quantization"] == "fp8" and out["device_memory_bytes"] == GPU_MEMORY["h200"]
+    assert sum(out["weights_by_kind"].values()) == out["weights_bytes_per_gpu"]
+    assert out["kv_budget_bytes_per_gpu"] == int(
+        GPU_MEMORY["h200"] - out["weights_bytes_per_gpu"] - out["runtime_memory_bytes"] - (1.0 - 0.85) * GPU_MEMORY["h200"])
+    assert out["kv_bytes_per_token"] == {"dense": 61 * (656 + 132), "hisparse_device": 61 * 132,
+                                         "hisparse_host": 61 * 656}
+    dense, hs = out["max_requests"]["dense"], out["max_requests"]["hisparse"]
+    assert 0 < dense < hs <= out["hisparse"]["best_max_requests"]
+    assert out["dense"]["slots"] // (32768 // 64) // 64 == dense  # whole requests of 512 pages
+    assert not out["warnings"]
+    bf16 = _run_plan(capsys, "--model-path", "deepseek-v3.2", "--tp-size", "8", "--device-memory", "H200",
+                     "--quantization", "none")
+    assert bf16["weights_bytes_per_gpu"] > 1.9 * out["weights_bytes_per_gpu"]
+    assert bf16["max_requests"] == {"dense": 0, "hisparse": 0} and "leave no KV budget" in bf16["warnings"][0]
+
+
+def test_plan_command_text_and_errors(capsys):
+    assert main(["plan", "--model-path", "glm-5", "--tp", "8", "--device-memory", "141GiB"]) == 0
+    text = capsys.readouterr().out
+    assert "largest batch at 202752 tokens" in text and "KV budget" in text
+    assert "num_attention_heads / tp_size 8 = 8" in text  # GLM-5's 64 heads are 8 per rank at TP8
+    cpu = _run_plan(capsys, "--model-path", "tiny-dsa", "--device", "cpu")
+    assert cpu["quantization"] is None and cpu["kv_budget_source"] == "CPU default"
+    for bad in (["--model-path", "deepseek-v3.2"],  # no device memory
+                ["--model-path", "no-such-model", "--device", "cpu"],
+                ["--model-path", "dsv32-bench", "--quantization", "fp8", "--device-memory", "H100"],
+                ["--model-path", "tiny-dsa", "--device-memory", "lots"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["plan", *bad])
+        assert exit_info.value.code == 2
+    capsys.readouterr()
+
+
+# -- on a GPU: the KV budget the engine measures --------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("hisparse", [False, True])
+def test_gpu_budget_and_pools_equal_the_engines(hisparse):
+    """On CUDA with --mem-fraction-static: given the device's total memory and what is in use besides the weights
+    when the engine sizes its pools (measured here just before), the planner's KV budget, pools and weights are the
+    engine's; and the planner's default runtime-memory estimate covers what was in use (printed for the docs)."""
+    import gc
+
+    from decode_server.model import build_random_model
+    from decode_server.planner import DEFAULT_RUNTIME_MEMORY
+
+    name = "dsv32-bench"  # bf16 checkpoint config: the weights stay bf16 on the GPU
+    config = load_config(name)
+    model = build_random_model(config, "cuda", torch.bfloat16, seed=0)
+    fields = dict(device="cuda", kv_cache_dtype="fp8_e4m3", context_length=32768, enable_hisparse=hisparse,
+                  host_kv_budget_bytes=4 << 30, disable_cuda_graph=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    runtime = total - free - model_weight_bytes(model)
+    engine = Engine(EngineConfig(**fields), model=model, model_config=config, tokenizer=None)
+    plan = make_plan(read_config_json(name)[0], EngineConfig(**fields), model_name=name, device_memory=total,
+                     runtime_memory=runtime)
+    print(f"{torch.cuda.get_device_name()}: total {total / 2**20:.0f} MiB, weights "
+          f"{engine.weights_bytes / 2**20:.0f} MiB, runtime memory {runtime / 2**20:.0f} MiB, KV budget engine "
+          f"{engine.kv_budgets.device / 2**20:.0f} MiB, planner {plan.kv_budget_bytes_per_gpu / 2**20:.0f} MiB")
+    assert abs(engine.kv_budgets.device - plan.kv_budget_bytes_per_gpu) <= 4 << 20  # nothing allocated between
+    assert 0 < runtime <= DEFAULT_RUNTIME_MEMORY
+    plan = make_plan(read_config_json(name)[0], EngineConfig(**fields, device_kv_budget_bytes=engine.kv_budgets.device),
+                     model_name=name)
+    _check_pools_match(engine, plan)
