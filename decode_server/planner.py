@@ -181,9 +181,13 @@ def make_plan(
     context = kv_sizing.resolve_context_length(engine.context_length, model_config.max_position_embeddings)
     kv_tokens = kv_sizing.request_kv_tokens(context)
     rules = kv_sizing.SizingRules.from_config(engine)
-    dense = _dense(budget, geometry, kv_dtype, rules, context, kv_tokens)
-    hisparse = _hisparse(budget, geometry, kv_dtype, model_config.index_topk, rules, context, kv_tokens, engine,
-                         host_memory)
+    if budget > 0:
+        dense = _dense(budget, geometry, kv_dtype, rules, context, kv_tokens)
+        hisparse = _hisparse(budget, geometry, kv_dtype, model_config.index_topk, rules, context, kv_tokens, engine,
+                             host_memory)
+    else:
+        dense = DensePlan(limit="no KV budget", error="no device KV budget")
+        hisparse = HiSparsePlan(limit="no KV budget", error="no device KV budget")
     hs = rules.hisparse
     top_k = hs.top_k or model_config.index_topk
     buffer_rows = (hs.device_buffer_size or 2 * top_k) + hs.num_recent_slots
@@ -327,21 +331,22 @@ def format_plan(plan: Plan) -> str:
     add(f"largest batch at {plan.context_length} tokens ({plan.request_kv_tokens} of KV per request)")
     d = plan.dense
     if d.error:
-        add(f"  dense      0   ({d.error})")
+        add(f"  dense      {0:>4}  ({d.error})")
     else:
         add(f"  dense      {d.max_requests:>4}  limit: {d.limit}; {d.slots:,} token slots, pool "
             f"{_gib(d.pool_bytes)}, tables {_gib(d.table_bytes)}")
     h = plan.hisparse
     if h.error:
-        add(f"  hisparse   0   ({h.error}; host pool {_gib(h.host_kv_budget_bytes)})")
+        add(f"  hisparse   {0:>4}  ({h.error})")
     else:
         add(f"  hisparse   {h.max_requests:>4}  limit: {h.limit}; host pool {_gib(h.host_kv_budget_bytes)} "
             f"({h.host_budget_source}), {h.num_buffers} device buffers, indexer keys for "
             f"{h.indexer_pages * plan.page_size:,} tokens; device pools {_gib(h.device_pool_bytes)}, tables "
             f"{_gib(h.table_bytes)}")
         add(f"             host rows in use at that batch: {_gib(h.host_pool_needed_bytes)}")
-    add(f"  hisparse   {plan.hisparse.best_max_requests:>4}  with a host pool sized for them: --host-kv-budget "
-        f"{plan.hisparse.best_host_kv_budget_bytes / GIB:.1f}GiB")
+    if h.best_max_requests:
+        add(f"  hisparse   {h.best_max_requests:>4}  with a host pool sized for them: --host-kv-budget "
+            f"{h.best_host_kv_budget_bytes / GIB:.1f}GiB")
     add("")
     add(f"attention: {plan.attention}")
     for warning in plan.warnings:
