@@ -294,3 +294,27 @@ def test_gpu_budget_and_pools_equal_the_engines(hisparse):
     plan = make_plan(read_config_json(name)[0], EngineConfig(**fields, device_kv_budget_bytes=engine.kv_budgets.device),
                      model_name=name)
     _check_pools_match(engine, plan)
+
+
+def test_docs_deploy_table_is_the_planners_output():
+    """docs/deploy.md's table of DeepSeek-V3.2 and GLM-5 on 8 GPUs is what the planner computes today."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "deploy.md").read_text()
+    rows = [line.split("|")[1:-1] for line in text.splitlines()
+            if line.startswith(("| DeepSeek-V3.2 | H200", "| GLM-5 | H200"))]
+    assert len(rows) == 8
+    gib = 1 << 30
+    for model, gpu, tp_ep, context, weights, budget, dense, hisparse, best in (
+            [cell.strip() for cell in row] for row in rows):
+        tp, ep = (int(x) for x in tp_ep.split(" / "))
+        fields = dict(device="cuda", kv_cache_dtype="fp8_e4m3", tp_size=tp, ep_size=ep, max_running_requests=512,
+                      context_length=int(context.removesuffix("K")) * 1024)
+        name = {"DeepSeek-V3.2": "deepseek-v3.2", "GLM-5": "glm-5"}[model]
+        plan = make_plan(read_config_json(name)[0], EngineConfig(**fields), model_name=name,
+                         device_memory=GPU_MEMORY[gpu.lower()])
+        h = plan.hisparse
+        assert weights == f"{plan.weights_bytes_per_gpu / gib:.1f}" and budget == f"{plan.kv_budget_bytes_per_gpu / gib:.1f}"
+        assert dense == str(plan.max_requests["dense"])
+        assert hisparse.startswith(f"{h.max_requests} ({h.host_kv_budget_bytes / gib:.0f} GiB;")
+        assert best == f"{h.best_max_requests} ({h.best_host_kv_budget_bytes / gib:.0f} GiB)"
