@@ -129,7 +129,7 @@ class Engine:
         self.cache_geometry = CacheGeometry.from_model_config(model_config)
         self.context_length = resolve_context_length(
             config.context_length, int(getattr(model_config, "max_position_embeddings", 0) or 0))
-        # What the engine counts as weights (every parameter and buffer of the model: docs/engine.md "Memory").
+        # What the engine counts as weights: every parameter and buffer (docs/deploy.md "Planning memory").
         self.weights_bytes = model_weight_bytes(self.model)
         # The budgets the pools were sized from (None with a `kv_manager` passed in, which was sized elsewhere).
         self.kv_budgets: KVBudgets | None = None
