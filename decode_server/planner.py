@@ -305,7 +305,7 @@ def format_plan(plan: Plan) -> str:
         f"({plan.kv_row_bytes} B rows); context {plan.context_length}; page {plan.page_size}; "
         f"max_running_requests {plan.max_running_requests}")
     add("")
-    add("per GPU")
+    add("per GPU" if plan.device == "cuda" else "per rank (CPU)")
     kinds = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(plan.weights_by_kind.items(), key=lambda kv: -kv[1])
                       if v >= (1 << 20))
     add(f"  weights              {_gib(plan.weights_bytes_per_gpu):>12}  {plan.parameters_per_gpu / 1e9:.2f} B "
