@@ -34,7 +34,7 @@ from decode_server.engine.kernel_support import gpu_kernel_problems
 from decode_server.engine.kv_rows import CacheGeometry, check_fp8_row_format, is_fp8
 from decode_server.engine.memory import CPU_DEFAULT_DEVICE_BUDGET, resolve_kv_dtype, resolve_model_dtype
 from decode_server.model.config import ModelConfig
-from decode_server.model.quantization import Fp8LayoutError, resolve_quantization, wants_fp8
+from decode_server.model.quantization import Fp8LayoutError, checkpoint_block, resolve_quantization, wants_fp8
 from decode_server.model.weights import WeightBytes, planned_weight_bytes
 
 GIB = 1 << 30
@@ -237,6 +237,7 @@ def plan_weights(
     checkpoint's, or all of DeepSeek's convention without one), and under "auto" the loader's fallback when a
     tensor-parallel piece cuts through a 128-block (everything dequantized); "fp8" refuses it (Fp8LayoutError, a
     ValueError)."""
+    checkpoint_block(config)  # other quantization methods are refused, as the loader refuses them
     mode = resolve_quantization(quantization, device)
     if mode == "none" and quantization == "fp8":
         warnings.append(f"--quantization fp8 on {device.type}: the engine dequantizes (FP8 GEMMs run on CUDA only)")

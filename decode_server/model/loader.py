@@ -32,6 +32,7 @@ from decode_server.model.quantization import (
     FP8_DTYPE,
     Fp8LayoutError,
     check_mode,
+    checkpoint_block,
     is_fp8_projection,
     wants_fp8,
 )
@@ -227,6 +228,7 @@ def load_checkpoint(
     path = Path(path)
     config = ModelConfig.from_json(path / "config.json")
     mode = check_mode(quantization)
+    checkpoint_block(config)  # refuses quantization methods other than block FP8, whatever the mode
     device = torch.device(device)
     catalog = _catalog(checkpoint_files(path))
     fp8_names = stored_fp8_projections(catalog, config) if wants_fp8(mode, config, device) else set()

@@ -1,4 +1,4 @@
-"""Block-FP8 weights kept in FP8 (`--quantization fp8|none`): which tensors, when it applies, how they are cut.
+"""Block-FP8 weights kept in FP8 (`--quantization auto|fp8|none`): which tensors, when it applies, how they are cut.
 
 DeepSeek-V3.2 and GLM-5 ship their projections as float8 e4m3 with one float32 `weight_scale_inv` per 128×128
 block (`quantization_config`: `quant_method` "fp8", `weight_block_size` [128, 128]). With FP8 storage those

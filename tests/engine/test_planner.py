@@ -216,6 +216,11 @@ def test_quantization_default_rule():
     awq = dataclasses.replace(fp8_config, quantization_config={"quant_method": "awq"})
     with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
         wants_fp8("auto", awq, cuda)
+    raw = {**read_config_json("tiny-dsa")[0], "quantization_config": {"quant_method": "awq"}}
+    for device, quantization in (("cpu", None), ("cuda", "none")):  # refused in every mode, as the loader does
+        with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
+            make_plan(raw, EngineConfig(device=device, quantization=quantization, device_kv_budget_bytes=1 << 30),
+                      model_name="awq")
     plans = {q: _plan("deepseek-v3.2", device="cuda", tp_size=8, device_kv_budget_bytes=1 << 30, quantization=q)
              for q in ("auto", "fp8", "none")}
     assert [plans[q].quantization for q in ("auto", "fp8", "none")] == ["fp8", "fp8", "none"]
