@@ -91,50 +91,39 @@ class WeightBytes:
         return "fp8" if self.by_kind.get("fp8") else "none"
 
 
-def layer_kinds(config: ModelConfig) -> dict[tuple[bool, bool], int]:
-    """(MoE layer?, runs the indexer?) → number of layers of that kind, the kind of layer 0 first. Layers of one
-    kind are built identically (a layer's id only names its tensors), so they hold the same bytes."""
-    kinds: Counter[tuple[bool, bool]] = Counter()
-    for layer in range(config.num_hidden_layers):
-        kinds[(config.is_moe_layer(layer), config.is_index_layer(layer))] += 1
-    return dict(kinds)
-
-
 @dataclass(frozen=True)
 class _Reduced:
     """A config with one decoder layer per kind; for each of its layers, how many layers of the real model it
-    stands for and which real layer it is built like (the first of its kind)."""
+    stands for, and the FP8 projections it is built with (the reduced model's names)."""
 
     config: ModelConfig
     repeats: list[int]
-    representatives: list[int]
+    fp8: bool | set[str]
 
 
-def _one_layer_per_kind(config: ModelConfig) -> _Reduced:
-    first: dict[tuple[bool, bool], int] = {}
+def _one_layer_per_kind(config: ModelConfig, fp8: bool | Collection[str]) -> _Reduced:
+    """Layers of one kind are built identically (a layer's id only names its tensors); with FP8 projections given
+    by name (a checkpoint's), a layer's kind also says which of its projections are FP8, so a checkpoint that
+    stores some layers differently is still counted exactly."""
+    by_layer: dict[int, set[str]] = {}
+    if not isinstance(fp8, bool):
+        for name in fp8:
+            match = _LAYER.match(name)
+            if match is not None:
+                by_layer.setdefault(int(match.group(1)), set()).add(name[match.end():])
+    counts: Counter[tuple[bool, bool, frozenset[str]]] = Counter()
     for layer in range(config.num_hidden_layers):
-        first.setdefault((config.is_moe_layer(layer), config.is_index_layer(layer)), layer)
-    counts = layer_kinds(config)
+        counts[(config.is_moe_layer(layer), config.is_index_layer(layer), frozenset(by_layer.get(layer, ())))] += 1
     kinds = sorted(counts, key=lambda kind: not kind[1])  # full-indexer layers first: a shared one needs one before
     reduced = dataclasses.replace(
         config, num_hidden_layers=len(kinds),
-        mlp_layer_types=tuple("sparse" if moe else "dense" for moe, _ in kinds),
-        indexer_types=tuple("full" if full else "shared" for _, full in kinds),
+        mlp_layer_types=tuple("sparse" if moe else "dense" for moe, _, _ in kinds),
+        indexer_types=tuple("full" if full else "shared" for _, full, _ in kinds),
     )
-    return _Reduced(reduced, [counts[k] for k in kinds], [first[k] for k in kinds])
-
-
-def _reduced_names(names: Collection[str], reduced: _Reduced) -> set[str]:
-    """The reduced model's names of the tensors `names` (the real model's) names in its representative layers."""
-    layer_of = {real: i for i, real in enumerate(reduced.representatives)}
-    out = set()
-    for name in names:
-        match = _LAYER.match(name)
-        if match is None:
-            out.add(name)
-        elif int(match.group(1)) in layer_of:
-            out.add(f"model.layers.{layer_of[int(match.group(1))]}." + name[match.end():])
-    return out
+    names: bool | set[str] = fp8 if isinstance(fp8, bool) else {
+        name for name in fp8 if _LAYER.match(name) is None} | {
+        f"model.layers.{i}.{suffix}" for i, (_, _, suffixes) in enumerate(kinds) for suffix in suffixes}
+    return _Reduced(reduced, [counts[k] for k in kinds], names)
 
 
 def planned_weight_bytes(
@@ -148,17 +137,16 @@ def planned_weight_bytes(
     a tensor-parallel piece that cuts through a 128-block raises quantization.Fp8LayoutError, as in the engine.
 
     The module tree is built on the meta device with one decoder layer per kind (dense or MoE, full or shared
-    indexer; `layer_kinds`) and each layer's bytes are multiplied by the number of layers of its kind (building all
-    61 layers of DeepSeek-V3.2 with 256 experts each takes tens of seconds). Every rank holds the same bytes (FP8
-    pieces start and end on block edges, or FP8 storage is refused)."""
+    indexer, and which projections are FP8) and each layer's bytes are multiplied by the number of layers of its
+    kind (building all 61 layers of DeepSeek-V3.2 with 256 experts each takes tens of seconds). Every rank holds
+    the same bytes (FP8 pieces start and end on block edges, or FP8 storage is refused)."""
     # Imported here: construct imports the model, which imports the engine's forward context.
     from decode_server.model.construct import build_empty_model
     from decode_server.parallel.state import ParallelState
 
-    reduced = _one_layer_per_kind(config)
-    names = fp8 if isinstance(fp8, bool) else _reduced_names(fp8, reduced)
+    reduced = _one_layer_per_kind(config, fp8)
     model = build_empty_model(reduced.config, "meta", dtype, ParallelState(tp_rank=0, tp_size=tp_size,
-                                                                           ep_size=ep_size), fp8=names)
+                                                                           ep_size=ep_size), fp8=reduced.fp8)
     model.finalize_weights()  # derived tensors: the absorbed MLA matrices (and the tied head, if any)
     by_kind: Counter[str] = Counter(dict.fromkeys(KINDS, 0))
     for name, kind, nbytes in weight_storages(model):

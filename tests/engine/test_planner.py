@@ -153,6 +153,13 @@ def test_fp8_weights_equal_the_loaded_fp8_model():
     planned = planned_weight_bytes(config, torch.bfloat16, fp8=names)
     assert weight_bytes(loaded) == {**planned.by_kind, "total": planned.total}
     assert planned.by_kind["fp8"] > 0
+    # A checkpoint that stores layers of one kind differently (layer 2's q_b_proj bf16, layer 1's FP8) is counted
+    # layer by layer: the planner's one-layer-per-kind model splits that kind.
+    mixed = names - {"model.layers.2.self_attn.q_b_proj.weight"}
+    whole = build_empty_model(config, "meta", torch.bfloat16, fp8=mixed)
+    whole.finalize_weights()
+    planned_mixed = planned_weight_bytes(config, torch.bfloat16, fp8=mixed)
+    assert weight_bytes(whole) == {**planned_mixed.by_kind, "total": planned_mixed.total} != weight_bytes(loaded)
     fields = dict(device="cuda", device_kv_budget_bytes=64 << 20, host_kv_budget_bytes=256 << 20)
     raw = read_config_json("tiny-dsa")[0]
     plan = make_plan(raw, EngineConfig(**fields), model_name="tiny-dsa", checkpoint=path)
