@@ -1,5 +1,6 @@
 """`decode-server`: `serve` (the OpenAI-compatible HTTP service), `generate` (offline, in this process),
-`router` (the PD router in front of prefill and decode servers) and `up` (a whole local PD deployment).
+`router` (the PD router in front of prefill and decode servers), `up` (a whole local PD deployment) and `plan`
+(the memory planner: weights, KV budget and batch sizes per GPU from a config.json).
 
 Imports of the engine, the HTTP server and the router happen inside the subcommands, so that `router` and `up`
 start without torch.
@@ -56,11 +57,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--quantization",
-        choices=["fp8", "none"],
+        choices=["auto", "fp8", "none"],
         default=None,
         help="weights of a block-FP8 checkpoint: fp8 keeps them in FP8 on the GPU (block-FP8 GEMMs), none "
-        "dequantizes them to --dtype at load (default: what the checkpoint's quantization_config says; the CPU "
-        "always dequantizes)",
+        "dequantizes them to --dtype at load, auto (the default) follows the checkpoint's quantization_config "
+        "(FP8 on CUDA unless a tensor-parallel piece cuts through a 128-block); the CPU always dequantizes",
     )
     g.add_argument(
         "--attention-backend",
@@ -304,6 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
+    plan = sub.add_parser(
+        "plan", help="memory per GPU and the largest batch, dense and HiSparse, from a config.json (no weights)",
+        description="Plan one GPU of a deployment before renting it: weight bytes (FP8 as stored), KV bytes per "
+        "token, the KV budget --mem-fraction-static leaves, and how many requests of --context-length fit, dense "
+        "and HiSparse. Reads config.json (and a checkpoint's safetensors headers, never a tensor); the flags are "
+        "serve's. docs/deploy.md 'Planning memory'.",
+    )
+    _add_plan_args(plan)
+
     router = sub.add_parser("router", help="run the PD router in front of prefill and decode servers")
     _add_router_args(router)
 
@@ -312,6 +322,91 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start a local PD deployment: prefill + decode servers and a router")
     add_up_args(up)
     return parser
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = p.add_argument_group("model and deployment")
+    g.add_argument("--model-path", default=d.model_path,
+                   help="a config in configs/ (tiny-dsa, deepseek-v3.2, glm-5, dsv32-bench, ...), a config.json, or "
+                        "a checkpoint directory (its config.json, and its safetensors headers for which projections "
+                        "are FP8; no tensor is read)")
+    g.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cuda: FP8 weights as stored, bf16 otherwise; cpu: weights dequantized to float32")
+    g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default=d.dtype)
+    g.add_argument("--quantization", choices=["auto", "fp8", "none"], default="auto",
+                   help="serve's: auto (the default) keeps a block-FP8 checkpoint's projections in FP8 on CUDA "
+                        "unless a tensor-parallel piece cuts through a 128-block; fp8 insists; none dequantizes; "
+                        "the CPU always dequantizes")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32", "fp8_e4m3"],
+                   default=d.kv_cache_dtype)
+    g.add_argument("--attention-backend", choices=["auto", "flashmla", "triton", "torch_native"],
+                   default=d.attention_backend, help="only checked: whether the GPU kernels run this model")
+    g.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=d.tp_size)
+    g.add_argument("--ep-size", type=int, default=d.ep_size)
+    g = p.add_argument_group("memory")
+    g.add_argument("--device-memory", type=_device_memory, default=None, metavar="SIZE|H100|H200",
+                   help="total memory of one GPU as nvidia-smi reports it (H100: 81559MiB, H200: 143771MiB)")
+    g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
+    g.add_argument("--runtime-memory", type=parse_bytes, default=None, metavar="SIZE",
+                   help="device memory in use besides the weights when the engine sizes its KV (CUDA context, "
+                        "allocator rounding); default 1GiB, an estimate: the server logs the real figure")
+    g.add_argument("--device-kv-budget", type=parse_bytes, default=None, metavar="SIZE",
+                   help="explicit device KV budget (wins over --mem-fraction-static)")
+    g.add_argument("--host-kv-budget", type=parse_bytes, default=None, metavar="SIZE",
+                   help="explicit HiSparse host pool (default: host_to_device_ratio × the device KV budget)")
+    g.add_argument("--host-memory", type=parse_bytes, default=None, metavar="SIZE",
+                   help="available memory of the serving host: a derived host pool is capped at half of it")
+    g = p.add_argument_group("scheduling")
+    g.add_argument("--context-length", type=int, default=None,
+                   help="tokens per request (prompt + output) the batch sizes are for (default: the model's)")
+    g.add_argument("--page-size", type=int, default=d.page_size)
+    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    g.add_argument("--enable-hisparse", action="store_true",
+                   help="accepted for serve's command line; both modes are always planned")
+    g.add_argument("--hisparse-config", default=None, metavar="JSON")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def _device_memory(text: str) -> int:
+    from decode_server.planner import parse_device_memory
+
+    try:
+        return parse_device_memory(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"not a size or a GPU name (H100, H200): {text!r}") from None
+
+
+def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from decode_server.planner import (
+        DEFAULT_RUNTIME_MEMORY,
+        checkpoint_dir,
+        format_plan,
+        make_plan,
+        read_config_json,
+    )
+
+    try:
+        engine = EngineConfig(
+            model_path=args.model_path, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+            attention_backend=args.attention_backend, tp_size=args.tp_size, ep_size=args.ep_size,
+            mem_fraction_static=args.mem_fraction_static, device_kv_budget_bytes=args.device_kv_budget,
+            host_kv_budget_bytes=args.host_kv_budget, context_length=args.context_length, page_size=args.page_size,
+            max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
+            enable_hisparse=args.enable_hisparse, hisparse=HiSparseConfig.from_json(args.hisparse_config),
+            quantization=args.quantization,
+        )
+        raw, config_path = read_config_json(args.model_path)
+        plan = make_plan(raw, engine, model_name=args.model_path,
+                         device_memory=args.device_memory, checkpoint=checkpoint_dir(config_path),
+                         runtime_memory=args.runtime_memory if args.runtime_memory is not None
+                         else DEFAULT_RUNTIME_MEMORY,
+                         host_memory=args.host_memory)
+    except (ValidationError, ValueError, FileNotFoundError) as exc:
+        parser.error(str(exc))
+    print(json.dumps(plan.to_json(), indent=2) if args.json else format_plan(plan))
+    return 0
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:
@@ -465,6 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from decode_server.up import run_up
 
         return run_up(args, parser)
+    if args.command == "plan":
+        return _cmd_plan(args, parser)
     try:
         engine_config = engine_config_from_args(args)
         if args.command == "serve":

@@ -96,8 +96,9 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     kv_cache_dtype: KVCacheDType = "auto"
     # SGLang's --quantization: "fp8" keeps a block-FP8 checkpoint's weights in FP8 (FP8 GEMMs), "none" dequantizes
-    # them at load; None: what the checkpoint's quantization_config says (fp8 on CUDA). CPU always dequantizes.
-    quantization: Literal["fp8", "none"] | None = None
+    # them at load; "auto" or None: what the checkpoint's quantization_config says (fp8 on CUDA, unless a
+    # tensor-parallel piece cuts through a 128-block). CPU always dequantizes (decode_server/model/quantization.py).
+    quantization: Literal["auto", "fp8", "none"] | None = None
     attention_backend: AttentionBackendName = "auto"
     # Batch-invariant mode: a request's tokens and logprobs do not depend on what else runs (docs/models.md).
     enable_deterministic_inference: bool = False

@@ -25,9 +25,16 @@ from decode_server.engine.forward_context import forward_context
 from decode_server.engine.kernel_support import REFERENCE_BACKEND, check_kernel_support
 from decode_server.engine.kv_manager import KVManager
 from decode_server.engine.kv_rows import CacheGeometry, check_fp8_row_format
+from decode_server.engine.kv_sizing import (
+    KVBudgets,
+    SizingRules,
+    dense_slots,
+    hisparse_layout,
+    resolve_context_length,
+)
 from decode_server.engine.memory import (
-    plan_dense_slots,
-    plan_hisparse,
+    device_kv_budget,
+    host_kv_budget,
     resolve_device,
     resolve_kv_dtype,
     resolve_model_dtype,
@@ -45,6 +52,7 @@ from decode_server.errors import (
 )
 from decode_server.hisparse.coordinator import HiSparseCoordinator
 from decode_server.model.batch_invariant import batch_invariant_mode
+from decode_server.model.quantization import resolve_quantization
 from decode_server.parallel.state import ParallelState
 
 logger = logging.getLogger(__name__)
@@ -118,15 +126,16 @@ class Engine:
         self._check_model_sizes(model_config)
         self.model = model
         self.model_config = model_config
-        # What the weights hold on the device (FP8 storage included; decode_server/model/weights.py).
+        # What the weights hold on the device, by kind (FP8 storage included): the count the memory planner makes of
+        # the same module tree (decode_server/model/weights.py; docs/deploy.md "Planning memory").
         self.quantization = str(getattr(model, "quantization", "none"))
         self.weight_bytes = _weight_bytes(model)
         self.tokenizer = tokenizer
         self.cache_geometry = CacheGeometry.from_model_config(model_config)
-        model_ctx = int(getattr(model_config, "max_position_embeddings", 0) or 0)
-        self.context_length = min(config.context_length or model_ctx, model_ctx or config.context_length or 0)
-        if self.context_length <= 0:
-            raise ValueError("context length unknown: set context_length")
+        self.context_length = resolve_context_length(
+            config.context_length, int(getattr(model_config, "max_position_embeddings", 0) or 0))
+        # The budgets the pools were sized from (None with a `kv_manager` passed in, which was sized elsewhere).
+        self.kv_budgets: KVBudgets | None = None
         self.kv = kv_manager if kv_manager is not None else self._build_kv_manager()
         self.attention_kernel = resolve_attention_kernel(config.attention_backend, self.device,
                                                          config.enable_deterministic_inference)
@@ -191,27 +200,30 @@ class Engine:
         check_kernel_support(model_config, self.device, self.model_dtype, self.config.attention_backend,
                              self.config.tp_size)
 
-    def _agreed_budgets(self) -> EngineConfig:
-        """The config with explicit device and host KV budgets that every rank shares: the smallest device budget
-        of any rank (free GPU memory differs a little between GPUs) and the smallest derived host budget. Pool sizes
-        decide admission and retraction, so ranks with different sizes would schedule differently and diverge."""
-        import torch.distributed as dist
-
-        from decode_server.engine.memory import device_kv_budget, host_kv_budget
-
+    def _kv_budgets(self) -> KVBudgets:
+        """The device and host KV budgets this engine sizes its pools from: explicit, or measured
+        (decode_server/engine/memory.py). With tensor parallelism every rank takes the smallest of each over the
+        ranks (free GPU memory differs a little between GPUs): pool sizes decide admission and retraction, so ranks
+        with different sizes would schedule differently and diverge."""
         cfg = self.config
         device_budget = device_kv_budget(cfg, self.device)
-        local = torch.tensor([device_budget, host_kv_budget(cfg, device_budget)], dtype=torch.int64)
-        dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.parallel.cpu_group)
-        agreed_device, agreed_host = (int(x) for x in local.tolist())
-        logger.info("tensor-parallel KV budgets agreed by %d ranks: device %.1f MiB, host %.1f MiB", self.tp_size,
-                    agreed_device / 2**20, agreed_host / 2**20)  # fmt: skip
-        return cfg.model_copy(update={"device_kv_budget_bytes": agreed_device, "host_kv_budget_bytes": agreed_host})
+        host_budget = host_kv_budget(cfg, device_budget) if cfg.enable_hisparse else 0
+        if self.tp_size > 1:
+            import torch.distributed as dist
+
+            local = torch.tensor([device_budget, host_budget], dtype=torch.int64)
+            dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.parallel.cpu_group)
+            device_budget, host_budget = (int(x) for x in local.tolist())
+            logger.info("tensor-parallel KV budgets agreed by %d ranks: device %.1f MiB, host %.1f MiB",
+                        self.tp_size, device_budget / 2**20, host_budget / 2**20)
+        return KVBudgets(device=device_budget, host=host_budget)
 
     def _build_kv_manager(self) -> KVManager:
-        cfg = self._agreed_budgets() if self.tp_size > 1 else self.config
+        cfg = self.config
+        budgets = self.kv_budgets = self._kv_budgets()
         num_layers = int(self.model_config.num_hidden_layers)
         geometry = self.cache_geometry
+        rules = SizingRules.from_config(cfg)
         reference = cfg.attention_backend == REFERENCE_BACKEND
         if cfg.enable_hisparse:
             index_topk = int(self.model_config.index_topk)
@@ -220,10 +232,12 @@ class Engine:
                     f"hisparse top_k ({cfg.hisparse.top_k}) must equal the model's index_topk ({index_topk}): the "
                     "indexer of the model decides how many tokens are attended"
                 )
-            layout = plan_hisparse(cfg, self.device, num_layers, index_topk, self.kv_dtype, self.context_length,
-                                   geometry)
+            layout = hisparse_layout(budgets.device, budgets.host, geometry, self.kv_dtype, index_topk,
+                                     self.context_length, rules)
+            logger.info("hisparse layout: %s", layout)
             return HiSparseCoordinator(layout, self.kv_dtype, self.device, reference, parallel=self.parallel)
-        slots = plan_dense_slots(cfg, self.device, num_layers, self.kv_dtype, geometry)
+        slots = dense_slots(budgets.device, geometry, self.kv_dtype, cfg.page_size)
+        logger.info("dense KV: %d token slots (%d B per token)", slots, geometry.bytes_per_token(self.kv_dtype))
         return DenseKVManager(num_layers, slots, cfg.max_running_requests, self.context_length, self.kv_dtype,
                               self.device, cfg.page_size, geometry, reference)
 
@@ -531,6 +545,8 @@ class Engine:
             quantization=self.quantization,
             weights_bytes=self.weight_bytes.get("total", 0),
             weights_bytes_by_kind={k: v for k, v in self.weight_bytes.items() if k != "total"},
+            device_kv_budget_bytes=self.kv_budgets.device if self.kv_budgets is not None else 0,
+            host_kv_budget_bytes=self.kv_budgets.host if self.kv_budgets is not None else 0,
             **usage,
         )
 
@@ -581,18 +597,6 @@ def resolve_attention_kernel(name: str, device: torch.device, deterministic: boo
         raise ValueError("--attention-backend flashmla needs a Hopper GPU and the sgl-flash-mla wheel "
                          "(pip install 'hisparse-decode-server[flashmla]')")
     return name
-
-
-def resolve_quantization(requested: str | None, device: torch.device) -> str:
-    """--quantization → the loader's mode: the checkpoint decides ("auto") unless set; the engine on CPU always
-    dequantizes (the FP8 GEMMs are GPU kernels; the CPU reference would only be slow), saying so when FP8 was
-    asked for."""
-    if device.type != "cuda":
-        if requested == "fp8":
-            logger.warning("--quantization fp8 on %s: the weights are dequantized (FP8 GEMMs run on CUDA only)",
-                           device.type)
-        return "none"
-    return requested or "auto"
 
 
 def _weight_bytes(model: Any) -> dict[str, int]:

@@ -1,11 +1,11 @@
-"""Memory sizing: from `EngineConfig` (explicit byte budgets, or `mem_fraction_static` on CUDA) to pool sizes.
+"""Memory sizing on the engine side: device, dtypes, the KV budgets the engine measures or is given, and the pool
+sizes they buy.
 
-Dense: the device budget buys tokens of (MLA row for every layer + indexer key for every layer that runs the
-indexer: all of DeepSeek-V3.2's, GLM-5's "full" layers only).
-HiSparse: the host budget (explicit, or `host_to_device_ratio` × the device budget) buys host KV pages; the
-device budget first holds the indexer keys of as many tokens as the host pool holds (the indexer must see every
-token of every running request), and the rest buys request buffers of D + R slots, at most one per request row.
-If that leaves no buffer, the indexer share shrinks to what is left after one buffer per request row.
+The sizing rules themselves are pure functions in `decode_server/engine/kv_sizing.py` (budgets in, pool sizes
+out), shared with the memory planner (`decode-server plan`); this module only supplies the budgets: explicit ones
+from `EngineConfig`, else on CUDA the free device memory after the model is loaded minus the (1 −
+`mem_fraction_static`) share (`kv_sizing.kv_budget_from_memory`), on CPU a fixed 256 MiB; the host budget is
+explicit or `host_to_device_ratio` × the device budget, capped at half of the host's available memory.
 """
 
 from __future__ import annotations
@@ -16,15 +16,13 @@ import logging
 import torch
 
 from decode_server.config import EngineConfig
+from decode_server.engine import kv_sizing
 from decode_server.engine.kv_rows import FP8_KV_DTYPE, CacheGeometry, row_bytes
 from decode_server.hisparse.coordinator import HiSparseLayout
-from decode_server.hisparse.prefill_staging import STAGING_ROW_ALIGN, staging_bytes
 
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_DEVICE_BUDGET = 256 << 20
-# A derived (not explicit) host budget never takes more than this share of the memory available now.
-HOST_AVAILABLE_FRACTION = 0.5
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -68,7 +66,11 @@ def device_kv_budget(config: EngineConfig, device: torch.device) -> int:
         gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(free - (1.0 - config.mem_fraction_static) * total)
+        budget = kv_sizing.kv_budget_from_memory(free, total, config.mem_fraction_static)
+        logger.info("device memory when the KV pools are sized: %.0f MiB total, %.0f MiB in use, %.0f MiB of it by "
+                    "this process's tensors; KV budget %.0f MiB at mem_fraction_static %.2f", total / 2**20,
+                    (total - free) / 2**20, torch.cuda.memory_allocated(device) / 2**20, budget / 2**20,
+                    config.mem_fraction_static)
         if budget <= 0:
             raise ValueError(f"no device memory left for KV at mem_fraction_static={config.mem_fraction_static}")
         return budget
@@ -92,13 +94,11 @@ def host_kv_budget(config: EngineConfig, device_budget: int) -> int:
     (pinning more than the machine has would take the whole host down)."""
     if config.host_kv_budget_bytes is not None:
         return config.host_kv_budget_bytes
-    budget = int(config.hisparse.host_to_device_ratio * device_budget)
-    available = available_host_memory()
-    if available is not None and budget > HOST_AVAILABLE_FRACTION * available:
-        capped = int(HOST_AVAILABLE_FRACTION * available)
+    ratio = config.hisparse.host_to_device_ratio
+    budget = kv_sizing.derived_host_budget(ratio, device_budget, available_host_memory())
+    if budget < int(ratio * device_budget):
         logger.warning("host KV budget %.1f GiB capped to %.1f GiB (half of the available host memory); set "
-                       "host_kv_budget_bytes to choose", budget / 2**30, capped / 2**30)
-        budget = capped
+                       "host_kv_budget_bytes to choose", ratio * device_budget / 2**30, budget / 2**30)
     return budget
 
 
@@ -106,73 +106,23 @@ def plan_dense_slots(
     config: EngineConfig, device: torch.device, num_layers: int, kv_dtype: torch.dtype,
     geometry: CacheGeometry | None = None,
 ) -> int:
-    """Token slots of the dense cache: MLA rows of every layer + indexer keys of the layers that run the
-    indexer (`geometry`; default DeepSeek-V3.2 sizes, every layer indexed)."""
+    """Token slots of the dense cache from the config's device budget (`kv_sizing.dense_slots`); `geometry`
+    default: DeepSeek-V3.2 sizes, every layer indexed."""
     geometry = geometry if geometry is not None else CacheGeometry(num_layers)
-    per_token = geometry.bytes_per_token(kv_dtype)
-    slots = device_kv_budget(config, device) // per_token
-    slots -= slots % config.page_size
-    if slots < config.page_size:
-        raise ValueError(f"the device KV budget holds {slots} tokens, less than one page of {config.page_size}")
-    logger.info("dense KV: %d token slots (%d B per token)", slots, per_token)
+    slots = kv_sizing.dense_slots(device_kv_budget(config, device), geometry, kv_dtype, config.page_size)
+    logger.info("dense KV: %d token slots (%d B per token)", slots, geometry.bytes_per_token(kv_dtype))
     return slots
-
-
-# Share of the device KV budget the default prefill staging area may take.
-STAGING_BUDGET_FRACTION = 1 / 8
-
-
-def prefill_staging_rows(config: EngineConfig, device_budget: int, row_bytes: int, max_request_tokens: int) -> int:
-    """Rows per buffer of HiSparse's prefill staging area (decode_server/hisparse/prefill_staging.py).
-
-    Explicit `hisparse.prefill_staging_tokens` wins. Default: what the scheduler's largest prefill batch needs (one
-    request's prefix up to the longest request, plus a chunk of new tokens), rounded up to the row alignment, but
-    at most `STAGING_BUDGET_FRACTION` of the device budget (a batch that does not fit takes the slower gather path).
-    """
-    if config.hisparse.prefill_staging_tokens is not None:
-        return config.hisparse.prefill_staging_tokens
-    align = STAGING_ROW_ALIGN
-    need = -(-(max_request_tokens + config.chunked_prefill_size) // align) * align
-    cap = int(device_budget * STAGING_BUDGET_FRACTION) // staging_bytes(align, row_bytes) * align
-    return min(need, cap)
 
 
 def plan_hisparse(
     config: EngineConfig, device: torch.device, num_layers: int, index_topk: int, kv_dtype: torch.dtype,
     max_ctx: int, geometry: CacheGeometry | None = None,
 ) -> HiSparseLayout:
-    """HiSparse pool sizes; indexer keys are counted only for the layers that run the indexer (`geometry`)."""
+    """HiSparse pool sizes from the config's budgets (`kv_sizing.hisparse_layout`)."""
     geometry = geometry if geometry is not None else CacheGeometry(num_layers)
-    hs = config.hisparse
-    top_k = hs.top_k or index_topk
-    buffer_size = hs.device_buffer_size or 2 * top_k
-    if buffer_size < top_k:
-        raise ValueError(f"hisparse device_buffer_size ({buffer_size}) must be >= top_k ({top_k})")
-    rb = row_bytes_of(kv_dtype, geometry)
-    ps = config.page_size
     device_budget = device_kv_budget(config, device)
     host_budget = host_kv_budget(config, device_budget)
-    host_pages = host_budget // (rb * num_layers * ps)
-    if host_pages < 1:
-        raise ValueError(f"the host KV budget ({host_budget} B) holds less than one page of {ps} tokens")
-    staging_rows = prefill_staging_rows(config, device_budget, rb, min(max_ctx, host_pages * ps))
-    device_budget -= staging_bytes(staging_rows, rb)
-    buffer_bytes = (buffer_size + hs.num_recent_slots) * rb * num_layers
-    idx_page_bytes = geometry.index_key_bytes * geometry.num_index_layers * ps
-    indexer_pages = min(host_pages, device_budget // idx_page_bytes)
-    num_buffers = min(config.max_running_requests, (device_budget - indexer_pages * idx_page_bytes) // buffer_bytes)
-    if num_buffers < 1:
-        num_buffers = min(config.max_running_requests, device_budget // (buffer_bytes + idx_page_bytes))
-        indexer_pages = (device_budget - num_buffers * buffer_bytes) // idx_page_bytes
-    if num_buffers < 1 or indexer_pages < 1:
-        raise ValueError(
-            f"the device KV budget ({device_budget} B) cannot hold one request buffer ({buffer_bytes} B) and one "
-            f"page of indexer keys ({idx_page_bytes} B)"
-        )
-    layout = HiSparseLayout(
-        num_layers=num_layers, top_k=top_k, buffer_size=buffer_size, num_recent=hs.num_recent_slots,
-        num_buffers=num_buffers, host_pages=host_pages, indexer_pages=indexer_pages, page_size=ps, row_bytes=rb,
-        max_reqs=config.max_running_requests, max_ctx=max_ctx, geometry=geometry, prefill_staging_rows=staging_rows,
-    )
+    layout = kv_sizing.hisparse_layout(device_budget, host_budget, geometry, kv_dtype, index_topk, max_ctx,
+                                       kv_sizing.SizingRules.from_config(config))
     logger.info("hisparse layout: %s", layout)
     return layout

@@ -132,6 +132,8 @@ class EngineStats(BaseModel):
         default_factory=dict, description="fp8 weights, fp8_scales, absorbed (MLA W_UK/W_UV), other")
     disagg: DisaggStats | None = None
     tp_ranks: list[TPRankStats] = Field(default_factory=list, description="per rank with --tp-size > 1; else empty")
+    device_kv_budget_bytes: int = Field(default=0, description="the device KV budget the pools were sized from")
+    host_kv_budget_bytes: int = Field(default=0, description="the HiSparse host pool budget (0: dense)")
 
     @property
     def hisparse_hits(self) -> int:

@@ -23,7 +23,7 @@ host-side reader of the pool wait for it, as after a decode step's backup).
 Bytes: a chunk copies its requests' prefixes once per layer over PCIe (a 32K prompt in 2K chunks copies
 Σ prefix = 16·15/2 · 2K ≈ 246K rows per layer in all, 283 MB of bf16 rows at 1152 B), and writes its own rows
 back once. The device holds two layers' worth of the largest batch (`capacity` rows each), budgeted by
-`plan_hisparse`; a larger batch (impossible with the scheduler's chunking and an uncapped default size) takes
+`kv_sizing.hisparse_layout`; a larger batch (impossible with the scheduler's chunking and an uncapped default size) takes
 the reference path (`HiSparseBackend._extend_attention_gather`).
 
 On CPU the same steps run synchronously with PyTorch copies (the reference of the CUDA path: same layout, same

@@ -32,6 +32,7 @@ from decode_server.model.quantization import (
     FP8_DTYPE,
     Fp8LayoutError,
     check_mode,
+    checkpoint_block,
     is_fp8_projection,
     wants_fp8,
 )
@@ -203,6 +204,19 @@ def _read_scale(
     return scale, (window[0].start, window[1].start)
 
 
+def stored_fp8_projections(catalog: dict[str, tuple[Path, tuple[int, ...], str]], config: ModelConfig) -> set[str]:
+    """The projection weights a checkpoint stores in FP8 (2-D F8_E4M3 tensors of quantization.FP8_PROJECTIONS that
+    the model has): with FP8 storage these, and only these, stay FP8 (`build_empty_model(..., fp8=names)`)."""
+    return {name for name, (_, shape, dtype) in catalog.items()
+            if dtype in _FP8_DTYPES and len(shape) == 2 and is_fp8_projection(name) and not _is_skipped(name, config)}
+
+
+def checkpoint_fp8_projections(path: str | Path, config: ModelConfig) -> set[str]:
+    """`stored_fp8_projections` of a checkpoint directory, from its safetensors headers only (no tensor is read):
+    what the memory planner builds as FP8 when given a checkpoint, as the loader does."""
+    return stored_fp8_projections(_catalog(checkpoint_files(Path(path))), config)
+
+
 def load_checkpoint(
     path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None,
     parallel: ParallelState | None = None, quantization: str | None = "auto",
@@ -214,13 +228,10 @@ def load_checkpoint(
     path = Path(path)
     config = ModelConfig.from_json(path / "config.json")
     mode = check_mode(quantization)
+    checkpoint_block(config)  # refuses quantization methods other than block FP8, whatever the mode
     device = torch.device(device)
     catalog = _catalog(checkpoint_files(path))
-    fp8_names: set[str] = set()
-    if wants_fp8(mode, config, device):
-        fp8_names = {name for name, (_, shape, dtype) in catalog.items()
-                     if dtype in _FP8_DTYPES and len(shape) == 2 and is_fp8_projection(name)
-                     and not _is_skipped(name, config)}
+    fp8_names = stored_fp8_projections(catalog, config) if wants_fp8(mode, config, device) else set()
     try:
         model = build_empty_model(config, device, dtype, parallel, fp8=fp8_names)
     except Fp8LayoutError as exc:

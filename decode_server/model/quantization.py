@@ -1,4 +1,4 @@
-"""Block-FP8 weights kept in FP8 (`--quantization fp8|none`): which tensors, when it applies, how they are cut.
+"""Block-FP8 weights kept in FP8 (`--quantization auto|fp8|none`): which tensors, when it applies, how they are cut.
 
 DeepSeek-V3.2 and GLM-5 ship their projections as float8 e4m3 with one float32 `weight_scale_inv` per 128×128
 block (`quantization_config`: `quant_method` "fp8", `weight_block_size` [128, 128]). With FP8 storage those
@@ -11,7 +11,7 @@ experts and routed experts. Stored otherwise, whatever the checkpoint says:
   - the indexer's `weights_proj` (kept float32, read directly), embeddings, the LM head and the router are not
     FP8 in the checkpoints and stay as the model dtype (router and weights_proj float32).
 
-Modes (`resolve` below):
+Modes (`check_mode`, `wants_fp8`; the engine's `resolve_quantization` maps `--quantization` onto them):
   - "none": every FP8 tensor is dequantized at load into the model dtype (the behaviour before FP8 storage);
   - "fp8": the checkpoint must be block-FP8 (128×128); every projection it stores in FP8 stays FP8; a tensor-parallel
     piece that does not start and end on a 128-block edge is refused (`Fp8LayoutError`, naming the tensors);
@@ -19,6 +19,10 @@ Modes (`resolve` below):
     "none" (the server and `make test` on CPU dequantize as before; `load_model(..., quantization="fp8")` on CPU
     keeps FP8 and runs the PyTorch reference GEMMs, for tests). Misaligned pieces under "auto" are logged and
     dequantized.
+
+This module is the one place the engine (through the loader and `build_empty_model`) and the memory planner
+(`decode-server plan`, decode_server/planner.py) take these rules from: the planner builds the same module tree on
+the meta device with the same `fp8=` argument and counts its tensors (decode_server/model/weights.py).
 """
 
 from __future__ import annotations
@@ -50,9 +54,14 @@ class Fp8LayoutError(ValueError):
 
 
 def checkpoint_block(config: ModelConfig) -> tuple[int, int] | None:
-    """The checkpoint's FP8 weight block when `quantization_config` says block FP8, else None."""
+    """The checkpoint's FP8 weight block when `quantization_config` says block FP8, else None. Other quantization
+    methods are refused (ValueError): the loader reads block-FP8 and unquantized checkpoints only."""
     q = config.quantization_config or {}
-    if str(q.get("quant_method", "")).lower() != "fp8" or not q.get("weight_block_size"):
+    method = str(q.get("quant_method", "")).lower()
+    if method and method != "fp8":
+        raise ValueError(f"quantization_config quant_method {method!r} is not supported: this server reads block-FP8 "
+                         "checkpoints (quant_method fp8, DeepSeek's format) and unquantized ones")
+    if method != "fp8" or not q.get("weight_block_size"):
         return None
     return config.weight_block_size
 
@@ -69,6 +78,19 @@ def check_mode(quantization: str | None) -> str:
     mode = quantization or "auto"
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization {quantization!r}: expected one of {QUANTIZATION_MODES}")
+    return mode
+
+
+def resolve_quantization(requested: str | None, device: torch.device) -> str:
+    """`--quantization` → the loader's mode, as the engine (and the planner, planning it) applies it: the
+    checkpoint decides ("auto") unless set; on CPU the engine always dequantizes (the FP8 GEMMs are GPU kernels; the
+    CPU reference would only be slow), saying so when FP8 was asked for."""
+    mode = check_mode(requested)
+    if device.type != "cuda":
+        if mode == "fp8":
+            logger.warning("--quantization fp8 on %s: the weights are dequantized (FP8 GEMMs run on CUDA only)",
+                           device.type)
+        return "none"
     return mode
 
 

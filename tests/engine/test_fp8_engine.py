@@ -23,14 +23,14 @@ from decode_server.model.weights import weight_bytes
 def test_cli_flag_maps_onto_the_engine_config(capsys) -> None:
     parser = build_parser()
     assert engine_config_from_args(parser.parse_args(["serve"])).quantization is None
-    for value in ("fp8", "none"):
+    for value in ("auto", "fp8", "none"):
         assert engine_config_from_args(parser.parse_args(["serve", "--quantization", value])).quantization == value
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(["serve", "--quantization", "int8"])
     assert exc.value.code == 2
     assert "--quantization" in capsys.readouterr().err
     help_text = parser._subparsers._group_actions[0].choices["serve"].format_help()
-    assert "--quantization {fp8,none}" in help_text
+    assert "--quantization {auto,fp8,none}" in help_text
 
 
 def test_quantization_resolution(caplog) -> None:

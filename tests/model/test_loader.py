@@ -148,3 +148,13 @@ def test_missing_shard_file(tmp_path: Path) -> None:
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="do not exist"):
         load_checkpoint(tmp_path, "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("quantization", ["auto", "fp8", "none"])
+def test_other_quantization_methods_are_refused(tmp_path: Path, quantization: str) -> None:
+    """A quantization_config of another method (compressed-tensors, AWQ, ...) is refused by name before any
+    tensor is read, in every mode (with "none" it would otherwise fail on its scale tensors)."""
+    write_checkpoint(small_model(torch.float32), tmp_path,
+                     config_overrides={"quantization_config": {"quant_method": "compressed-tensors"}})
+    with pytest.raises(ValueError, match="quant_method 'compressed-tensors' is not supported"):
+        load_checkpoint(tmp_path, "cpu", torch.float32, quantization=quantization)
