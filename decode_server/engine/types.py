@@ -120,6 +120,7 @@ class EngineStats(BaseModel):
     num_prompt_tokens: int = 0
     num_steps: int = 0
     num_retractions: int = 0
+    num_idle_passes: int = Field(default=0, description="DP attention: passes run without a token of this rank's")
     hisparse_enabled: bool = False
     hisparse_layers: list[HiSparseLayerStats] = Field(default_factory=list)
     host_pages: PoolUsage = Field(default_factory=PoolUsage)
