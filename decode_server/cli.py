@@ -143,6 +143,27 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="expert parallelism: 1 (experts tensor-sharded) or --tp-size (experts split across the ranks)",
     )
     g.add_argument(
+        "--enable-dp-attention", action="store_true",
+        help="data-parallel attention: each of the --tp-size ranks runs attention for its own requests with its own "
+        "KV (N ranks hold N GPUs' worth of KV); dense layers, MoE and LM head stay sharded over all ranks "
+        "(docs/parallelism.md)",
+    )
+    g.add_argument(
+        "--dp-size", "--dp", dest="dp_size", type=int, default=d.dp_size,
+        help="attention data-parallel ranks with --enable-dp-attention; must equal --tp-size",
+    )
+    g.add_argument(
+        "--enable-dp-lm-head", action="store_true",
+        help="with --enable-dp-attention: the LM head whole on every rank (no gather of the sampled rows, "
+        "vocab × hidden more weight memory per rank)",
+    )
+    g.add_argument(
+        "--load-balance-method", choices=["shortest_queue", "minimum_tokens", "round_robin"],
+        default=d.load_balance_method,
+        help="with --enable-dp-attention: how requests are spread over the ranks (fewest requests in flight, "
+        "fewest prompt + max_tokens in flight, or in turn)",
+    )
+    g.add_argument(
         "--watchdog-timeout",
         type=float,
         default=d.watchdog_timeout,
@@ -238,6 +259,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         watchdog_timeout=args.watchdog_timeout,
         tp_size=args.tp_size,
         ep_size=args.ep_size,
+        enable_dp_attention=args.enable_dp_attention,
+        dp_size=args.dp_size,
+        enable_dp_lm_head=args.enable_dp_lm_head,
+        load_balance_method=args.load_balance_method,
     )
 
 

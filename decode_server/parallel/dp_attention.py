@@ -36,6 +36,10 @@ import torch.distributed as dist
 
 from decode_server.parallel.state import ParallelState
 
+# torch >= 2.13 names them *_single (the *_tensor names are deprecated there, and all older torch has).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass(frozen=True)
 class DPBatchLayout:
@@ -112,7 +116,7 @@ def gather_rows(x: torch.Tensor, counts: tuple[int, ...], rank: int, state: Para
         padded = x.new_zeros((width, *x.shape[1:]))
         padded[: x.shape[0]] = x
         out = x.new_empty((width * len(counts), *x.shape[1:]))
-        dist.all_gather_into_tensor(out, padded, group=state.group)
+        _all_gather(out, padded, group=state.group)
         return out if width * len(counts) == total else out[_real_rows(counts, width, x.device)]
     out = x.new_zeros((total, *x.shape[1:]))
     start = _offsets(counts)[rank]
@@ -137,7 +141,7 @@ def reduce_scatter_rows(partial: torch.Tensor, counts: tuple[int, ...], rank: in
             padded = partial.new_zeros((width * len(counts), *partial.shape[1:]))
             padded[_real_rows(counts, width, partial.device)] = partial
         out = partial.new_empty((width, *partial.shape[1:]))
-        dist.reduce_scatter_tensor(out, padded, group=state.group)
+        _reduce_scatter(out, padded, group=state.group)
         return out[:mine]
     dist.all_reduce(partial, group=state.group)
     start = _offsets(counts)[rank]
@@ -186,7 +190,7 @@ class DPStepSync:
     def agree(self, num_tokens: int, num_sampled: int) -> DPBatchLayout:
         mine = torch.tensor([num_tokens, num_sampled, self.hint], dtype=torch.int64)
         every = torch.empty(self.state.dp_size * 3, dtype=torch.int64)
-        dist.all_gather_into_tensor(every, mine, group=self.state.cpu_group)
+        _all_gather(every, mine, group=self.state.cpu_group)
         rows = every.view(self.state.dp_size, 3).tolist()
         self.hints = tuple(int(r[2]) for r in rows)
         self.num_agreements += 1
