@@ -199,3 +199,56 @@ def dp_scenarios(rank: int, init_method: str, out_dir: str) -> None:
     finally:
         destroy_parallel(dp)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+# ---------------------------------------------------------------------------------------------- 2 GPUs (NCCL)
+
+
+def gpu_rank_arrivals(rank: int, wide: bool) -> list[Arrival]:
+    """Each rank's share of the 2-GPU workload; the wide model's prompts are longer than its top-k (128)."""
+    if not wide:
+        return rank_arrivals(rank)
+    gen = torch.Generator().manual_seed(13 + rank)
+    spec = [[(0, 300, 6), (2, 260, 5)], [(0, 150, 8)]][rank]
+    return [Arrival(step, f"w{rank}-{i}", random_prompt(gen, n), m) for i, (step, n, m) in enumerate(spec)]
+
+
+def gpu_engine_runs(parallel: ParallelState | None, device: str, rank: int, wide: bool) -> dict[str, dict]:
+    """Rank `rank`'s arrivals through the real Engine on `device` in bf16, dense and HiSparse: as one DP rank
+    (`parallel`) or on one GPU alone (None). Eager and without overlap on both sides (DP runs neither)."""
+    from tp_gpu_workers import WIDE_TOP_K
+
+    from decode_server.model import build_random_model, load_config
+
+    if wide:
+        config = dataclasses.replace(load_config("tiny-dsa"), num_attention_heads=64, num_key_value_heads=64,
+                                     index_topk=WIDE_TOP_K)
+        model = build_random_model(config, device, torch.bfloat16, seed=3, parallel=parallel)
+    else:
+        model, config = load_model("tiny-dsa", device, torch.bfloat16, parallel=parallel)
+    tokenizer = Tokenizer.from_dir(resolve_model_path("tiny-dsa"))
+    out = {}
+    for hisparse in (False, True):
+        base = engine_config(hisparse, parallel)
+        cfg = base.model_copy(update={
+            "device": "cuda", "disable_cuda_graph": True, "disable_overlap_schedule": True,
+            "attention_backend": "auto" if wide else "torch_native",
+            "hisparse": HiSparseConfig(device_buffer_size=WIDE_TOP_K if wide else TOP_K, num_recent_slots=2),
+        })
+        engine = Engine(cfg, model=model, model_config=config, tokenizer=tokenizer, parallel=parallel)
+        out["hisparse" if hisparse else "dense"] = run_engine(engine, gpu_rank_arrivals(rank, wide), parallel)
+        del engine
+        torch.cuda.empty_cache()
+    return out
+
+
+def gpu_dp_scenarios(rank: int, init_method: str, out_dir: str) -> None:
+    device = torch.device("cuda", rank)
+    dp = init_parallel(rank, WORLD, WORLD, init_method, device, timeout_s=180, dp_size=WORLD)
+    try:
+        results = {"dp_ep": gpu_engine_runs(dp, str(device), rank, wide=False),
+                   "wide_dp_ep": gpu_engine_runs(dp, str(device), rank, wide=True),
+                   "backend": dist.get_backend()}
+    finally:
+        destroy_parallel(dp)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
