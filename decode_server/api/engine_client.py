@@ -133,7 +133,8 @@ class EngineClient:
         self.engine_config = engine_config
         self.engine_factory = engine_factory
         self.log_level = log_level
-        self.max_inflight = max_inflight or (
+        # Each data-parallel attention rank runs and queues as many requests as one engine.
+        self.max_inflight = max_inflight or engine_config.dp_attention_size * (
             engine_config.max_running_requests + engine_config.max_queued_requests
         )
         self.on_engine_death = on_engine_death

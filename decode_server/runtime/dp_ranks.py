@@ -34,11 +34,13 @@ import zmq
 
 from decode_server.config import EngineConfig
 from decode_server.engine.types import DisaggStats, DPRankStats, EngineStats, HiSparseLayerStats, PoolUsage
+from decode_server.errors import InvalidRequestError
 from decode_server.parallel.state import ParallelState
 from decode_server.runtime.loop import EngineLoop
 from decode_server.runtime.messages import (
     AbortMsg,
     GenerateMsg,
+    RejectedMsg,
     StatsMsg,
     StatsQueryMsg,
     ToEngine,
@@ -88,6 +90,10 @@ class DPRankLoop(EngineLoop):
         return True  # the step's agreement and the MLPs' collectives need every rank, busy or idle
 
     def _handle(self, msg: ToEngine) -> None:
+        if isinstance(msg, GenerateMsg) and not 0 <= msg.dp_rank < self.parallel.dp_size and self.rank == 0:
+            self.push.send(encode(RejectedMsg.from_exception(msg.rid, InvalidRequestError(
+                f"data-parallel rank {msg.dp_rank} does not exist (dp_size {self.parallel.dp_size})"))))
+            return
         if isinstance(msg, GenerateMsg) and msg.dp_rank != self.rank:
             return
         if isinstance(msg, AbortMsg) and msg.rid is not None and msg.rid not in self.active:
