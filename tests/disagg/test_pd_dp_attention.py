@@ -126,7 +126,7 @@ def test_kv_lands_in_the_owning_rank_only(servers):
     counter alone grew by its bytes; the other rank's pool and counter are untouched by it."""
     decode = servers["decode"]
     wait_pd_idle(decode)
-    transfer, pages = "hisparse:dp_kv_transfer_bytes", "hisparse:dp_host_pool_used_pages"
+    transfer, pages = "hisparse:dp_kv_transfer_bytes_total", "hisparse:dp_host_pool_used_pages"
     start = _rank_gauges(decode)
     a, a_result = _start(servers, PROMPTS[1], 150)
     during_a = _wait_running(decode, 0)
