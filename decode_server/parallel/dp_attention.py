@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -98,8 +99,10 @@ def _offsets(counts: tuple[int, ...]) -> list[int]:
     return out
 
 
+@functools.lru_cache(maxsize=64)
 def _real_rows(counts: tuple[int, ...], width: int, device: torch.device) -> torch.Tensor:
-    """Indices of the real rows in the rank-major padded layout ([N · width] rows, rank r's at r · width)."""
+    """Indices of the real rows in the rank-major padded layout ([N · width] rows, rank r's at r · width); built once
+    per layout (every MLP layer of a pass asks for the same), not per layer."""
     return torch.cat([torch.arange(r * width, r * width + c, device=device) for r, c in enumerate(counts)])
 
 
@@ -113,8 +116,10 @@ def gather_rows(x: torch.Tensor, counts: tuple[int, ...], rank: int, state: Para
     x = x.contiguous()
     if use_max_len(counts) if max_len is None else max_len:
         width = max(counts)
-        padded = x.new_zeros((width, *x.shape[1:]))
-        padded[: x.shape[0]] = x
+        padded = x
+        if x.shape[0] != width:
+            padded = x.new_zeros((width, *x.shape[1:]))
+            padded[: x.shape[0]] = x
         out = x.new_empty((width * len(counts), *x.shape[1:]))
         _all_gather(out, padded, group=state.group)
         return out if width * len(counts) == total else out[_real_rows(counts, width, x.device)]
