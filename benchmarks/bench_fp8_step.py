@@ -1,7 +1,7 @@
 """Whole decode steps with block-FP8 weights against the same model's weights dequantized to bf16 (issue 21).
 
 One random FP8 model is built on the GPU (`build_random_model(..., quantization="fp8")`, seconds) and its bf16
-twin is the same weights dequantized (`quantization.dequantized_copy`). For each batch size, each model runs the
+twin is the same weights dequantized (`construct.dequantized_copy`). For each batch size, each model runs the
 real engine loop in dense mode (bench_decode.py's engine, synthetic KV of `--context` tokens injected, CUDA graphs
 captured for the batch's bucket, overlap scheduling as the server runs it): step ms = wall time of `--steps`
 engine steps / steps; then `--profile-steps` more steps under torch.profiler, whose CUDA kernels are summed by
@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE))
 from _timing import device_name, hbm_copy_gbps, time_graph_us  # noqa: E402
 
 from decode_server.model import build_random_model, load_config  # noqa: E402
-from decode_server.model.quantization import dequantized_copy  # noqa: E402
+from decode_server.model.construct import dequantized_copy  # noqa: E402
 from decode_server.model.weights import weight_bytes  # noqa: E402
 from kernels import fp8_gemm  # noqa: E402
 

@@ -144,6 +144,27 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="expert parallelism: 1 (experts tensor-sharded) or --tp-size (experts split across the ranks)",
     )
     g.add_argument(
+        "--enable-dp-attention", action="store_true",
+        help="data-parallel attention: each of the --tp-size ranks runs attention for its own requests with its own "
+        "KV (N ranks hold N GPUs' worth of KV); dense layers, MoE and LM head stay sharded over all ranks "
+        "(docs/parallelism.md)",
+    )
+    g.add_argument(
+        "--dp-size", "--dp", dest="dp_size", type=int, default=d.dp_size,
+        help="attention data-parallel ranks with --enable-dp-attention; must equal --tp-size",
+    )
+    g.add_argument(
+        "--enable-dp-lm-head", action="store_true",
+        help="with --enable-dp-attention: the LM head whole on every rank (no gather of the sampled rows, "
+        "vocab × hidden more weight memory per rank)",
+    )
+    g.add_argument(
+        "--load-balance-method", choices=["shortest_queue", "minimum_tokens", "round_robin"],
+        default=d.load_balance_method,
+        help="with --enable-dp-attention: how requests are spread over the ranks (fewest requests in flight, "
+        "fewest prompt + max_tokens in flight, or in turn)",
+    )
+    g.add_argument(
         "--watchdog-timeout",
         type=float,
         default=d.watchdog_timeout,
@@ -239,6 +260,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         watchdog_timeout=args.watchdog_timeout,
         tp_size=args.tp_size,
         ep_size=args.ep_size,
+        enable_dp_attention=args.enable_dp_attention,
+        dp_size=args.dp_size,
+        enable_dp_lm_head=args.enable_dp_lm_head,
+        load_balance_method=args.load_balance_method,
     )
 
 
@@ -344,6 +369,11 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    default=d.attention_backend, help="only checked: whether the GPU kernels run this model")
     g.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=d.tp_size)
     g.add_argument("--ep-size", type=int, default=d.ep_size)
+    g.add_argument("--enable-dp-attention", action="store_true",
+                   help="plan data-parallel attention (each rank its own requests and KV); with --tp-size > 1 the "
+                        "plan reports both attention layouts' requests per node either way")
+    g.add_argument("--dp-size", "--dp", dest="dp_size", type=int, default=d.dp_size,
+                   help="attention data-parallel ranks with --enable-dp-attention; must equal --tp-size")
     g = p.add_argument_group("memory")
     g.add_argument("--device-memory", type=_device_memory, default=None, metavar="SIZE|H100|H200",
                    help="total memory of one GPU as nvidia-smi reports it (H100: 81559MiB, H200: 143771MiB)")
@@ -391,7 +421,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         engine = EngineConfig(
             model_path=args.model_path, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
             attention_backend=args.attention_backend, tp_size=args.tp_size, ep_size=args.ep_size,
-            mem_fraction_static=args.mem_fraction_static, device_kv_budget_bytes=args.device_kv_budget,
+            enable_dp_attention=args.enable_dp_attention, dp_size=args.dp_size, mem_fraction_static=args.mem_fraction_static, device_kv_budget_bytes=args.device_kv_budget,
             host_kv_budget_bytes=args.host_kv_budget, context_length=args.context_length, page_size=args.page_size,
             max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
             enable_hisparse=args.enable_hisparse, hisparse=HiSparseConfig.from_json(args.hisparse_config),

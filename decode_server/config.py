@@ -138,6 +138,15 @@ class EngineConfig(BaseModel):
     # the api and broadcasts its messages to the others every loop iteration (docs/parallelism.md "Runtime").
     tp_size: int = Field(default=1, ge=1, description="tensor-parallel ranks (one GPU each on CUDA)")
     ep_size: int = Field(default=1, ge=1, description="1: experts tensor-sharded; tp_size: experts split across ranks")
+    # Data-parallel attention (SGLang's --enable-dp-attention / --dp-size): the tp_size ranks each run attention for
+    # their own requests with their own KV and scheduler; MLPs, MoE and LM head stay sharded over all ranks, over
+    # every rank's tokens gathered (docs/parallelism.md "Data-parallel attention"). dp_size must equal tp_size.
+    enable_dp_attention: bool = False
+    dp_size: int = Field(default=1, ge=1, description="attention data-parallel ranks (== tp_size with DP attention)")
+    enable_dp_lm_head: bool = False  # DP attention: the LM head whole on every rank (no gather of sampled rows)
+    # How the api spreads requests over DP ranks (SGLang's --load-balance-method): fewest requests in flight
+    # (`shortest_queue`), fewest tokens (prompt + max_tokens) in flight (`minimum_tokens`), or in turn.
+    load_balance_method: Literal["shortest_queue", "minimum_tokens", "round_robin"] = "shortest_queue"
 
     @field_validator("model_path")
     @classmethod
@@ -180,12 +189,59 @@ class EngineConfig(BaseModel):
                 f"--ep-size {self.ep_size} must be 1 (experts tensor-sharded) or equal to --tp-size {self.tp_size} "
                 "(experts split across the tensor-parallel ranks)"
             )
-        if self.tp_size > 1 and self.disaggregation.enabled:
+        self._check_dp_attention()
+        if self.tp_size > 1 and self.disaggregation.enabled and not (
+                self.enable_dp_attention and self.disaggregation.mode == "decode"):
+            if self.enable_dp_attention:
+                raise ValueError(
+                    "--enable-dp-attention with --disaggregation-mode prefill is not supported: a prefill server "
+                    "runs one rank (decode servers may use DP attention; docs/parallelism.md)"
+                )
             raise ValueError(
                 f"--tp-size {self.tp_size} with --disaggregation-mode {self.disaggregation.mode} is not supported: "
-                "PD transfers register one rank's memory (docs/parallelism.md); run PD servers with --tp-size 1"
+                "PD transfers register one rank's memory (docs/parallelism.md); run PD servers with --tp-size 1, or "
+                "a decode server with --enable-dp-attention"
             )
         return self
+
+    def _check_dp_attention(self) -> None:
+        if not self.enable_dp_attention:
+            if self.dp_size > 1:
+                raise ValueError(
+                    f"--dp-size {self.dp_size} without --enable-dp-attention: independent data-parallel replicas "
+                    "are separate servers here (put a router in front of them); --dp-size N with "
+                    "--enable-dp-attention splits attention over the --tp-size ranks"
+                )
+            if self.enable_dp_lm_head:
+                raise ValueError("--enable-dp-lm-head needs --enable-dp-attention")
+            return
+        if self.dp_size < 2:
+            raise ValueError("--enable-dp-attention needs --dp-size N > 1 (and --tp-size N)")
+        check_dp_size(self.tp_size, self.dp_size)
+
+    @property
+    def dp_attention_size(self) -> int:
+        """Attention data-parallel ranks: dp_size with --enable-dp-attention, else 1."""
+        return self.dp_size if self.enable_dp_attention else 1
+
+    @property
+    def attention_tp_size(self) -> int:
+        """Ranks one request's attention heads are split over."""
+        return self.tp_size // self.dp_attention_size
+
+
+def check_dp_size(tp_size: int, dp_size: int) -> None:
+    """DP attention is supported with one attention replica per rank (dp_size == tp_size) only."""
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    if dp_size not in (1, tp_size):
+        if tp_size % dp_size:
+            raise ValueError(f"--dp-size {dp_size} must divide --tp-size {tp_size}")
+        raise ValueError(
+            f"--dp-size {dp_size} with --tp-size {tp_size} would split each attention replica over "
+            f"{tp_size // dp_size} ranks (attention tensor parallelism inside a DP rank), which is not supported: "
+            f"use --dp-size {tp_size} (one attention replica per rank) or plain tensor parallelism (--dp-size 1)"
+        )
 
 
 class ServerConfig(BaseModel):

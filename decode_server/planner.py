@@ -117,6 +117,7 @@ class Plan:
     device: str
     tp_size: int
     ep_size: int
+    dp_size: int  # attention data-parallel ranks: tp_size with --enable-dp-attention, else 1
     quantization: str  # "fp8": some weights stay block FP8 on the GPU; "none": all in the model dtype
     fp8_projections: str  # where the FP8 projections come from: the checkpoint's headers or DeepSeek's convention
     model_dtype: str
@@ -141,6 +142,10 @@ class Plan:
     dense: DensePlan
     hisparse: HiSparsePlan
     max_requests: dict[str, int]
+    # Concurrent requests the node's tp_size GPUs hold, by attention layout ("tensor_parallel", and with tp_size > 1
+    # "dp_attention"), each {"dense": n, "hisparse": n}: TP holds one GPU's requests, DP attention dp_size times a
+    # rank's (every rank its own requests and KV). The layout not asked for is planned with the same flags.
+    node_max_requests: dict[str, dict[str, int]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -149,14 +154,16 @@ class Plan:
 
 def make_plan(
     raw_config: dict[str, Any], engine: EngineConfig, *, model_name: str, device_memory: int | None = None, runtime_memory: int = DEFAULT_RUNTIME_MEMORY,
-    host_memory: int | None = None, checkpoint: str | Path | None = None,
+    host_memory: int | None = None, checkpoint: str | Path | None = None, compare_layouts: bool = True,
 ) -> Plan:
     """Plan one GPU of a deployment of the model `raw_config` (config.json) served with `engine` (its device must
     be "cpu" or "cuda"; its `quantization` is serve's `--quantization`, applied as the engine applies it).
     `device_memory`: the GPU's total memory (needed on CUDA unless the config has an explicit device KV budget).
     `host_memory`: the serving host's available memory, to apply the engine's cap on a derived host budget (None:
     no cap). `checkpoint`: the checkpoint directory, whose safetensors headers say which projections are stored in
-    FP8 (None: every projection DeepSeek-style checkpoints store in FP8, `quantization.FP8_PROJECTIONS`)."""
+    FP8 (None: every projection DeepSeek-style checkpoints store in FP8, `quantization.FP8_PROJECTIONS`).
+    `compare_layouts`: with tp_size > 1 also plan the other attention layout (tensor-parallel attention or
+    `--enable-dp-attention`) and report both in `node_max_requests`."""
     if engine.device not in ("cpu", "cuda"):
         raise ValueError("plan for --device cpu or --device cuda")
     device = torch.device(engine.device)
@@ -167,13 +174,14 @@ def make_plan(
     check_fp8_row_format(kv_dtype, geometry)
     warnings: list[str] = []
     if device.type == "cuda" and engine.attention_backend != "torch_native":
-        problems = gpu_kernel_problems(model_config, model_dtype, engine.tp_size)
+        problems = gpu_kernel_problems(model_config, model_dtype, engine.attention_tp_size)
         if problems:
             warnings.append("the GPU kernels do not support this model at this tp size (the server refuses it "
                             "unless --attention-backend torch_native): " + "; ".join(problems))
 
+    dp = engine.dp_attention_size
     weights, fp8_source = plan_weights(model_config, model_dtype, engine.tp_size, engine.ep_size, engine.quantization,
-                                       device, checkpoint, warnings)
+                                       device, checkpoint, warnings, dp_size=dp)
     reserve = None
     if engine.device_kv_budget_bytes is not None:
         budget, source = engine.device_kv_budget_bytes, "--device-kv-budget"
@@ -202,12 +210,20 @@ def make_plan(
         hisparse = HiSparsePlan(limit="no KV budget", error="no device KV budget")
     hs = rules.hisparse
     top_k = hs.top_k or model_config.index_topk
+    if dp > 1:
+        attention = (f"data-parallel attention over {dp} ranks: each GPU holds only its own requests' KV (and, "
+                     "in HiSparse mode, its own host pool), so the node holds the requests of all of them")
+    else:
+        attention = ("tensor-parallel: every GPU holds every request's KV (MLA's latent row is shared by the heads), "
+                     "so the node holds the requests of one GPU")
+    per_gpu = {"dense": dense.max_requests, "hisparse": hisparse.max_requests}
+    node = {"dp_attention" if dp > 1 else "tensor_parallel": {k: v * dp for k, v in per_gpu.items()}}
     buffer_rows = (hs.device_buffer_size or 2 * top_k) + hs.num_recent_slots
     row = geometry.row_bytes(kv_dtype)
-    return Plan(
+    plan = Plan(
         model=model_name, model_type=model_config.model_type, num_layers=geometry.num_layers,
         num_index_layers=geometry.num_index_layers, device=device.type, tp_size=engine.tp_size,
-        ep_size=engine.ep_size, quantization=weights.quantization, fp8_projections=fp8_source,
+        ep_size=engine.ep_size, dp_size=dp, quantization=weights.quantization, fp8_projections=fp8_source,
         model_dtype=_dtype_name(model_dtype),
         kv_cache_dtype="fp8_e4m3" if is_fp8(kv_dtype) else _dtype_name(kv_dtype), kv_row_bytes=row,
         context_length=context, request_kv_tokens=kv_tokens, page_size=engine.page_size,
@@ -220,17 +236,24 @@ def make_plan(
                             "hisparse_device": geometry.index_key_bytes * geometry.num_index_layers,
                             "hisparse_host": row * geometry.num_layers},
         hisparse_buffer_bytes_per_request=buffer_rows * row * geometry.num_layers,
-        attention="tensor-parallel: every GPU holds every request's KV (MLA's latent row is shared by the heads), "
-                  "so the node holds the requests of one GPU",
-        dense=dense, hisparse=hisparse,
-        max_requests={"dense": dense.max_requests, "hisparse": hisparse.max_requests},
+        attention=attention, dense=dense, hisparse=hisparse, max_requests=per_gpu, node_max_requests=node,
         warnings=warnings,
     )
+    if compare_layouts and engine.tp_size > 1:
+        other = engine.model_copy(update={"enable_dp_attention": dp == 1, "dp_size": engine.tp_size if dp == 1 else 1})
+        label = "tensor_parallel" if dp > 1 else "dp_attention"
+        try:
+            plan.node_max_requests[label] = make_plan(
+                raw_config, other, model_name=model_name, device_memory=device_memory, runtime_memory=runtime_memory,
+                host_memory=host_memory, checkpoint=checkpoint, compare_layouts=False).node_max_requests[label]
+        except ValueError as exc:  # e.g. FP8 pieces that only tensor-parallel attention cuts through a block
+            plan.warnings.append(f"{label.replace('_', ' ')} not planned: {exc}")
+    return plan
 
 
 def plan_weights(
     config: ModelConfig, model_dtype: torch.dtype, tp_size: int, ep_size: int, quantization: str | None,
-    device: torch.device, checkpoint: str | Path | None, warnings: list[str],
+    device: torch.device, checkpoint: str | Path | None, warnings: list[str], dp_size: int = 1,
 ) -> tuple[WeightBytes, str]:
     """One GPU's weights as the engine stores them, and where the FP8 projections came from: the engine's
     `--quantization` rule (`resolve_quantization`, `wants_fp8`), the projections the loader would keep in FP8 (the
@@ -242,7 +265,7 @@ def plan_weights(
     if mode == "none" and quantization == "fp8":
         warnings.append(f"--quantization fp8 on {device.type}: the engine dequantizes (FP8 GEMMs run on CUDA only)")
     if not wants_fp8(mode, config, device):
-        return planned_weight_bytes(config, model_dtype, tp_size, ep_size), ""
+        return planned_weight_bytes(config, model_dtype, tp_size, ep_size, dp_size=dp_size), ""
     if checkpoint is not None:
         from decode_server.model.loader import checkpoint_fp8_projections
 
@@ -251,14 +274,14 @@ def plan_weights(
     else:
         fp8, source = True, "every projection DeepSeek-style checkpoints store in FP8 (no checkpoint read)"
     try:
-        return planned_weight_bytes(config, model_dtype, tp_size, ep_size, fp8), source
+        return planned_weight_bytes(config, model_dtype, tp_size, ep_size, fp8, dp_size), source
     except Fp8LayoutError as exc:
         if mode != "auto":
             raise
         warnings.append("quantization auto: at this tp / ep size some FP8 pieces cut through 128-blocks, so the "
                         "engine dequantizes every FP8 weight (--quantization fp8 refuses it): "
                         + str(exc).splitlines()[1].strip())
-        return planned_weight_bytes(config, model_dtype, tp_size, ep_size), ""
+        return planned_weight_bytes(config, model_dtype, tp_size, ep_size, dp_size=dp_size), ""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -283,9 +306,12 @@ def _hisparse(budget: int, geometry: CacheGeometry, kv_dtype: torch.dtype, index
     if engine.host_kv_budget_bytes is not None:
         host, source = engine.host_kv_budget_bytes, "--host-kv-budget"
     else:
-        host = kv_sizing.derived_host_budget(rules.hisparse.host_to_device_ratio, budget, host_memory)
+        pools = engine.dp_attention_size  # DP attention: every rank pins its own pool
+        host = kv_sizing.derived_host_budget(rules.hisparse.host_to_device_ratio, budget, host_memory, pools)
+        share = f" shared by {pools} pools" if pools > 1 else ""
         source = f"{rules.hisparse.host_to_device_ratio:g} × the device KV budget" + (
-            " (capped at half of --host-memory)" if host < int(rules.hisparse.host_to_device_ratio * budget) else "")
+            f" (capped at half of --host-memory{share})" if host < int(rules.hisparse.host_to_device_ratio * budget)
+            else "")
     plan = HiSparsePlan(host_kv_budget_bytes=max(host, 0), host_budget_source=source)
     host_row_bytes = geometry.row_bytes(kv_dtype) * geometry.num_layers
     host_per_request = kv_sizing.pages_for(kv_tokens, rules.page_size) * rules.page_size * host_row_bytes
@@ -347,7 +373,8 @@ def format_plan(plan: Plan) -> str:
     quant = {"fp8": "FP8 (128×128 block scales)", "none": plan.model_dtype}[plan.quantization]
     add(f"model {plan.model} ({plan.model_type}, {plan.num_layers} layers, {plan.num_index_layers} with an indexer)")
     mem = f", {_gib(plan.device_memory_bytes)} per GPU" if plan.device_memory_bytes else ""
-    add(f"{plan.device}{mem}; tp {plan.tp_size}, ep {plan.ep_size}; weights {quant}; KV {plan.kv_cache_dtype} "
+    dp = f", dp attention {plan.dp_size}" if plan.dp_size > 1 else ""
+    add(f"{plan.device}{mem}; tp {plan.tp_size}, ep {plan.ep_size}{dp}; weights {quant}; KV {plan.kv_cache_dtype} "
         f"({plan.kv_row_bytes} B rows); context {plan.context_length}; page {plan.page_size}; "
         f"max_running_requests {plan.max_running_requests}")
     add("")
@@ -372,7 +399,8 @@ def format_plan(plan: Plan) -> str:
         f"{plan.kv_row_bytes} B + indexer keys {plan.num_index_layers} × 132 B)")
     add(f"  HiSparse device      {per['hisparse_device']:>12,} B per token  (indexer keys) + "
         f"{plan.hisparse_buffer_bytes_per_request / 2**20:,.1f} MiB per request (buffer)")
-    add(f"  HiSparse host        {per['hisparse_host']:>12,} B per token  (MLA rows; one pool per node)")
+    add(f"  HiSparse host        {per['hisparse_host']:>12,} B per token  (MLA rows; one pool per "
+        f"{'rank' if plan.dp_size > 1 else 'node'})")
     add("")
     add(f"largest batch at {plan.context_length} tokens ({plan.request_kv_tokens} of KV per request)")
     d = plan.dense
@@ -393,6 +421,15 @@ def format_plan(plan: Plan) -> str:
     if h.best_max_requests:
         add(f"  hisparse   {h.best_max_requests:>4}  with a host pool sized for them: --host-kv-budget "
             f"{h.best_host_kv_budget_bytes / GIB:.1f}GiB")
+    if len(plan.node_max_requests) > 1:
+        add("")
+        add(f"concurrent requests per node ({plan.tp_size} GPUs), by attention layout")
+        names = {"tensor_parallel": "tensor-parallel attention",
+                 "dp_attention": f"--enable-dp-attention --dp-size {plan.tp_size}"}
+        for label in ("tensor_parallel", "dp_attention"):
+            counts = plan.node_max_requests[label]
+            mark = "  (this plan)" if (label == "dp_attention") == (plan.dp_size > 1) else ""
+            add(f"  {names[label]:<34} dense {counts['dense']:>5}, hisparse {counts['hisparse']:>5}{mark}")
     add("")
     add(f"attention: {plan.attention}")
     if plan.quantization == "fp8":

@@ -155,6 +155,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
                 ctx.metrics.latest_stats = await ctx.client.get_stats(STATS_TIMEOUT_S)
             except (TimeoutError, DecodeServerError) as exc:
                 logger.warning("metrics: engine stats unavailable (%s); serving the last snapshot", exc)
+        ctx.metrics.dp_inflight = ctx.client.dp_load()
         ctx.metrics.engine_alive = not ctx.client.dead
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -171,6 +172,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
             "engine": ctx.engine_info,
             "engine_pid": ctx.client.pid,
             "num_inflight_requests": ctx.client.num_inflight,
+            "dp_inflight_requests": ctx.client.dp_load()[0],
             "disaggregation_auth": _auth_state(ctx.model),
             "stats": stats.model_dump(),
         }

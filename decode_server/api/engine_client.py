@@ -8,6 +8,10 @@ the stats query. A watchdog polls the child; when it is gone every waiting reque
 
 Aborts are settled on the api side at once (the rid's queue gets a final event and the route is dropped),
 so a client never waits on the engine to confirm, and late deltas of an aborted rid are ignored.
+
+With data-parallel attention (`--enable-dp-attention`) the engine is N ranks that each serve their own requests;
+this client decides which rank serves each request (`--load-balance-method`, from the requests it has in flight on
+each rank: it sees every request start and end), and each rank answers over the same socket.
 """
 
 from __future__ import annotations
@@ -78,6 +82,39 @@ class StreamEvent:
 class _Route:
     queue: asyncio.Queue[StreamEvent]
     index: int
+    dp_rank: int = 0
+    tokens: int = 0  # prompt + max_tokens: the KV it may come to hold (minimum_tokens balancing)
+
+
+class DPBalancer:
+    """Which data-parallel attention rank serves the next request, from the requests in flight on each rank.
+
+    `shortest_queue` (default): the rank with the fewest requests in flight (running or waiting there), ties to the
+    one with fewer tokens in flight, then the lower rank; `minimum_tokens`: the fewest tokens (prompt + max_tokens)
+    in flight, ties to fewer requests; `round_robin`: in turn (SGLang's methods of the same names)."""
+
+    def __init__(self, dp_size: int, method: str) -> None:
+        self.dp_size = dp_size
+        self.method = method
+        self._turn = itertools.count()
+
+    def choose(self, routes: list[_Route]) -> int:
+        if self.dp_size == 1:
+            return 0
+        if self.method == "round_robin":
+            return next(self._turn) % self.dp_size
+        requests, tokens = self.load(routes)
+        if self.method == "minimum_tokens":
+            return min(range(self.dp_size), key=lambda r: (tokens[r], requests[r], r))
+        return min(range(self.dp_size), key=lambda r: (requests[r], tokens[r], r))
+
+    def load(self, routes: list[_Route]) -> tuple[list[int], list[int]]:
+        """Requests and tokens in flight per rank."""
+        requests, tokens = [0] * self.dp_size, [0] * self.dp_size
+        for route in routes:
+            requests[route.dp_rank] += 1
+            tokens[route.dp_rank] += route.tokens
+        return requests, tokens
 
 
 class EngineClient:
@@ -96,7 +133,8 @@ class EngineClient:
         self.engine_config = engine_config
         self.engine_factory = engine_factory
         self.log_level = log_level
-        self.max_inflight = max_inflight or (
+        # Each data-parallel attention rank runs and queues as many requests as one engine.
+        self.max_inflight = max_inflight or engine_config.dp_attention_size * (
             engine_config.max_running_requests + engine_config.max_queued_requests
         )
         self.on_engine_death = on_engine_death
@@ -110,6 +148,7 @@ class EngineClient:
         self.step_running_s = 0.0  # from the last heartbeat
         self.unresponsive = False
         self._routes: dict[str, _Route] = {}
+        self.balancer = DPBalancer(engine_config.dp_attention_size, engine_config.load_balance_method)
         self._accepts: dict[str, asyncio.Future[None]] = {}
         self._stats_queries: dict[int, asyncio.Future[EngineStats]] = {}
         self._query_ids = itertools.count()
@@ -234,15 +273,20 @@ class EngineClient:
         if rid in self._routes:
             raise DecodeServerError(f"duplicate request id {rid!r}")
         accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        dp_rank = self.balancer.choose(list(self._routes.values()))
         self._accepts[rid] = accepted
-        self._routes[rid] = _Route(queue, index)
+        self._routes[rid] = _Route(queue, index, dp_rank, len(prompt_token_ids) + params.max_tokens)
         try:
-            await self._send(GenerateMsg(rid, list(prompt_token_ids), params, bootstrap))
+            await self._send(GenerateMsg(rid, list(prompt_token_ids), params, bootstrap, dp_rank))
             await accepted
         except BaseException:
             self._routes.pop(rid, None)
             self._accepts.pop(rid, None)
             raise
+
+    def dp_load(self) -> tuple[list[int], list[int]]:
+        """Requests and tokens (prompt + max_tokens) in flight on each data-parallel attention rank."""
+        return self.balancer.load(list(self._routes.values()))
 
     def abort_nowait(self, rid: str, reason: str = "aborted") -> bool:
         """Abort one request without awaiting (usable from `finally` of a cancelled handler): its queue gets

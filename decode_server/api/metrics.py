@@ -143,7 +143,41 @@ class _EngineStatsCollector(Collector):
         )
         if stats.disagg is not None:
             yield from _disagg_metrics(m.model_name, stats.disagg)
+        if stats.dp_ranks:
+            yield from _dp_rank_metrics(m.model_name, stats, m.dp_inflight)
 
+
+def _dp_rank_metrics(model_name: str, stats: EngineStats,
+                     inflight: tuple[list[int], list[int]]) -> Iterator[Metric]:  # fmt: skip
+    """Data-parallel attention: each rank's load and pools (the unlabelled series above are their sums), and the
+    requests and tokens the api has in flight on each rank (what its load balancing reads)."""
+    labels = ["model_name", "dp_rank"]
+    requests, tokens = inflight
+    gauges = (
+        ("dp_num_running_reqs", "requests in the rank's decode batch", lambda r: r.num_running_reqs),
+        ("dp_num_queue_reqs", "requests waiting to be admitted on the rank", lambda r: r.num_queue_reqs),
+        ("dp_token_usage", "fraction of the rank's binding KV pool in use", lambda r: r.token_usage),
+        ("dp_host_pool_used_pages", "host pool pages in use on the rank", lambda r: r.host_pages.used),
+        ("dp_device_buffer_used_slots", "device buffer slots in use on the rank", lambda r: r.device_slots.used),
+        ("dp_indexer_cache_used_slots", "indexer cache slots in use on the rank", lambda r: r.indexer_slots.used),
+        ("dp_dense_kv_used_slots", "dense KV slots in use on the rank", lambda r: r.dense_kv_slots.used),
+        ("dp_inflight_requests", "requests the api has in flight on the rank",
+         lambda r: requests[r.dp_rank] if r.dp_rank < len(requests) else 0),
+        ("dp_inflight_tokens", "prompt + max_tokens of the requests the api has in flight on the rank",
+         lambda r: tokens[r.dp_rank] if r.dp_rank < len(tokens) else 0),
+    )  # fmt: skip
+    counters = (
+        ("dp_num_idle_passes", "passes the rank ran without a token of its own (idle batches)",
+         lambda r: r.num_idle_passes),
+        ("dp_generation_tokens", "tokens the rank generated", lambda r: r.num_generated_tokens),
+        ("dp_kv_transfer_bytes", "PD decode: KV bytes that arrived into the rank", lambda r: r.kv_transfer_bytes),
+    )  # fmt: skip
+    for kind, series in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+        for name, doc, value in series:
+            family = kind(HISPARSE + name, doc, labels=labels)
+            for rank in stats.dp_ranks:
+                family.add_metric([model_name, str(rank.dp_rank)], value(rank))
+            yield family
 
 def _disagg_metrics(model_name: str, d: DisaggStats) -> Iterator[Metric]:
     """PD disaggregation (docs/pd.md): SGLang's queue gauges and failure counters, plus transfer bytes, a
@@ -221,6 +255,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
         self.latest_stats = EngineStats()
+        self.dp_inflight: tuple[list[int], list[int]] = ([], [])  # per DP rank: requests, tokens in flight (api)
         self.engine_alive = True
         self.throughput = ThroughputWindow()
         labels = ["model_name"]

@@ -13,6 +13,8 @@ Request flow (room = the router's `bootstrap_room`):
    to the client) and the request joins the decode batch (HiSparse: its buffer is preloaded as after a
    colocated prefill).
 5. Room FAILED: the request ends with `KVTransferError` (503, the transfer layer's reason) and frees everything.
+With data-parallel attention every rank runs its own decode role (its own transfer engine, receiver and registered
+memory) for the requests the api gave it, so prefill writes each request's KV into the one rank that serves it.
 A client abort of a TRANSFERRING request sends ABORT to prefill; its pages stay allocated until the room ends
 (prefill acknowledged, or died), since prefill might otherwise still write into pages handed to someone else.
 A client abort before decode had memory for the request (no room sent yet) tells prefill too
@@ -107,7 +109,9 @@ class DecodeRole(PDRole):
 
     # -- loop --
     def step(self) -> list[RequestDelta]:
-        deltas = self.engine.step() if self.engine.has_unfinished_requests() else []
+        # A data-parallel attention rank steps every iteration (its step agrees on the pass with the other ranks).
+        busy = self.engine.has_unfinished_requests() or getattr(self.engine, "dp_sync", None) is not None
+        deltas = self.engine.step() if busy else []
         for req in self.engine.pop_remote_admitted():
             self._send_destination(req)
         for result in self.receiver.poll():

@@ -1,6 +1,6 @@
 """What the engine process's loop asks of a PD role and the pieces both roles share.
 
-The engine process picks the role of `--disaggregation-mode` (`decode_server.runtime.engine_process.build_role`);
+The engine process picks the role of `--disaggregation-mode` (`decode_server.runtime.roles.build_role`);
 the roles import this module, never the other way round."""
 
 from __future__ import annotations

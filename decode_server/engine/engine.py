@@ -53,6 +53,7 @@ from decode_server.errors import (
 from decode_server.hisparse.coordinator import HiSparseCoordinator
 from decode_server.model.batch_invariant import batch_invariant_mode
 from decode_server.model.quantization import resolve_quantization
+from decode_server.parallel.dp_attention import DPBatchLayout, DPStepSync, dp_batch
 from decode_server.parallel.state import ParallelState
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,12 @@ class Engine:
     holds this rank's shard, its memory budgets are agreed with the other ranks, the HiSparse host pool is the
     node's shared one, and every rank must be driven with the same calls in the same order
     (decode_server/runtime/tp_ranks.py does that).
+
+    With data-parallel attention (`parallel.dp_attention`) this engine is one DP rank: its own requests, scheduler
+    and KV pools (a private HiSparse host pool), budgets agreed with the other ranks, and a model whose MLPs run
+    over every rank's tokens. Every rank must call `step()` in every loop iteration, work or not: each step agrees
+    on the pass with the others (`DPStepSync`) and a rank without work runs an idle pass so that the MLPs'
+    collectives meet (decode_server/runtime/dp_ranks.py drives them).
     """
 
     def __init__(
@@ -112,6 +119,14 @@ class Engine:
         if self.tp_size != config.tp_size:
             raise ValueError(f"tp_size {config.tp_size} needs one engine per rank, each given its parallel state "
                              "(decode-server serve --tp-size launches them); the offline engine runs one rank")
+        self.dp_attention = bool(getattr(parallel, "dp_attention", False))
+        if self.dp_attention != config.enable_dp_attention or (self.dp_attention and parallel.dp_size != config.dp_size):
+            raise ValueError(f"--enable-dp-attention / --dp-size {config.dp_size} and the parallel state "
+                             f"(dp_size {getattr(parallel, 'dp_size', 1)}) disagree")
+        # DP attention: every step agrees on the pass with the other ranks (decode_server/parallel/dp_attention.py).
+        self.dp_sync = DPStepSync(parallel) if self.dp_attention else None
+        self._dp_layout: DPBatchLayout | None = None  # the pass being launched (DP attention)
+        self._num_idle_passes = 0
         self.device = resolve_device(config)
         if self.tp_size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", parallel.tp_rank)  # rank r drives GPU r
@@ -180,7 +195,9 @@ class Engine:
         if cfg.enable_deterministic_inference:
             counts, grouped = [ROW_TILE], False
         else:
+            # DP attention: the MLPs see every rank's tokens of a pass, up to dp_size times one rank's.
             limit = max(cfg.max_running_requests, cfg.chunked_prefill_size + cfg.max_running_requests)
+            limit *= cfg.dp_attention_size
             counts, grouped = [1 << i for i in range(limit.bit_length())] + [limit], True
         if self.tp_size == 1:
             return warm_up(self.model, counts, top_k, grouped)
@@ -198,7 +215,7 @@ class Engine:
         """MLA / indexer sizes the chosen kernels and KV format cannot run are refused here, at load."""
         check_fp8_row_format(self.kv_dtype, CacheGeometry.from_model_config(model_config))
         check_kernel_support(model_config, self.device, self.model_dtype, self.config.attention_backend,
-                             self.config.tp_size)
+                             self.config.attention_tp_size)
 
     def _kv_budgets(self) -> KVBudgets:
         """The device and host KV budgets this engine sizes its pools from: explicit, or measured
@@ -207,7 +224,8 @@ class Engine:
         with different sizes would schedule differently and diverge."""
         cfg = self.config
         device_budget = device_kv_budget(cfg, self.device)
-        host_budget = host_kv_budget(cfg, device_budget) if cfg.enable_hisparse else 0
+        # DP attention: one host pool per rank, so a derived budget takes a 1/dp_size share of the host's memory.
+        host_budget = host_kv_budget(cfg, device_budget, num_pools=cfg.dp_attention_size) if cfg.enable_hisparse else 0
         if self.tp_size > 1:
             import torch.distributed as dist
 
@@ -235,7 +253,9 @@ class Engine:
             layout = hisparse_layout(budgets.device, budgets.host, geometry, self.kv_dtype, index_topk,
                                      self.context_length, rules)
             logger.info("hisparse layout: %s", layout)
-            return HiSparseCoordinator(layout, self.kv_dtype, self.device, reference, parallel=self.parallel)
+            # TP: the node's one shared host pool; DP attention: this rank's own (its requests are its alone).
+            shared = None if self.dp_attention else self.parallel
+            return HiSparseCoordinator(layout, self.kv_dtype, self.device, reference, parallel=shared)
         slots = dense_slots(budgets.device, geometry, self.kv_dtype, cfg.page_size)
         logger.info("dense KV: %d token slots (%d B per token)", slots, geometry.bytes_per_token(self.kv_dtype))
         return DenseKVManager(num_layers, slots, cfg.max_running_requests, self.context_length, self.kv_dtype,
@@ -353,6 +373,8 @@ class Engine:
         dropped, and the request's memory is freed once pass N+1 has finished (`Scheduler.release_rows_of`).
         """
         deltas, self._pending_deltas = self._pending_deltas, []
+        if self.dp_sync is not None:
+            return deltas + self._dp_step()
         shared_pool = self.tp_size > 1 and self.config.enable_hisparse
         if shared_pool:
             self._shared_pool_barrier()  # every rank is done with the pages freed before this step
@@ -368,6 +390,38 @@ class Engine:
         elif launched is not None:
             previous = launched
         return deltas + self._read_pass(previous)
+
+    def _dp_step(self) -> list[RequestDelta]:
+        """One DP rank's step: schedule its own requests, agree with every rank on the pass (all counts), then run
+        its batch, or an idle pass (no token, the MLPs' collectives only) when it has none but another rank has
+        one; when no rank has a token, nobody runs a pass. Overlap scheduling is off, so the pass is read at once."""
+        assert self.dp_sync is not None
+        batch = self.scheduler.schedule()
+        if batch is not None and not batch.requests:
+            batch = None
+        tokens = sum(batch.extend_lens) if batch is not None else 0
+        sampled = sum(batch.sampled) if batch is not None else 0
+        layout = self.dp_sync.agree(tokens, sampled)
+        if layout.total_tokens == 0:
+            return []
+        self._dp_layout = layout
+        try:
+            if batch is None:
+                self._idle_pass()
+                return []
+            launched = self._launch(batch)
+        finally:
+            self._dp_layout = None
+        return self._read_pass(launched)
+
+    def _idle_pass(self) -> None:
+        """A pass without tokens: attention is skipped, the MLPs and the LM head join the other ranks' collectives
+        with zero rows (SGLang's idle batch)."""
+        self._num_idle_passes += 1
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        with batch_invariant_mode(self.config.enable_deterministic_inference), dp_batch(self._dp_layout):
+            hidden = self.model.forward(empty, empty)
+            self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def flush(self) -> list[RequestDelta]:
@@ -489,7 +543,7 @@ class Engine:
             if logits is not None:
                 # A view of the graph's static output, overwritten by the next replay: a hook may keep it longer.
                 return logits.clone() if self.logits_hook is not None else logits
-        with batch_invariant_mode(self.config.enable_deterministic_inference):
+        with batch_invariant_mode(self.config.enable_deterministic_inference), dp_batch(self._dp_layout):
             with forward_context(fb, self.kv.backend):
                 hidden = self.model.forward(input_ids, fb.positions)
             if fb.is_decode and all(sampled):
@@ -540,6 +594,7 @@ class Engine:
             num_prompt_tokens=self._num_prompt,
             num_steps=self._num_steps,
             num_retractions=sched.num_retractions,
+            num_idle_passes=self._num_idle_passes,
             hisparse_enabled=self.config.enable_hisparse,
             hisparse_layers=self.kv.layer_stats(),
             quantization=self.quantization,

@@ -69,12 +69,14 @@ def kv_budget_from_memory(free_bytes: int, total_bytes: int, mem_fraction_static
     return int(free_bytes - (1.0 - mem_fraction_static) * total_bytes)
 
 
-def derived_host_budget(host_to_device_ratio: float, device_budget: int, available_host: int | None) -> int:
+def derived_host_budget(host_to_device_ratio: float, device_budget: int, available_host: int | None,
+                        num_pools: int = 1) -> int:
     """`host_to_device_ratio` × the device budget, capped at `HOST_AVAILABLE_FRACTION` of the host memory
-    available (None: no cap); pinning more than the machine has would take the whole host down."""
+    available (None: no cap) shared by `num_pools` pools of this size on the host (data-parallel attention ranks
+    each hold their own); pinning more than the machine has would take the whole host down."""
     budget = int(host_to_device_ratio * device_budget)
     if available_host is not None:
-        budget = min(budget, int(HOST_AVAILABLE_FRACTION * available_host))
+        budget = min(budget, int(HOST_AVAILABLE_FRACTION * available_host) // num_pools)
     return budget
 
 

@@ -89,16 +89,18 @@ def available_host_memory() -> int | None:
     return None
 
 
-def host_kv_budget(config: EngineConfig, device_budget: int) -> int:
+def host_kv_budget(config: EngineConfig, device_budget: int, num_pools: int = 1) -> int:
     """Explicit, else `host_to_device_ratio` × the device budget, capped at half of the available host memory
-    (pinning more than the machine has would take the whole host down)."""
+    (pinning more than the machine has would take the whole host down), shared by `num_pools` pools of this
+    size on the host (data-parallel attention ranks each hold their own)."""
     if config.host_kv_budget_bytes is not None:
         return config.host_kv_budget_bytes
     ratio = config.hisparse.host_to_device_ratio
-    budget = kv_sizing.derived_host_budget(ratio, device_budget, available_host_memory())
+    budget = kv_sizing.derived_host_budget(ratio, device_budget, available_host_memory(), num_pools)
     if budget < int(ratio * device_budget):
-        logger.warning("host KV budget %.1f GiB capped to %.1f GiB (half of the available host memory); set "
-                       "host_kv_budget_bytes to choose", ratio * device_budget / 2**30, budget / 2**30)
+        logger.warning("host KV budget %.1f GiB capped to %.1f GiB (half of the available host memory%s); set "
+                       "host_kv_budget_bytes to choose", ratio * device_budget / 2**30, budget / 2**30,
+                       f", shared by {num_pools} pools" if num_pools > 1 else "")  # fmt: skip
     return budget
 
 

@@ -109,6 +109,26 @@ class TPRankStats(BaseModel):
     dense_kv_slots_used: int = 0
 
 
+class DPRankStats(BaseModel):
+    """One data-parallel-attention rank's load and memory, gathered by rank 0 at each stats query (each rank serves
+    its own requests: /metrics reports them per `dp_rank`)."""
+
+    dp_rank: int
+    pid: int
+    num_running_reqs: int = 0
+    num_queue_reqs: int = 0
+    num_retracted_reqs: int = 0
+    token_usage: float = 0.0
+    num_steps: int = Field(default=0, description="passes with this rank's tokens")
+    num_idle_passes: int = Field(default=0, description="passes run without a token of its own")
+    num_generated_tokens: int = 0
+    host_pages: PoolUsage = Field(default_factory=PoolUsage)
+    device_slots: PoolUsage = Field(default_factory=PoolUsage)
+    indexer_slots: PoolUsage = Field(default_factory=PoolUsage)
+    dense_kv_slots: PoolUsage = Field(default_factory=PoolUsage)
+    kv_transfer_bytes: int = Field(default=0, description="PD decode: KV bytes that arrived into this rank")
+
+
 class EngineStats(BaseModel):
     """A snapshot for the metrics layer (names follow SGLang where one exists)."""
 
@@ -120,6 +140,7 @@ class EngineStats(BaseModel):
     num_prompt_tokens: int = 0
     num_steps: int = 0
     num_retractions: int = 0
+    num_idle_passes: int = Field(default=0, description="DP attention: passes run without a token of this rank's")
     hisparse_enabled: bool = False
     hisparse_layers: list[HiSparseLayerStats] = Field(default_factory=list)
     host_pages: PoolUsage = Field(default_factory=PoolUsage)
@@ -134,6 +155,8 @@ class EngineStats(BaseModel):
     tp_ranks: list[TPRankStats] = Field(default_factory=list, description="per rank with --tp-size > 1; else empty")
     device_kv_budget_bytes: int = Field(default=0, description="the device KV budget the pools were sized from")
     host_kv_budget_bytes: int = Field(default=0, description="the HiSparse host pool budget (0: dense)")
+    dp_ranks: list[DPRankStats] = Field(
+        default_factory=list, description="per rank with --enable-dp-attention (the totals above sum them); else empty")
 
     @property
     def hisparse_hits(self) -> int:

@@ -23,10 +23,12 @@ from collections.abc import Collection
 import torch
 
 from decode_server.model.config import ModelConfig
+from decode_server.model.fp8 import dequantize_block_fp8
 from decode_server.model.indexer import Indexer, hadamard_matrix
 from decode_server.model.model import DSAForCausalLM
 from decode_server.model.moe import MoE
 from decode_server.model.quantization import (
+    FP8_BLOCK,
     FP8_DTYPE,
     SCALE_SUFFIX,
     check_mode,
@@ -200,3 +202,25 @@ def build_random_model(
     model = build_empty_model(config, device, dtype, resolve(parallel), fp8=fp8)
     randomize_weights(model, seed)
     return model
+
+
+@torch.no_grad()
+def dequantized_copy(model: DSAForCausalLM) -> DSAForCausalLM:
+    """The same model with every FP8 weight dequantized to the model dtype (the `--quantization none` model of
+    the same weights): built like `model`, filled from its tensors."""
+    target = build_empty_model(model.config, model.device, model.dtype, model.parallel)
+    source = model.state_dict()
+    for name, tensor in target.state_dict(keep_vars=True).items():
+        value = source[name]
+        scale = source.get(name + SCALE_SUFFIX)
+        if value.dtype == FP8_DTYPE and scale is not None:
+            block = _fp8_block_of(model, name)
+            value = dequantize_block_fp8(value, scale, block)
+        tensor.data.copy_(value.to(tensor.dtype))
+    target.finalize_weights()
+    return target
+
+
+def _fp8_block_of(model: DSAForCausalLM, weight_name: str) -> tuple[int, int]:
+    module = model.get_submodule(weight_name[: -len(".weight")])
+    return getattr(module, "weight_block", FP8_BLOCK)

@@ -180,7 +180,8 @@ def load_weights(model: DSAForCausalLM, path: str | Path,
 def _rank_note(parallel: ParallelState) -> str:
     if parallel.tp_size == 1:
         return ""
-    return f" (tensor-parallel rank {parallel.tp_rank}/{parallel.tp_size}, ep_size {parallel.ep_size})"
+    dp = f", data-parallel attention over {parallel.dp_size}" if parallel.dp_attention else ""
+    return f" (tensor-parallel rank {parallel.tp_rank}/{parallel.tp_size}, ep_size {parallel.ep_size}{dp})"
 
 
 def _window(full_shape: tuple[int, ...], shard: Shard | None) -> tuple[slice, ...]:

@@ -17,32 +17,60 @@ from decode_server.model.layers import MLP, RMSNorm
 from decode_server.model.moe import MoE
 from decode_server.model.rope import RotaryEmbedding
 from decode_server.parallel import layers as parallel_layers
+from decode_server.parallel.dp_attention import (
+    current_layout,
+    dp_combine,
+    dp_gather,
+    dp_gather_sampled,
+    dp_own_sampled,
+)
 from decode_server.parallel.state import ParallelState, resolve
 
 
 class DecoderLayer(nn.Module):
+    """Attention, then the MLP (dense or MoE), each with its residual.
+
+    With data-parallel attention (`parallel.dp_attention`) attention is this rank's alone (all heads, its own
+    tokens and KV) and the MLP is sharded across every rank as under tensor parallelism, over every rank's tokens:
+    gathered before it, its partial outputs reduce-scattered back to their owners after it. A rank with no token
+    in the pass (idle) skips attention and still joins the MLP's collectives."""
+
     def __init__(self, config: ModelConfig, layer_id: int, parallel: ParallelState) -> None:
         super().__init__()
-        self.self_attn = MLAAttention(config, layer_id, parallel)
+        self.parallel = parallel
+        self.dp_attention = parallel.dp_attention
+        reduce = not self.dp_attention  # DP attention: the layer combines the ranks' partials (dp_combine)
+        self.self_attn = MLAAttention(config, layer_id, parallel.attention_state())
         self.mlp: nn.Module = (
-            MoE(config, parallel) if config.is_moe_layer(layer_id)
-            else MLP(config.hidden_size, config.intermediate_size, parallel)
+            MoE(config, parallel, reduce=reduce) if config.is_moe_layer(layer_id)
+            else MLP(config.hidden_size, config.intermediate_size, parallel, reduce=reduce)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], shared_topk: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        attn_out, topk = self.self_attn.forward_with_topk(self.input_layernorm(x), *rope, shared_topk=shared_topk)
-        x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x)), topk
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.dp_attention:
+            attn_out, topk = self.self_attn.forward_with_topk(self.input_layernorm(x), *rope,
+                                                              shared_topk=shared_topk)  # fmt: skip
+            x = x + attn_out
+            return x + self.mlp(self.post_attention_layernorm(x)), topk
+        topk = shared_topk
+        if x.shape[0]:  # an idle rank has nothing to attend (and no batch installed)
+            attn_out, topk = self.self_attn.forward_with_topk(self.input_layernorm(x), *rope,
+                                                              shared_topk=shared_topk)  # fmt: skip
+            x = x + attn_out
+        everyone = dp_gather(self.post_attention_layernorm(x), self.parallel)
+        return x + dp_combine(self.mlp(everyone), self.parallel), topk
 
 
 class DSAModel(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelState) -> None:
         super().__init__()
-        self.embed_tokens = parallel_layers.embedding(config.vocab_size, config.hidden_size, parallel)
+        # Replicated with DP attention (each rank embeds its own tokens), as SGLang does.
+        self.embed_tokens = parallel_layers.embedding(config.vocab_size, config.hidden_size,
+                                                      parallel.attention_state())  # fmt: skip
         self.layers = nn.ModuleList(DecoderLayer(config, i, parallel) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rope, config.qk_rope_head_dim)
@@ -62,14 +90,23 @@ class DSAForCausalLM(nn.Module):
     `get_forward_context()` in every attention layer); `compute_logits(hidden[B, hidden]) -> [B, vocab] f32`.
 
     `parallel` (None = one device) makes this one tensor-parallel rank's shard (docs/parallelism.md): `forward`
-    is called identically on every rank, and `compute_logits` returns the full vocabulary on every rank."""
+    is called identically on every rank, and `compute_logits` returns the full vocabulary on every rank.
+    With data-parallel attention every rank calls `forward` and `compute_logits` on its own tokens (possibly none)
+    in every pass, inside `parallel.dp_attention.dp_batch` (everyone's counts); `compute_logits` returns this
+    rank's rows, full vocabulary."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.config = config
         self.parallel = resolve(parallel)
         self.model = DSAModel(config, self.parallel)
-        self.lm_head: Linear = parallel_layers.lm_head(config.hidden_size, config.vocab_size, self.parallel)
+        # DP attention: the head is vocab-parallel over every rank's sampled rows (gathered), as SGLang does by
+        # default; whole on every rank with --enable-dp-lm-head, or when it is the (replicated) embedding.
+        self.dp_gathered_head = self.parallel.dp_attention and not (self.parallel.enable_dp_lm_head
+                                                                    or config.tie_word_embeddings)
+        head_state = self.parallel if self.dp_gathered_head or not self.parallel.dp_attention else \
+            self.parallel.attention_state()
+        self.lm_head: Linear = parallel_layers.lm_head(config.hidden_size, config.vocab_size, head_state)
 
     @property
     def num_layers(self) -> int:
@@ -112,4 +149,8 @@ class DSAForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.dp_gathered_head:
+            if sum(current_layout().num_sampled) == 0:  # no rank samples in this pass: all skip the collectives
+                return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+            return dp_own_sampled(self.lm_head(dp_gather_sampled(hidden, self.parallel))).float()
         return self.lm_head(hidden).float()

@@ -11,8 +11,9 @@ experts are tensor-sharded. Routed experts are either tensor-sharded too (ep_siz
 every expert) or split whole across the ranks (ep_size == tp_size: rank r holds experts [r·E/N, (r+1)·E/N) and
 computes only the choices that fall on them, for all tokens). Either way every rank ends with a partial sum of
 the layer's output and one all-reduce of [T, hidden] combines them: since attention is tensor-parallel, every
-rank already has every token, so expert parallelism needs no token dispatch (all-to-all pays off only when each
-rank owns different tokens, as with DP attention).
+rank already has every token, so expert parallelism needs no token dispatch. With data-parallel attention each
+rank owns different tokens: the decoder layer gathers every rank's tokens before the MoE and reduce-scatters its
+partial output back to the owners instead (`reduce=False` here; decode_server/parallel/dp_attention.py).
 """
 
 from __future__ import annotations
@@ -104,10 +105,11 @@ class MoE(nn.Module):
     Elsewhere (CPU) a loop over the experts that received tokens, with one host sync per call.
     """
 
-    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None, reduce: bool = True) -> None:
         super().__init__()
         parallel = resolve(parallel)
         self.parallel = parallel
+        self.reduce = reduce  # False: return this rank's partial sum (the caller combines the ranks' partials)
         self.num_experts = config.n_routed_experts
         self.gate = MoEGate(config)
         self.experts: nn.ModuleList | nn.ModuleDict
@@ -160,7 +162,8 @@ class MoE(nn.Module):
         else:
             routed = self.routed_loop(x, weights, expert_ids)
         # Partial sums on every rank with tensor/expert parallelism: one all-reduce (a no-op on one device).
-        return all_reduce(routed + self.shared_experts(x), self.parallel)
+        out = routed + self.shared_experts(x)
+        return all_reduce(out, self.parallel) if self.reduce else out
 
     def routed_loop(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         top_k = expert_ids.shape[1]

@@ -36,7 +36,6 @@ from torch import nn
 
 from decode_server.model.batch_invariant import Linear
 from decode_server.model.config import ModelConfig
-from decode_server.model.fp8 import dequantize_block_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -162,30 +161,6 @@ def is_fp8_state(name: str, tensor: torch.Tensor) -> bool:
 def model_quantization(model: nn.Module) -> str:
     """"fp8" when some weight is stored in FP8, else "none"."""
     return "fp8" if any(p.dtype == FP8_DTYPE for p in model.parameters()) else "none"
-
-
-@torch.no_grad()
-def dequantized_copy(model: nn.Module) -> nn.Module:
-    """The same model with every FP8 weight dequantized to the model dtype (the `--quantization none` model of
-    the same weights): built like `model`, filled from its tensors."""
-    from decode_server.model.construct import build_empty_model
-
-    target = build_empty_model(model.config, model.device, model.dtype, model.parallel)
-    source = model.state_dict()
-    for name, tensor in target.state_dict(keep_vars=True).items():
-        value = source[name]
-        scale = source.get(name + SCALE_SUFFIX)
-        if value.dtype == FP8_DTYPE and scale is not None:
-            block = _block_of(model, name)
-            value = dequantize_block_fp8(value, scale, block)
-        tensor.data.copy_(value.to(tensor.dtype))
-    target.finalize_weights()
-    return target
-
-
-def _block_of(model: nn.Module, weight_name: str) -> tuple[int, int]:
-    module = model.get_submodule(weight_name[: -len(".weight")])
-    return getattr(module, "weight_block", FP8_BLOCK)
 
 
 def random_fp8_(weight: torch.Tensor, scale: torch.Tensor, std: float, generator: torch.Generator,

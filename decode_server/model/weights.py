@@ -128,9 +128,10 @@ def _one_layer_per_kind(config: ModelConfig, fp8: bool | Collection[str]) -> _Re
 
 def planned_weight_bytes(
     config: ModelConfig, dtype: torch.dtype, tp_size: int = 1, ep_size: int = 1,
-    fp8: bool | Collection[str] = False,
+    fp8: bool | Collection[str] = False, dp_size: int = 1,
 ) -> WeightBytes:
-    """What one GPU of a `tp_size` × `ep_size` deployment holds, from the config alone (nothing is allocated).
+    """What one GPU of a `tp_size` × `ep_size` deployment holds, from the config alone (nothing is allocated);
+    `dp_size` = `tp_size`: data-parallel attention (attention replicated whole on every rank).
 
     `fp8` is `build_empty_model`'s: True stores every FP8 projection (quantization.FP8_PROJECTIONS) as block FP8,
     a collection of weight names (the real model's, as the loader picks them from a checkpoint) stores those;
@@ -146,7 +147,8 @@ def planned_weight_bytes(
 
     reduced = _one_layer_per_kind(config, fp8)
     model = build_empty_model(reduced.config, "meta", dtype, ParallelState(tp_rank=0, tp_size=tp_size,
-                                                                           ep_size=ep_size), fp8=reduced.fp8)
+                                                                           ep_size=ep_size, dp_size=dp_size),
+                               fp8=reduced.fp8)
     model.finalize_weights()  # derived tensors: the absorbed MLA matrices (and the tied head, if any)
     by_kind: Counter[str] = Counter(dict.fromkeys(KINDS, 0))
     for name, kind, nbytes in weight_storages(model):

@@ -6,7 +6,8 @@ dies abruptly, and the loop also exits when its parent pid changes.
 
 With `--tp-size 1` this process is the engine: it builds it (and its PD role with `--disaggregation-mode`), says
 `ReadyMsg`, and runs `EngineLoop` (decode_server/runtime/loop.py) with its heartbeat. With `--tp-size N` it is rank 0
-of N engine processes (decode_server/runtime/tp_ranks.py, decode_server/runtime/rank_group.py).
+of N engine processes (decode_server/runtime/tp_ranks.py, decode_server/runtime/rank_group.py); with
+`--enable-dp-attention` rank 0 of N data-parallel-attention ranks (decode_server/runtime/dp_ranks.py).
 """
 
 from __future__ import annotations
@@ -15,36 +16,20 @@ import contextlib
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from decode_server.config import DisaggregationConfig, EngineConfig
+from decode_server.config import EngineConfig
 from decode_server.runtime.describe import describe_engine
 from decode_server.runtime.heartbeat import run_with_heartbeat
 from decode_server.runtime.lifetime import die_with_parent, leave_signals_to_parent, load_factory
 from decode_server.runtime.loop import EngineLoop
 from decode_server.runtime.messages import FatalMsg, ReadyMsg, encode
-
-if TYPE_CHECKING:
-    from decode_server.disagg.role import PDRole
+from decode_server.runtime.roles import build_role
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_ENGINE_FACTORY = "decode_server.engine.engine:Engine"
-
-
-def build_role(engine: Any, cfg: DisaggregationConfig) -> PDRole | None:
-    """The PD role of `--disaggregation-mode` between the loop and the engine (None when colocated)."""
-    if cfg.mode == "prefill":
-        from decode_server.disagg.prefill_role import PrefillRole
-
-        return PrefillRole(engine, cfg)
-    if cfg.mode == "decode":
-        from decode_server.disagg.decode_role import DecodeRole
-
-        return DecodeRole(engine, cfg)
-    return None
 
 
 def run_engine_process(
@@ -68,6 +53,11 @@ def run_engine_process(
     push = ctx.socket(zmq.PUSH)
     pull.connect(to_engine_addr)
     push.connect(from_engine_addr)
+    if config.enable_dp_attention:
+        from decode_server.runtime.dp_ranks import run_driver as run_dp_driver
+
+        # Rank 0 of a data-parallel-attention group: launches and supervises the other ranks.
+        sys.exit(run_dp_driver(config, ctx, pull, push, from_engine_addr, parent_pid, log_level, engine_factory))
     if config.tp_size > 1:
         from decode_server.runtime.tp_ranks import run_driver
 

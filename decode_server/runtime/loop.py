@@ -64,7 +64,7 @@ class EngineLoop:
             self._receive()
             if self.stopping:
                 break
-            if self.role is not None or self.engine.has_unfinished_requests():
+            if self._should_step():
                 self.step_started = time.monotonic()
                 try:
                     deltas = self.role.step() if self.role is not None else self.engine.step()
@@ -72,6 +72,17 @@ class EngineLoop:
                     self.step_started = None
                 if deltas:
                     self._on_deltas(deltas)
+
+    def _should_step(self) -> bool:
+        """Whether this iteration calls `step()`: with a PD role (it polls its transfers) or unfinished requests."""
+        return self.role is not None or self.engine.has_unfinished_requests()
+
+    def group_info(self) -> dict[str, Any]:
+        """What a rank group's loop adds to the engine's ready report (nothing for a single engine)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the loop owns besides the api sockets (a rank group's loop: its role, its own socket)."""
 
     def _poll_timeout_ms(self) -> int:
         if self.role is not None:

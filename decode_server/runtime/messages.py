@@ -32,6 +32,7 @@ class GenerateMsg:
     prompt_token_ids: list[int]
     params: SamplingParams
     bootstrap: BootstrapInfo | None = None  # PD disaggregation (prefill/decode modes)
+    dp_rank: int = 0  # data-parallel attention: the rank that serves it (the api balances them)
 
 
 @dataclass(frozen=True)

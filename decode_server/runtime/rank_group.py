@@ -4,7 +4,8 @@ What every multi-rank layout shares, whatever the ranks do with the api's messag
 the torch.distributed rendezvous (`init_rank`), launching and watching ranks 1..N-1 (`RankSupervisor`), and the
 bodies of rank 0 (`run_group_driver`, inside the engine process) and of the other ranks (`run_group_worker`).
 How the ranks share the work is the caller's `RankLoops`: the loop rank 0 runs, the loop the others run, and
-the module whose `python -m` starts them. Tensor parallelism's lockstep loops are decode_server/runtime/tp_ranks.py.
+the module whose `python -m` starts them. Tensor parallelism's lockstep loops are decode_server/runtime/tp_ranks.py,
+data-parallel attention's decode_server/runtime/dp_ranks.py.
 
 Layout (`--tp-size N`): the api process spawns rank 0 (the engine process, decode_server/runtime/engine_process.py);
 rank 0 resolves the model (generating `tiny-dsa` once), launches ranks 1..N-1 as its own children, and all N
@@ -57,8 +58,8 @@ CONFIG_ENV = "DECODE_SERVER_ENGINE_CONFIG"  # how rank 0 hands the config to ran
 
 
 def group_size(config: EngineConfig) -> int:
-    """Engine processes in the group: `--tp-size` (as in SGLang, a data-parallel attention layout would split these
-    same ranks into attention groups rather than add processes)."""
+    """Engine processes in the group: `--tp-size` (as in SGLang, data-parallel attention splits these same ranks
+    into attention replicas rather than adding processes)."""
     return config.tp_size
 
 
@@ -92,7 +93,8 @@ def init_rank(config: EngineConfig, rank: int, init_method: str) -> ParallelStat
         # Ranks share the host's cores: one rank's threads per core share, or their spin-waits starve each other.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // group_size(config)))
     return init_parallel(rank, config.tp_size, config.ep_size, init_method, device,
-                         timeout_s=config.watchdog_timeout)  # fmt: skip
+                         timeout_s=config.watchdog_timeout, dp_size=config.dp_attention_size,
+                         enable_dp_lm_head=config.enable_dp_lm_head)  # fmt: skip
 
 
 def build_rank_engine(config: EngineConfig, parallel: ParallelState, engine_factory: str) -> Any:
@@ -111,14 +113,17 @@ def leave_group(parallel: ParallelState) -> None:
 class RankLoops:
     """How the ranks of a group share the work.
 
-    `driver(engine, pull, push, parent_pid, parallel, config, supervisor)`: rank 0's loop, which alone talks to
-    the api (its sockets `pull`/`push`) and must set `supervisor.stopping` when it stops on a shutdown;
-    `follower(engine, parent_pid, parallel, config)`: the loop of ranks 1..N-1; `worker_module`: the module whose
-    `python -m` runs ranks 1..N-1 (it calls `run_group_worker` with these loops)."""
+    `driver(engine, pull, push, parent_pid, parallel, config, supervisor)`: rank 0's loop, which alone receives
+    the api's messages (its sockets `pull`/`push`) and must set `supervisor.stopping` when it stops on a shutdown;
+    `follower(engine, parent_pid, parallel, config, reply_address)`: the loop of ranks 1..N-1 (`reply_address`:
+    the api's socket, for loops whose ranks answer the api themselves); `worker_module`: the module whose
+    `python -m` runs ranks 1..N-1 (it calls `run_group_worker` with these loops); `kind`: what the ranks are
+    called in logs and errors ("tensor-parallel rank 1 (pid …) died")."""
 
     driver: Callable[..., EngineLoop]
     follower: Callable[..., EngineLoop]
     worker_module: str
+    kind: str = "tensor-parallel"
 
 
 # ---------------------------------------------------------------------------------------------- rank 0
@@ -128,8 +133,10 @@ class RankSupervisor:
     """Rank 0's children, ranks 1..N-1: launched, watched by a thread, ended with rank 0."""
 
     def __init__(self, config: EngineConfig, init_method: str, log_level: str, engine_factory: str,
-                 fatal_address: str, ctx: zmq.Context, worker_module: str) -> None:  # fmt: skip
+                 fatal_address: str, ctx: zmq.Context, worker_module: str,
+                 kind: str = "tensor-parallel") -> None:  # fmt: skip
         self.config = config
+        self.kind = kind
         self.init_method = init_method
         self.log_level = log_level
         self.engine_factory = engine_factory
@@ -146,10 +153,10 @@ class RankSupervisor:
         for rank in range(1, group_size(self.config)):
             args = [sys.executable, "-m", self.worker_module, "--rank", str(rank), "--init-method",
                     self.init_method, "--parent-pid", str(os.getpid()), "--log-level", self.log_level,
-                    "--engine-factory", self.engine_factory]  # fmt: skip
+                    "--engine-factory", self.engine_factory, "--reply-address", self.fatal_address]  # fmt: skip
             env = dict(os.environ, **{CONFIG_ENV: config_json})
             self.procs[rank] = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL)
-            logger.info("tensor-parallel rank %d started (pid %d)", rank, self.procs[rank].pid)
+            logger.info("%s rank %d started (pid %d)", self.kind, rank, self.procs[rank].pid)
         self._thread = threading.Thread(target=self._watch, name="rank-supervisor", daemon=True)
         self._thread.start()
 
@@ -162,7 +169,7 @@ class RankSupervisor:
             code = proc.poll()
             if code is not None:
                 how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                return f"tensor-parallel rank {rank} (pid {proc.pid}) died ({how})"
+                return f"{self.kind} rank {rank} (pid {proc.pid}) died ({how})"
         return None
 
     def failure_reason(self, wait_s: float = 1.0) -> str | None:
@@ -199,7 +206,7 @@ class RankSupervisor:
                 proc.wait(max(0.0, deadline - time.monotonic()))
         for rank, proc in self.procs.items():
             if proc.poll() is None:
-                logger.warning("tensor-parallel rank %d (pid %d) did not exit; killing it", rank, proc.pid)
+                logger.warning("%s rank %d (pid %d) did not exit; killing it", self.kind, rank, proc.pid)
                 proc.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(5)
@@ -213,30 +220,34 @@ def run_group_driver(config: EngineConfig, ctx: zmq.Context, pull: zmq.Socket, p
 
     supervisor: RankSupervisor | None = None
     parallel = None
+    loop: EngineLoop | None = None
     exit_code = 0
     try:
         check_rank_devices(config)
         resolve_model_path(config.model_path)  # generate tiny-dsa here once, before any rank reads it
         init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         supervisor = RankSupervisor(config, init_method, log_level, engine_factory, from_engine_addr, ctx,
-                                    loops.worker_module)  # fmt: skip
+                                    loops.worker_module, loops.kind)  # fmt: skip
         supervisor.start()
         parallel = init_rank(config, 0, init_method)
         engine = build_rank_engine(config, parallel, engine_factory)
-        info = describe_engine(engine, config)
-        info.update(tp_size=config.tp_size, ep_size=config.ep_size, tp_rank_pids=supervisor.pids,
-                    host_pool_shared=bool(config.enable_hisparse))  # fmt: skip
-        push.send(encode(ReadyMsg(os.getpid(), info)))
         loop = loops.driver(engine, pull, push, parent_pid, parallel, config, supervisor)
+        info = describe_engine(engine, config, loop.role)
+        info.update(tp_size=config.tp_size, ep_size=config.ep_size, tp_rank_pids=supervisor.pids,
+                    host_pool_shared=bool(config.enable_hisparse) and not config.enable_dp_attention)  # fmt: skip
+        info.update(loop.group_info())
+        push.send(encode(ReadyMsg(os.getpid(), info)))
         run_with_heartbeat(loop, ctx, from_engine_addr, config.watchdog_timeout)
     except Exception as exc:
         reason = supervisor.failure_reason() if supervisor is not None else None
         message = reason or f"{type(exc).__name__}: {exc}"
-        logger.error("tensor-parallel rank 0 failed: %s", message, exc_info=reason is None)
+        logger.error("%s rank 0 failed: %s", loops.kind, message, exc_info=reason is None)
         with contextlib.suppress(zmq.ZMQError):
             push.send(encode(FatalMsg(message)))
         exit_code = 1
     finally:
+        if loop is not None:
+            loop.close()
         if supervisor is not None:
             supervisor.terminate(RANK_EXIT_TIMEOUT_S if exit_code == 0 else 0.5)
         if parallel is not None and exit_code == 0:
@@ -258,6 +269,7 @@ def run_group_worker(argv: list[str] | None, loops: RankLoops) -> int:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--engine-factory", required=True)
+    parser.add_argument("--reply-address", default=None, help="the api's socket (loops whose ranks answer it)")
     args = parser.parse_args(argv)
     die_with_parent()
     if os.getppid() != args.parent_pid:  # rank 0 died before the parent-death signal was armed
@@ -267,12 +279,17 @@ def run_group_worker(argv: list[str] | None, loops: RankLoops) -> int:
                         format=f"%(asctime)s %(levelname)s engine rank {args.rank} %(name)s: %(message)s")  # fmt: skip
     config = EngineConfig.model_validate_json(os.environ[CONFIG_ENV])
     parallel = init_rank(config, args.rank, args.init_method)
+    loop: EngineLoop | None = None
     try:
         engine = build_rank_engine(config, parallel, args.engine_factory)
-        loops.follower(engine, args.parent_pid, parallel, config).run()
+        loop = loops.follower(engine, args.parent_pid, parallel, config, args.reply_address)
+        loop.run()
     except Exception:
         if os.getppid() == args.parent_pid:
-            logger.exception("tensor-parallel rank %d failed", args.rank)
+            logger.exception("%s rank %d failed", loops.kind, args.rank)
         return 1
+    finally:
+        if loop is not None:
+            loop.close()
     leave_group(parallel)
     return 0

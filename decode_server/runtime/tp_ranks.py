@@ -129,7 +129,7 @@ class FollowerLoop(LockstepLoop):
     """Ranks 1..N-1: rank 0's messages from the broadcast, no replies."""
 
     def __init__(self, engine: Any, parent_pid: int | None, parallel: ParallelState,
-                 config: EngineConfig | None = None) -> None:  # fmt: skip
+                 config: EngineConfig | None = None, reply_address: str | None = None) -> None:  # fmt: skip
         super().__init__(engine, None, _NoReplies(), parent_pid, parallel)
 
     def _receive(self) -> None:

@@ -53,6 +53,9 @@ def test_derived_host_budget_is_capped_by_available_memory(monkeypatch):
     monkeypatch.setattr(memory, "available_host_memory", lambda: 10 << 30)
     cfg = EngineConfig(enable_hisparse=True)
     assert memory.host_kv_budget(cfg, 100 << 30) == 5 << 30
+    # Data-parallel attention: 4 ranks each pin their own pool, so each gets a quarter of the capped share.
+    assert memory.host_kv_budget(cfg, 100 << 30, num_pools=4) == (5 << 30) // 4
+    assert memory.host_kv_budget(cfg, 256 << 20, num_pools=4) == 1 << 30  # under the cap: the ratio decides
     assert memory.host_kv_budget(cfg.model_copy(update={"host_kv_budget_bytes": 7 << 30}), 100 << 30) == 7 << 30
 
 

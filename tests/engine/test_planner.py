@@ -127,6 +127,19 @@ def test_tensor_parallel_weights_equal_each_ranks_model(name, ep_size, fp8):
     assert plan.total < single.total < 2 * plan.total  # sharded, plus what every rank replicates
 
 
+@pytest.mark.parametrize("name", ["tiny-dsa", "tiny-glm5", "dsv32-bench"])
+def test_dp_attention_weights_equal_each_ranks_model(name):
+    """With --enable-dp-attention every rank holds the whole attention (replicated) and its share of the rest: the
+    planner's count is every DP rank's whole model, and more than tensor-parallel attention's."""
+    config = load_config(name)
+    plan = planned_weight_bytes(config, torch.bfloat16, tp_size=2, ep_size=2, dp_size=2)
+    for rank in range(2):
+        model = build_empty_model(config, "meta", torch.bfloat16, ParallelState(rank, 2, 2, dp_size=2))
+        model.finalize_weights()
+        assert weight_bytes(model) == {**plan.by_kind, "total": plan.total}
+    assert plan.total > planned_weight_bytes(config, torch.bfloat16, tp_size=2, ep_size=2).total
+
+
 # -- FP8 weights as stored --------------------------------------------------------------------------------------
 
 def test_fp8_weights_count_one_byte_plus_block_scales():
@@ -312,6 +325,33 @@ def test_plan_command_deepseek_v32_on_h200(capsys):
     assert bf16["max_requests"] == {"dense": 0, "hisparse": 0} and "leave no KV budget" in bf16["warnings"][0]
 
 
+def test_plan_reports_dp_attention_capacity_next_to_tensor_parallel(capsys):
+    """At TP8 both attention layouts are planned: DP attention's node holds 8 ranks' requests (each rank its own
+    KV, its own host pool from its own budget), TP's one GPU's; asking for either layout gives the same two."""
+    args = ["--model-path", "deepseek-v3.2", "--tp-size", "8", "--ep-size", "8", "--device-memory", "H200",
+            "--kv-cache-dtype", "fp8_e4m3", "--context-length", "32768", "--max-running-requests", "256"]
+    tp = _run_plan(capsys, *args)
+    dp = _run_plan(capsys, *args, "--enable-dp-attention", "--dp-size", "8")
+    assert tp["dp_size"] == 1 and dp["dp_size"] == 8
+    assert tp["node_max_requests"] == dp["node_max_requests"]
+    assert tp["node_max_requests"]["tensor_parallel"] == tp["max_requests"]
+    assert dp["node_max_requests"]["dp_attention"] == {k: 8 * v for k, v in dp["max_requests"].items()}
+    # Replicated attention weights leave each rank less KV budget, but the node holds far more requests.
+    assert dp["weights_bytes_per_gpu"] > tp["weights_bytes_per_gpu"]
+    assert dp["kv_budget_bytes_per_gpu"] < tp["kv_budget_bytes_per_gpu"]
+    for mode in ("dense", "hisparse"):
+        assert dp["node_max_requests"]["dp_attention"][mode] > 4 * tp["node_max_requests"]["tensor_parallel"][mode]
+    # A derived host pool capped by the host's memory is shared by the 8 ranks' pools.
+    capped = _run_plan(capsys, *args, "--enable-dp-attention", "--dp-size", "8", "--host-memory", "512GiB")
+    assert capped["hisparse"]["host_kv_budget_bytes"] == (256 << 30) // 8
+    assert main(["plan", *args, "--enable-dp-attention", "--dp-size", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "--enable-dp-attention --dp-size 8" in text and "one pool per rank" in text
+    with pytest.raises(SystemExit):
+        main(["plan", *args, "--enable-dp-attention", "--dp-size", "4"])
+    capsys.readouterr()
+
+
 def test_plan_command_text_and_errors(capsys):
     assert main(["plan", "--model-path", "glm-5", "--tp", "8", "--device-memory", "141GiB"]) == 0
     text = capsys.readouterr().out
@@ -393,6 +433,7 @@ def test_docs_deploy_table_is_the_planners_output():
     from pathlib import Path
 
     text = (Path(__file__).parents[2] / "docs" / "deploy.md").read_text()
+    text = text[:text.index("With data-parallel attention (`--enable-dp-attention --dp-size 8`")]  # the TP table
     rows = [line.split("|")[1:-1] for line in text.splitlines()
             if line.startswith(("| DeepSeek-V3.2 | H200", "| GLM-5 | H200"))]
     assert len(rows) == 8
@@ -410,3 +451,27 @@ def test_docs_deploy_table_is_the_planners_output():
         assert dense == str(plan.max_requests["dense"])
         assert hisparse.startswith(f"{h.max_requests} ({h.host_kv_budget_bytes / gib:.0f} GiB;")
         assert best == f"{h.best_max_requests} ({h.best_host_kv_budget_bytes / gib:.0f} GiB)"
+
+
+def test_docs_deploy_dp_attention_table_is_the_planners_output():
+    """docs/deploy.md's DP-attention table (DeepSeek-V3.2 and GLM-5, 8×H200, --dp-size 8) is what the planner computes."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "deploy.md").read_text()
+    start = text.index("With data-parallel attention (`--enable-dp-attention --dp-size 8`")
+    rows = [line.split("|")[1:-1] for line in text[start:].splitlines()
+            if line.startswith(("| DeepSeek-V3.2 | H200", "| GLM-5 | H200"))][:4]
+    assert len(rows) == 4
+    gib = 1 << 30
+    for model, gpu, context, weights, budget, dense, hisparse, best in ([c.strip() for c in row] for row in rows):
+        fields = dict(device="cuda", kv_cache_dtype="fp8_e4m3", tp_size=8, ep_size=8, enable_dp_attention=True,
+                      dp_size=8, max_running_requests=512, context_length=int(context.removesuffix("K")) * 1024)
+        name = {"DeepSeek-V3.2": "deepseek-v3.2", "GLM-5": "glm-5"}[model]
+        plan = make_plan(read_config_json(name)[0], EngineConfig(**fields), model_name=name,
+                         device_memory=GPU_MEMORY[gpu.lower()])
+        h, node = plan.hisparse, plan.node_max_requests["dp_attention"]
+        assert weights == f"{plan.weights_bytes_per_gpu / gib:.1f}" and budget == f"{plan.kv_budget_bytes_per_gpu / gib:.1f}"
+        assert dense == f"{plan.max_requests['dense']} / {node['dense']}"
+        assert hisparse.startswith(f"{h.max_requests} / {node['hisparse']} ({h.host_kv_budget_bytes / gib:.0f} GiB;")
+        assert best == f"{h.best_max_requests} ({h.best_host_kv_budget_bytes / gib:.0f} GiB)"
+        assert not plan.warnings

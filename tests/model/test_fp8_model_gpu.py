@@ -27,7 +27,7 @@ from dsa_test_helpers import dense_backend, forward_tokens
 import decode_server.model.batch_invariant as batch_invariant
 import decode_server.model.moe as moe
 from decode_server.model import build_random_model, load_config
-from decode_server.model.quantization import dequantized_copy
+from decode_server.model.construct import dequantized_copy
 from decode_server.model.weights import weight_bytes
 from kernels.fp8_gemm_ref import fp8_grouped_ref, fp8_linear_ref
 

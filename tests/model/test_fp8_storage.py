@@ -18,9 +18,9 @@ import decode_server.model.loader as loader
 import kernels.fp8_gemm as fp8_gemm
 from decode_server.model import ModelConfig, build_random_model, load_model, resolve_model_path
 from decode_server.model.checkpoint_writer import checkpoint_tensors, save_checkpoint
-from decode_server.model.construct import build_empty_model, piece
+from decode_server.model.construct import build_empty_model, dequantized_copy, piece
 from decode_server.model.fp8 import dequantize_block_fp8
-from decode_server.model.quantization import Fp8LayoutError, dequantized_copy, is_fp8_projection
+from decode_server.model.quantization import Fp8LayoutError, is_fp8_projection
 from decode_server.model.weights import weight_bytes
 from decode_server.parallel.layers import parameter_shards
 from decode_server.parallel.state import ParallelState

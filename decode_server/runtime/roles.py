@@ -1,0 +1,24 @@
+"""The PD role an engine process runs (decode_server/disagg/), chosen by `--disaggregation-mode`: one module both the
+single engine's process and the rank groups use."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from decode_server.config import DisaggregationConfig
+
+if TYPE_CHECKING:
+    from decode_server.disagg.role import PDRole
+
+
+def build_role(engine: Any, cfg: DisaggregationConfig) -> PDRole | None:
+    """The PD role of `--disaggregation-mode` between the loop and the engine (None when colocated)."""
+    if cfg.mode == "prefill":
+        from decode_server.disagg.prefill_role import PrefillRole
+
+        return PrefillRole(engine, cfg)
+    if cfg.mode == "decode":
+        from decode_server.disagg.decode_role import DecodeRole
+
+        return DecodeRole(engine, cfg)
+    return None
