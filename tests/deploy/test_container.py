@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import secrets
 import socket
@@ -150,9 +151,17 @@ def deployment(engine: Engine, image: str, tmp_path: Path) -> Iterator[Deploymen
         files += ["-f", str(override)]
     port = _free_port()
     api_key = secrets.token_hex(16)
-    # compose.yaml's PD secret (issue 25) comes from the environment, as its header tells users to set it.
+    # compose.yaml's PD secret (issue 25) is a file, made as its header tells users: 0400, owned by the image's
+    # user (uid 10001), whose path is exported. Root here (the test runs its own dockerd); elsewhere 0444.
+    secret_file = tmp_path / "pd_auth.secret"
+    secret_file.write_text(secrets.token_hex(32))
+    try:
+        os.chown(secret_file, 10001, 10001)
+        secret_file.chmod(0o400)
+    except PermissionError:
+        secret_file.chmod(0o444)
     engine.env.update(DECODE_SERVER_API_KEY=api_key, ROUTER_PORT=str(port),
-                      HISPARSE_PD_AUTH_SECRET=secrets.token_hex(32))
+                      HISPARSE_PD_AUTH_SECRET_FILE=str(secret_file))
     try:
         started = time.monotonic()
         up = engine.compose(*files, "-p", project, "up", "-d", "--no-build", "--wait",
@@ -164,7 +173,7 @@ def deployment(engine: Engine, image: str, tmp_path: Path) -> Iterator[Deploymen
         yield Deployment(project, files, f"http://127.0.0.1:{port}", api_key)
     finally:
         engine.compose(*files, "-p", project, "down", "--timeout", "60", check=False, timeout=300)
-        for key in ("DECODE_SERVER_API_KEY", "ROUTER_PORT", "HISPARSE_PD_AUTH_SECRET"):
+        for key in ("DECODE_SERVER_API_KEY", "ROUTER_PORT", "HISPARSE_PD_AUTH_SECRET_FILE"):
             engine.env.pop(key, None)
 
 

@@ -182,6 +182,13 @@ def compose_problems(compose: dict[str, Any]) -> list[str]:
                 and secret.rsplit("/", 1)[1] in compose.get("secrets", {})):  # fmt: skip
             problems.append(f"{name}: the PD secret is not a compose secret (--disaggregation-auth-secret-file "
                             f"{secret or 'missing'})")
+        for used in svc.get("secrets", []):
+            # Compose copies an `environment:` (or `content:`) secret into the container, which a read-only
+            # container refuses at `up` ("`file` is the sole supported option"); a `file:` one is bind-mounted.
+            source = compose.get("secrets", {}).get(used, {})
+            if svc.get("read_only") and "file" not in source:
+                problems.append(f"{name}: secret {used} of a read-only service must be a `file:` secret "
+                                f"(has {sorted(source) or 'no source'})")
         if ns.command != "router":
             if svc.get("ports"):
                 problems.append(f"{name}: publishes a worker port to the host")
@@ -278,3 +285,7 @@ def test_compose_check_catches_mistakes(compose: dict[str, Any]) -> None:
     broken = copy.deepcopy(compose)
     broken["services"]["router"]["secrets"] = []
     assert any(p.startswith("router: the PD secret is not a compose secret") for p in compose_problems(broken))
+    broken = copy.deepcopy(compose)
+    broken["secrets"]["pd_auth"] = {"environment": "HISPARSE_PD_AUTH_SECRET"}
+    assert "decode: secret pd_auth of a read-only service must be a `file:` secret (has ['environment'])" in \
+        compose_problems(broken)  # fmt: skip
