@@ -76,7 +76,8 @@ RANK_CONFIGS = ("dsv32-rank-ep8", "dsv32-rank-ep16", "glm5-rank-ep8")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="dsv32-bench", help="model config name in configs/ or a checkpoint dir")
-    p.add_argument("--contexts", type=int, nargs="+", default=None, help="default 8192 32768 65536")
+    p.add_argument("--contexts", type=int, nargs="*", default=None,
+                   help="default 8192 32768 65536; none (the flag alone): only the --sweep-kv-gib-per-layer runs")
     p.add_argument("--device-kv-budget-gib", type=float, default=None,
                    help="fixed device bytes for KV + indexer keys (default 8; with --plan-memory or a rank config: "
                         "the engine's own budget, measured)")
@@ -149,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.config = "tiny-dsa"
-        args.contexts = args.contexts or [192, 384]
+        args.contexts = [192, 384] if args.contexts is None else args.contexts
         if not args.plan_memory:  # planned memory on the CPU: the engine's CPU budget, a host pool for the batch
             args.device_kv_budget_gib = 4 / 1024
             args.host_kv_budget_gib = 64 / 1024
@@ -157,7 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.batch_sizes = [1]
         args.page_size = 16
         args.device = "cpu" if args.device == "auto" else args.device
-    args.contexts = args.contexts or [8192, 32768, 65536]
+    args.contexts = [8192, 32768, 65536] if args.contexts is None else args.contexts
     rank = args.config in RANK_CONFIGS
     args.plan_memory = args.plan_memory or (rank and args.device_kv_budget_gib is None)
     if args.device_kv_budget_gib is None and not args.plan_memory:
