@@ -24,6 +24,7 @@ GPU:   python benchmarks/bench_decode.py --tp-size 2 --contexts 32768 --device-k
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -38,6 +39,7 @@ import torch
 from tqdm import tqdm
 
 from decode_server.config import EngineConfig, HiSparseConfig
+from decode_server.engine import kv_sizing
 from decode_server.engine.cuda_graph import (
     DecodeGraphRunner,
     bucket_for,
@@ -46,25 +48,62 @@ from decode_server.engine.cuda_graph import (
 )
 from decode_server.engine.engine import Engine, resolve_attention_kernel, resolve_overlap_schedule
 from decode_server.engine.kv_rows import CacheGeometry, encode_row_bytes, encode_rows
-from decode_server.engine.memory import resolve_kv_dtype, resolve_model_dtype
+from decode_server.engine.memory import (
+    available_host_memory,
+    device_kv_budget,
+    resolve_kv_dtype,
+    resolve_model_dtype,
+)
 from decode_server.engine.request import Request
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.errors import DecodeServerError
 from decode_server.hisparse.coordinator import HiSparseCoordinator, HiSparseLayout
 from decode_server.model import build_random_model, load_config
+from decode_server.model.weights import weight_bytes
 from kernels.dispatch import copy_rows
 from kernels.indexer_ref import quantize_index_keys
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import roofline  # noqa: E402
+
 logger = logging.getLogger("bench_decode")
 GIB = 1 << 30
+# One expert-parallel rank's share of the real models (issue 22): memory planned like the server, FP8 weights and
+# FP8 KV rows by default.
+RANK_CONFIGS = ("dsv32-rank-ep8", "dsv32-rank-ep16", "glm5-rank-ep8")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="dsv32-bench", help="model config name in configs/ or a checkpoint dir")
-    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 65536])
-    p.add_argument("--device-kv-budget-gib", type=float, default=8.0, help="device bytes for KV + indexer keys")
-    p.add_argument("--host-kv-budget-gib", type=float, default=40.0, help="pinned host bytes for HiSparse KV")
+    p.add_argument("--contexts", type=int, nargs="*", default=None,
+                   help="default 8192 32768 65536; none (the flag alone): only the --sweep-kv-gib-per-layer runs")
+    p.add_argument("--device-kv-budget-gib", type=float, default=None,
+                   help="fixed device bytes for KV + indexer keys (default 8; with --plan-memory or a rank config: "
+                        "the engine's own budget, measured)")
+    p.add_argument("--host-kv-budget-gib", type=float, default=None,
+                   help="pinned host bytes for HiSparse KV (default 40); with planned memory a cap on the pool sized "
+                        "for HiSparse's batch (default: no cap besides --host-memory-fraction)")
+    p.add_argument("--plan-memory", action="store_true",
+                   help="size memory like the server (issue 22): the device KV budget is the engine's own "
+                        "(decode_server/engine/memory.py device_kv_budget: free device memory once the model is "
+                        "built, minus (1 - --mem-fraction-static) of the device for activations and CUDA graphs), "
+                        "the same for dense and HiSparse; HiSparse's pinned host pool is sized for the batch that "
+                        "budget holds (kv_sizing.best_hisparse_batch), capped by --host-kv-budget-gib and "
+                        "--host-memory-fraction of the host's available memory. Default for the rank configs")
+    p.add_argument("--mem-fraction-static", type=float, default=EngineConfig().mem_fraction_static,
+                   help="the server's --mem-fraction-static (planned memory)")
+    p.add_argument("--host-memory-fraction", type=float, default=kv_sizing.HOST_AVAILABLE_FRACTION,
+                   help="planned memory: the host pool pins at most this share of MemAvailable (the engine's rule "
+                        "is 0.5; the device machine has 128 GiB of host memory for one GPU)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="a reduced-layer variant of the config: its first N layers (layer kinds kept)")
+    p.add_argument("--sweep-kv-gib-per-layer", type=float, nargs="*", default=[],
+                   help="budget sweep: also run dense and HiSparse (--sweep-miss-rates) at --sweep-context with a "
+                        "device KV budget of this many GiB per layer (e.g. 0.25 0.5 1 2); budgets above the planned "
+                        "one are skipped")
+    p.add_argument("--sweep-context", type=int, default=32768)
+    p.add_argument("--sweep-miss-rates", type=float, nargs="*", default=[0.05])
     p.add_argument("--steps", type=int, default=20, help="timed decode steps")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-batch", type=int, default=512, help="cap on requests per mode")
@@ -80,11 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="leave out the full-batch HiSparse run on the model's own (random-weight) indexer top-k")
     p.add_argument("--buffer-size", type=int, default=None, help="HiSparse D (default 2 * index_topk)")
     p.add_argument("--num-recent", type=int, default=4)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e4m3"],
-                   help="KV rows: the model dtype (bf16, 1152 B) or FlashMLA's FP8 rows (656 B)")
-    p.add_argument("--quantization", default="none", choices=["none", "fp8"],
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bfloat16", "fp8_e4m3"],
+                   help="KV rows: the model dtype (bf16, 1152 B) or FlashMLA's FP8 rows (656 B); default auto, "
+                        "fp8_e4m3 for the rank configs")
+    p.add_argument("--quantization", default=None, choices=["none", "fp8"],
                    help="weights of the random model: the model dtype, or block FP8 drawn on the device (FP8 GEMMs; "
-                        "CPU runs keep the reference GEMMs)")
+                        "CPU runs keep the reference GEMMs); default none, fp8 for the rank configs")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "flashmla", "triton"],
                    help="sparse MLA kernel (auto: FlashMLA on Hopper when installed, else Triton)")
     p.add_argument("--page-size", type=int, default=64)
@@ -110,13 +150,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.config = "tiny-dsa"
-        args.contexts = [192, 384]
-        args.device_kv_budget_gib = 4 / 1024
-        args.host_kv_budget_gib = 64 / 1024
+        args.contexts = [192, 384] if args.contexts is None else args.contexts
+        if not args.plan_memory:  # planned memory on the CPU: the engine's CPU budget, a host pool for the batch
+            args.device_kv_budget_gib = 4 / 1024
+            args.host_kv_budget_gib = 64 / 1024
         args.steps, args.warmup, args.max_batch = 3, 1, 8
         args.batch_sizes = [1]
         args.page_size = 16
         args.device = "cpu" if args.device == "auto" else args.device
+    args.contexts = [8192, 32768, 65536] if args.contexts is None else args.contexts
+    rank = args.config in RANK_CONFIGS
+    args.plan_memory = args.plan_memory or (rank and args.device_kv_budget_gib is None)
+    if args.device_kv_budget_gib is None and not args.plan_memory:
+        args.device_kv_budget_gib = 8.0
+    if args.host_kv_budget_gib is None and not args.plan_memory:
+        args.host_kv_budget_gib = 40.0
+    args.kv_cache_dtype = args.kv_cache_dtype or ("fp8_e4m3" if rank else "auto")
+    args.quantization = args.quantization or ("fp8" if rank else "none")
     stem = "bench_decode_smoke" if args.smoke else "bench_decode"
     args.out = args.out or f"benchmarks/results/{stem}.json"
     args.plot = args.plot or str(Path(args.out).with_suffix(".png"))
@@ -155,7 +205,59 @@ class SyntheticTopK:
         return batch.mask_padded_topk(self.perm[batch.req_rows][:, cols].contiguous())
 
 
-def hisparse_layout(args, model_config, kv_dtype, context: int, max_len: int, batch_cap: int) -> HiSparseLayout:
+def hisparse_layout(args, model_config, kv_dtype, context: int, max_len: int, batch_cap: int,
+                    device_budget: int) -> tuple[HiSparseLayout, dict]:
+    """The HiSparse pools for requests of `max_len` tokens and what sized them: planned like the server
+    (`planned_hisparse_layout`) or, with a fixed budget, the quick check's rule (`fixed_hisparse_layout`)."""
+    if args.plan_memory:
+        return planned_hisparse_layout(args, model_config, kv_dtype, context, max_len, batch_cap, device_budget)
+    return fixed_hisparse_layout(args, model_config, kv_dtype, context, max_len, batch_cap, device_budget), {}
+
+
+def host_pool_cap(args) -> tuple[int, str]:
+    """Planned memory: the most host memory the HiSparse pool may pin, and why (--host-kv-budget-gib and
+    --host-memory-fraction of MemAvailable; pinning more than the machine has takes the whole host down)."""
+    caps = {}
+    if args.host_kv_budget_gib is not None:
+        caps["--host-kv-budget-gib"] = int(args.host_kv_budget_gib * GIB)
+    available = available_host_memory()
+    if available is not None:
+        caps[f"{args.host_memory_fraction:g} x MemAvailable ({available / GIB:.1f} GiB)"] = int(
+            args.host_memory_fraction * available)
+    if not caps:
+        raise ValueError("planned memory needs --host-kv-budget-gib where MemAvailable is unknown")
+    name = min(caps, key=lambda k: caps[k])
+    return caps[name], name
+
+
+def planned_hisparse_layout(args, model_config, kv_dtype, context: int, max_len: int, batch_cap: int,
+                            device_budget: int) -> tuple[HiSparseLayout, dict]:
+    """The engine's own layout (kv_sizing.hisparse_layout: staging area, indexer keys, buffers) for the device
+    budget, with the host pool sized for the batch that budget holds (kv_sizing.best_hisparse_batch, as
+    `decode-server plan` reports it), capped by `host_pool_cap`. Where the cap binds, the run holds fewer
+    requests than the device would: `device_bound_batch` records how many it would hold."""
+    geometry = CacheGeometry.from_model_config(model_config)
+    rules = kv_sizing.SizingRules(
+        page_size=args.page_size, max_running_requests=batch_cap, chunked_prefill_size=max(2048, args.page_size),
+        hisparse=HiSparseConfig(device_buffer_size=args.buffer_size, num_recent_slots=args.num_recent))
+    ps = args.page_size
+    host_per_request = kv_sizing.pages_for(max_len, ps) * ps * geometry.row_bytes(kv_dtype) * geometry.num_layers
+    top_k = int(model_config.index_topk)
+    device_bound, host_needed = kv_sizing.best_hisparse_batch(device_budget, geometry, kv_dtype, top_k, rules,
+                                                              max_len, max_len, host_per_request)
+    if device_bound < 1:
+        raise ValueError(f"context {context}: the device budget does not hold one HiSparse request")
+    cap, cap_source = host_pool_cap(args)
+    host = min(host_needed, cap)
+    layout = kv_sizing.hisparse_layout(device_budget, host, geometry, kv_dtype, top_k, max_len, rules)
+    info = {"device_bound_batch": device_bound, "host_pool_for_device_batch_bytes": host_needed,
+            "host_pool_cap_bytes": cap, "host_pool_cap_source": cap_source, "host_binds": host_needed > cap,
+            "host_bytes_per_request": host_per_request}
+    return layout, info
+
+
+def fixed_hisparse_layout(args, model_config, kv_dtype, context: int, max_len: int, batch_cap: int,
+                          device_budget: int) -> HiSparseLayout:
     """Size the pools for requests of `max_len` tokens: as many (buffer + indexer keys) as the device budget
     holds, capped by what the host budget holds."""
     geometry = CacheGeometry.from_model_config(model_config)  # GLM-5 shared layers own no indexer keys
@@ -168,7 +270,7 @@ def hisparse_layout(args, model_config, kv_dtype, context: int, max_len: int, ba
     index_bytes = geometry.index_key_bytes * geometry.num_index_layers
     per_req_device = (D + args.num_recent) * rb * num_layers + pages * ps * index_bytes
     per_req_host = pages * ps * rb * num_layers
-    n = min(batch_cap, int(args.device_kv_budget_gib * GIB) // per_req_device,
+    n = min(batch_cap, device_budget // per_req_device,
             int(args.host_kv_budget_gib * GIB) // per_req_host)
     if n < 1:
         raise ValueError(f"context {context}: the budgets do not hold one HiSparse request")
@@ -178,14 +280,16 @@ def hisparse_layout(args, model_config, kv_dtype, context: int, max_len: int, ba
 
 
 def build_engine(args, model, model_config, mode: str, context: int, max_len: int, batch_cap: int,
-                 parallel=None) -> Engine:  # fmt: skip
+                 device_budget: int, parallel=None) -> tuple[Engine, dict]:  # fmt: skip
+    """The engine of one run with `device_budget` bytes of device KV, and how its HiSparse pools were sized."""
     device = rank_device(args, parallel)
     hisparse = mode.startswith("hisparse")
     cfg = EngineConfig(
         device=args.device, enable_hisparse=hisparse, page_size=args.page_size, context_length=max_len,
         kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
-        device_kv_budget_bytes=int(args.device_kv_budget_gib * GIB),
-        host_kv_budget_bytes=int(args.host_kv_budget_gib * GIB), max_running_requests=batch_cap,
+        device_kv_budget_bytes=device_budget,
+        host_kv_budget_bytes=int(args.host_kv_budget_gib * GIB) if args.host_kv_budget_gib is not None else None,
+        max_running_requests=batch_cap,
         max_queued_requests=batch_cap + 1, chunked_prefill_size=max(2048, args.page_size),
         hisparse=HiSparseConfig(device_buffer_size=args.buffer_size, num_recent_slots=args.num_recent),
         enable_deterministic_inference=args.enable_deterministic_inference, tp_size=args.tp_size,
@@ -193,12 +297,14 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
         disable_overlap_schedule=args.disable_overlap_schedule,
     )
     kv = None
+    sizing: dict = {}
     if hisparse:
         kv_dtype = resolve_kv_dtype(cfg, resolve_model_dtype(cfg, device))
-        layout = hisparse_layout(args, model_config, kv_dtype, context, max_len, batch_cap)
+        layout, sizing = hisparse_layout(args, model_config, kv_dtype, context, max_len, batch_cap, device_budget)
         kv = HiSparseCoordinator(layout, kv_dtype, device, parallel=parallel)  # shared host pool with TP
         cfg = cfg.model_copy(update={"max_running_requests": layout.max_reqs})
-    return Engine(cfg, model=model, model_config=model_config, tokenizer=None, kv_manager=kv, parallel=parallel)
+    engine = Engine(cfg, model=model, model_config=model_config, tokenizer=None, kv_manager=kv, parallel=parallel)
+    return engine, sizing
 
 
 def overlap_label(args, device: torch.device) -> str:
@@ -384,14 +490,78 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Roof:
+    """The model's weight bytes and the bandwidths measured in this process, for each run's roofline floor
+    (benchmarks/roofline.py): (weights read + KV and indexer keys read) / HBM + misses (h2d bytes) / PCIe."""
+
+    def __init__(self, model, device: torch.device) -> None:
+        self.weights_bytes = weight_bytes(model)["total"]
+        self.split = roofline.weight_split(model)
+        self.bandwidths = roofline.measure_bandwidths(device)
+
+    def to_json(self) -> dict:
+        return {"weights_bytes": self.weights_bytes, "weights_gib": self.weights_bytes / GIB,
+                "weight_split": self.split.to_json(), **self.bandwidths}
+
+    def floor_fields(self, engine: Engine, model_config, batch: int, context: int, miss_bytes: float,
+                     step_ms: float) -> dict:
+        geometry = CacheGeometry.from_model_config(model_config)
+        kv = roofline.kv_bytes_read(batch, context, geometry.num_layers, geometry.num_index_layers,
+                                    int(model_config.index_topk), geometry.row_bytes(engine.kv_dtype),
+                                    geometry.index_key_bytes)
+        floor = roofline.step_floor(roofline.weight_bytes_read(self.split, batch), kv, miss_bytes,
+                                    float(self.bandwidths["hbm_gbps"]), float(self.bandwidths["pcie_gbps"]))
+        return {"weights_gib": self.weights_bytes / GIB, "floor_ms": 1000 * floor.seconds,
+                "floor_hbm_ms": 1000 * floor.hbm_s, "floor_pcie_ms": 1000 * floor.pcie_s,
+                "floor_weight_bytes": floor.weight_bytes, "floor_kv_bytes": floor.kv_bytes,
+                "floor_miss_bytes": floor.miss_bytes,
+                "step_over_floor": step_ms / (1000 * floor.seconds) if floor.seconds > 0 else None}
+
+
+def reduced_layers(config, num_layers: int):
+    """The config's first `num_layers` layers (dense / MoE and full / shared indexer kinds kept): a shorter model
+    with the same per-layer shapes, e.g. for a budget sweep at GiB per layer that the whole model's memory leaves
+    no room for."""
+    if not 1 <= num_layers <= config.num_hidden_layers:
+        raise ValueError(f"--num-layers {num_layers} must be in [1, {config.num_hidden_layers}]")
+    reduced = dataclasses.replace(
+        config, num_hidden_layers=num_layers, indexer_types=config.indexer_types[:num_layers],
+        mlp_layer_types=config.mlp_layer_types[:num_layers])
+    reduced.validate()
+    return reduced
+
+
+def planned_budget(args, device: torch.device) -> int:
+    """The device KV budget the engine would measure now (decode_server/engine/memory.py `device_kv_budget`): on
+    CUDA the free memory with the model built, minus (1 - mem_fraction_static) of the device, which is left for
+    activations, CUDA graphs and per-request tables; on the CPU the engine's fixed CPU budget. Measured once, so
+    dense and HiSparse runs get the same device memory."""
+    config = EngineConfig(device=device.type, mem_fraction_static=args.mem_fraction_static)
+    return device_kv_budget(config, device)
+
+
+def host_mem_total() -> int | None:
+    """MemTotal of /proc/meminfo (the host memory the pinned pool competes for), else None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def run_one(args, model, model_config, mode: str, context: int, miss_rate: float | None,
-            fixed_batch: int | None, parallel=None) -> dict:
+            fixed_batch: int | None, parallel=None, device_budget: int | None = None, roof: Roof | None = None,
+            sweep: float | None = None) -> dict:
+    """One timed run: `mode` at `context` with as many requests as `device_budget` holds (or `fixed_batch`)."""
     device = rank_device(args, parallel)
+    device_budget = device_budget if device_budget is not None else int(args.device_kv_budget_gib * GIB)
     max_len = context + args.warmup + args.steps + 4  # room for every step; nothing finishes while timed
     cap = fixed_batch or args.max_batch
     shmem_before = shmem_bytes()
     t_build = time.perf_counter()
-    engine = build_engine(args, model, model_config, mode, context, max_len, cap, parallel)
+    engine, sizing = build_engine(args, model, model_config, mode, context, max_len, cap, device_budget, parallel)
     build_s = time.perf_counter() - t_build
     kv_dtype = engine.kv_dtype
     name = mode if miss_rate is None else f"hisparse-m{round(miss_rate * 100)}"
@@ -446,8 +616,12 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
         "h2d_bytes_per_step": (up1 - up0) / args.steps, "d2h_bytes_per_step": (down1 - down0) / args.steps,
         "tp_size": args.tp_size, "host_pool_bytes": host_pool, "build_s": build_s, "fill_s": fill_s,
         "host_pool_shmem_bytes": shmem_used if parallel is not None and host_pool else None,
-        **spans, **graphs,
+        "kv_budget_bytes": device_budget, "kv_budget_gib": device_budget / GIB, "kv_cache_dtype": str(kv_dtype),
+        "sweep_kv_gib_per_layer": sweep, **sizing, **spans, **graphs,
     }
+    if roof is not None:
+        result.update(roof.floor_fields(engine, model_config, batch, context, result["h2d_bytes_per_step"],
+                                        result["step_ms"]))
     del engine, synthetic
     gc.collect()
     if device.type == "cuda":
@@ -471,6 +645,59 @@ def profile_steps(engine: Engine, device: torch.device, path: Path, steps: int =
         tables += ["\n## by device time\n", averages.table(sort_by="self_cuda_time_total", row_limit=30)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(tables))
+
+
+def write_plots(results: list[dict], path: Path) -> list[Path]:
+    """tok/s against context (`path`) and, with a budget sweep, HiSparse / dense tok/s against the budget per
+    layer (`<path stem>_sweep.png`); none where matplotlib is missing (the JSON holds every figure)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plots (pip install '.[bench]')")
+        return []
+    main = [r for r in results if r.get("sweep_kv_gib_per_layer") is None]
+    written = []
+    if main:
+        plot(main, path)
+        written.append(path)
+    sweep = [r for r in results if r.get("sweep_kv_gib_per_layer") is not None]
+    ratios = sweep_ratios(sweep)
+    if ratios:
+        sweep_path = path.with_name(path.stem + "_sweep.png")
+        plot_sweep(ratios, sweep_path)
+        written.append(sweep_path)
+    return written
+
+
+def sweep_ratios(sweep: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """HiSparse mode → [(KV GiB per layer, its tok/s / dense tok/s at that budget)], budgets where both ran."""
+    dense = {r["sweep_kv_gib_per_layer"]: r["tokens_per_s"] for r in sweep if r["mode"] == "dense"}
+    out: dict[str, list[tuple[float, float]]] = {}
+    for r in sweep:
+        per_layer = r["sweep_kv_gib_per_layer"]
+        if r["mode"] != "dense" and per_layer in dense:
+            out.setdefault(r["mode"], []).append((per_layer, r["tokens_per_s"] / dense[per_layer]))
+    return {mode: sorted(points) for mode, points in out.items()}
+
+
+def plot_sweep(ratios: dict[str, list[tuple[float, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode, points in ratios.items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{mode} / dense")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("device KV budget per layer (GiB)")
+    ax.set_ylabel("tokens/s ratio")
+    ax.set_title("HiSparse / dense against the KV budget per layer")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -563,8 +790,23 @@ def run_rank(args, parallel=None) -> int:
     reporting = parallel is None or parallel.tp_rank == 0
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_config = load_config(args.config)
+    if args.num_layers is not None:
+        model_config = reduced_layers(model_config, args.num_layers)
+    t_model = time.perf_counter()
     model = build_random_model(model_config, device, dtype, seed=args.seed, parallel=parallel,  # TP: this shard
                                quantization=args.quantization)
+    sync(device)
+    args.model_build_s = time.perf_counter() - t_model
+    roof = Roof(model, device)
+    args.roof = roof.to_json()
+    budget = planned_budget(args, device) if args.plan_memory else int(args.device_kv_budget_gib * GIB)
+    args.kv_budget_bytes = budget
+    args.host_memory = {"mem_total_bytes": host_mem_total(), "mem_available_bytes": available_host_memory()}
+    if reporting:
+        logger.info("model built in %.1f s: weights %.2f GiB; HBM %.0f GB/s, PCIe %.1f GB/s (%s / %s); device KV "
+                    "budget %.2f GiB (%s)", args.model_build_s, roof.weights_bytes / GIB, roof.bandwidths["hbm_gbps"],
+                    roof.bandwidths["pcie_gbps"], roof.bandwidths["hbm_method"], roof.bandwidths["pcie_method"],
+                    budget / GIB, "planned" if args.plan_memory else "fixed")
     runs: list[tuple[str, float | None, int | None]] = [
         (m, None, None) for m in args.modes if not (m == "hisparse" and args.skip_model_indexer_run)]
     if "hisparse" in args.modes:
@@ -575,44 +817,74 @@ def run_rank(args, parallel=None) -> int:
              if not (m == "hisparse" and args.batch_miss_rates)]
     if "hisparse" in args.modes:
         runs += [("hisparse", r, b) for b in args.batch_sizes for r in args.batch_miss_rates]
+    plan: list[tuple[int, str, float | None, int | None, int, float | None]] = [
+        (context, mode, miss, fixed, budget, None) for context in args.contexts for mode, miss, fixed in runs]
+    for per_layer in args.sweep_kv_gib_per_layer:
+        sweep_budget = int(per_layer * model_config.num_hidden_layers * GIB)
+        plan += [(args.sweep_context, mode, miss, None, sweep_budget, per_layer) for mode, miss in
+                 [("dense", None)] * ("dense" in args.modes)
+                 + [("hisparse", r) for r in args.sweep_miss_rates] * ("hisparse" in args.modes)]
     results = []
-    for context in args.contexts:
-        for mode, miss, fixed in runs:
-            try:
-                results.append(run_one(args, model, model_config, mode, context, miss, fixed, parallel))
-            except (ValueError, RuntimeError, torch.OutOfMemoryError, DecodeServerError) as exc:
-                logger.warning("skipped %s (miss %s, batch %s) at context %d: %s", mode, miss, fixed, context, exc)
-                results.append({"mode": mode if miss is None else f"hisparse-m{round(miss * 100)}",
-                                "context": context, "fixed_batch": fixed, "error": str(exc)})
-            if reporting:
-                write_results(args, device, results)
-                last = results[-1]
-                if "error" not in last:
-                    logger.info("done: %s context %d batch %d: %.1f tok/s, %.2f ms a step (engine built in %.1f s,"
-                                " KV filled in %.1f s)", last["mode"], last["context"], last["batch"],
-                                last["tokens_per_s"], last["step_ms"], last["build_s"], last["fill_s"])
+    for context, mode, miss, fixed, run_budget, sweep in plan:
+        try:
+            if run_budget > budget:
+                raise ValueError(f"sweep budget {run_budget / GIB:.2f} GiB exceeds the "
+                                 f"{'planned' if args.plan_memory else 'fixed'} {budget / GIB:.2f} GiB "
+                                 "(fewer --num-layers make room)")
+            results.append(run_one(args, model, model_config, mode, context, miss, fixed, parallel,
+                                   device_budget=run_budget, roof=roof, sweep=sweep))
+        except (ValueError, RuntimeError, torch.OutOfMemoryError, DecodeServerError) as exc:
+            logger.warning("skipped %s (miss %s, batch %s) at context %d: %s", mode, miss, fixed, context, exc)
+            results.append({"mode": mode if miss is None else f"hisparse-m{round(miss * 100)}",
+                            "context": context, "fixed_batch": fixed, "sweep_kv_gib_per_layer": sweep,
+                            "error": str(exc)})
+        if reporting:
+            write_results(args, device, results)
+            last = results[-1]
+            if "error" not in last:
+                logger.info("done: %s context %d batch %d: %.1f tok/s, %.2f ms a step (engine built in %.1f s,"
+                            " KV filled in %.1f s)", last["mode"], last["context"], last["batch"],
+                            last["tokens_per_s"], last["step_ms"], last["build_s"], last["fill_s"])
     ok = [r for r in results if "error" not in r]
     if not reporting:
         return 0 if ok else 1
     device_name = describe_device(device)
-    header = (f"{'mode':<14}{'context':>8}{'batch':>7}{'tok/s':>11}{'step ms':>10}{'hit rate':>10}"
-              f"{'PCIe MB/step':>14}{'fwd ms':>9}{'idx ms':>9}{'attn ms':>9}{'swap ms':>9}")
-    print(f"device: {device_name}; config: {args.config}; budget: {args.device_kv_budget_gib:g} GiB device, "
-          f"{args.host_kv_budget_gib:g} GiB host; tp_size {args.tp_size}; steps: {args.steps}; KV {args.kv_cache_dtype}; "
-          f"weights {args.quantization}; attention "
+    header = (f"{'mode':<18}{'context':>8}{'KV GiB':>8}{'batch':>7}{'tok/s':>11}{'step ms':>10}{'floor ms':>10}"
+              f"{'step/floor':>11}{'hit rate':>10}{'PCIe MB/step':>14}{'fwd ms':>9}{'idx ms':>9}{'attn ms':>9}"
+              f"{'swap ms':>9}")
+    host = args.host_memory
+    host_text = (f"host memory {host['mem_total_bytes'] / GIB:.1f} GiB total, {host['mem_available_bytes'] / GIB:.1f}"
+                 " GiB available" if host["mem_total_bytes"] and host["mem_available_bytes"] else "host memory unknown")
+    budget_text = (f"planned (mem_fraction_static {args.mem_fraction_static:g}): {args.kv_budget_bytes / GIB:.2f} GiB "
+                   f"device, host pool sized for HiSparse's batch (cap: {'--host-kv-budget-gib ' + format(args.host_kv_budget_gib, 'g') + ' GiB, ' if args.host_kv_budget_gib is not None else ''}"
+                   f"{args.host_memory_fraction:g} x MemAvailable)" if args.plan_memory else
+                   f"{args.device_kv_budget_gib:g} GiB device, {args.host_kv_budget_gib:g} GiB host")
+    print(f"device: {device_name}; config: {args.config}"
+          + (f" (first {args.num_layers} layers)" if args.num_layers else "")
+          + f"; weights {args.roof['weights_gib']:.2f} GiB ({args.quantization}, built in {args.model_build_s:.1f} s); "
+          f"KV budget {budget_text}; {host_text}; HBM {args.roof['hbm_gbps']:.0f} GB/s, PCIe "
+          f"{args.roof['pcie_gbps']:.1f} GB/s (copies in this process); tp_size {args.tp_size}; steps: {args.steps}; "
+          f"KV {args.kv_cache_dtype}; attention "
           f"{resolve_attention_kernel(args.attention_backend, device, args.enable_deterministic_inference)}"
           + ("; deterministic inference" if args.enable_deterministic_inference else "")
           + f"; overlap schedule {overlap_label(args, device)}")
     print(header)
     for r in results:
-        label = r["mode"] + (f"@B{r['fixed_batch']}" if r.get("fixed_batch") else "")
+        label = r["mode"] + (f"@B{r['fixed_batch']}" if r.get("fixed_batch") else "") + (
+            f"@{r['sweep_kv_gib_per_layer']:g}G/L" if r.get("sweep_kv_gib_per_layer") is not None else "")
         if "error" in r:
-            print(f"{label:<14}{r['context']:>8}  error: {r['error']}")
+            print(f"{label:<18}{r['context']:>8}  error: {r['error']}")
             continue
         hit = f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "-"
-        print(f"{label:<14}{r['context']:>8}{r['batch']:>7}{r['tokens_per_s']:>11.1f}{r['step_ms']:>10.2f}"
-              f"{hit:>10}{r['pcie_bytes_per_step'] / 1e6:>14.2f}{r['forward_ms']:>9.2f}{_ms(r['indexer_ms'])}"
+        ratio = f"{r['step_over_floor']:.2f}" if r.get("step_over_floor") is not None else "-"
+        print(f"{label:<18}{r['context']:>8}{r['kv_budget_gib']:>8.3g}{r['batch']:>7}{r['tokens_per_s']:>11.1f}"
+              f"{r['step_ms']:>10.2f}{_ms(r.get('floor_ms')):>10}{ratio:>11}{hit:>10}"
+              f"{r['pcie_bytes_per_step'] / 1e6:>14.2f}{r['forward_ms']:>9.2f}{_ms(r['indexer_ms'])}"
               f"{_ms(r['attention_ms'])}{_ms(r['swap_in_ms'])}")
+        if r.get("host_binds"):
+            print(f"{'':<18}host pool binds: the device budget holds {r['device_bound_batch']} requests, whose rows "
+                  f"need {r['host_pool_for_device_batch_bytes'] / GIB:.1f} GiB of host memory; capped at "
+                  f"{r['host_pool_cap_bytes'] / GIB:.1f} GiB ({r['host_pool_cap_source']})")
         if r.get("cuda_graph"):
             print(f"{'':<14}CUDA graph: bucket {r['graph_bucket']}, {r['graph_replays']} replays; captured "
                   f"{r['graphs_captured']} graph(s) in {r['graph_capture_s']:.2f} s, "
@@ -624,9 +896,8 @@ def run_rank(args, parallel=None) -> int:
             print(f"{'':<14}host pool {r['host_pool_bytes'] / GIB:.3f} GiB, one copy for {args.tp_size} rank(s)"
                   + (f"; node shared memory taken: {shm / GIB:.3f} GiB" if shm is not None else ""))
     out = write_results(args, device, results)
-    if ok:
-        plot(ok, Path(args.plot))
-    print(f"wrote {out} and {args.plot}")
+    plots = write_plots(ok, Path(args.plot)) if ok else []
+    print(f"wrote {out}" + (f" and {', '.join(map(str, plots))}" if plots else ""))
     return 0 if ok else 1
 
 

@@ -329,35 +329,10 @@ def _hisparse(budget: int, geometry: CacheGeometry, kv_dtype: torch.dtype, index
         plan.host_pool_bytes = allocated.host_pool
         plan.max_requests, plan.limit = capacity.max_requests, capacity.limit
         plan.host_pool_needed_bytes = capacity.max_requests * host_per_request
-    best, best_host = _best_hisparse(budget, geometry, kv_dtype, index_topk, rules, context, kv_tokens,
-                                     host_per_request)
+    best, best_host = kv_sizing.best_hisparse_batch(budget, geometry, kv_dtype, index_topk, rules, context,
+                                                    kv_tokens, host_per_request)
     plan.best_max_requests, plan.best_host_kv_budget_bytes = best, best_host
     return plan
-
-
-def _best_hisparse(budget: int, geometry: CacheGeometry, kv_dtype: torch.dtype, index_topk: int,
-                   rules: kv_sizing.SizingRules, context: int, kv_tokens: int,
-                   host_per_request: int) -> tuple[int, int]:
-    """The most requests of `kv_tokens` tokens the device budget holds when the host pool is sized for exactly
-    them (the engine's layout with host budget n × one request's host rows), and that host budget: a binary
-    search over n with the same sizing function."""
-
-    def holds(n: int) -> bool:
-        try:
-            layout = kv_sizing.hisparse_layout(budget, n * host_per_request, geometry, kv_dtype, index_topk,
-                                               context, rules)
-        except ValueError:
-            return False
-        return kv_sizing.hisparse_capacity(layout, kv_tokens).max_requests >= n
-
-    low, high = 0, rules.max_running_requests
-    while low < high:
-        mid = (low + high + 1) // 2
-        if holds(mid):
-            low = mid
-        else:
-            high = mid - 1
-    return low, low * host_per_request
 
 
 # -- text ---------------------------------------------------------------------------------------------------------

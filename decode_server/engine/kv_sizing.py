@@ -245,3 +245,28 @@ def hisparse_capacity(layout: HiSparseLayout, kv_tokens: int) -> Capacity:
                       "device buffers": layout.num_buffers,
                       "host KV pool": layout.host_pages // pages,
                       "GPU indexer keys": layout.indexer_pages // pages})
+
+
+def best_hisparse_batch(device_budget: int, geometry: CacheGeometry, kv_dtype: torch.dtype, index_topk: int,
+                        rules: SizingRules, max_ctx: int, kv_tokens: int, host_per_request: int) -> tuple[int, int]:
+    """The most requests of `kv_tokens` tokens the device budget holds when the host pool is sized for exactly
+    them (`hisparse_layout` with host budget n × one request's host rows), and that host budget: a binary search
+    over n ≤ `rules.max_running_requests` with the same sizing function. The planner reports it; the decode
+    benchmark sizes its pinned pool with it (a pool larger than the batch the device holds is pinned for nothing)."""
+
+    def holds(n: int) -> bool:
+        try:
+            layout = hisparse_layout(device_budget, n * host_per_request, geometry, kv_dtype, index_topk, max_ctx,
+                                     rules)
+        except ValueError:
+            return False
+        return hisparse_capacity(layout, kv_tokens).max_requests >= n
+
+    low, high = 0, rules.max_running_requests
+    while low < high:
+        mid = (low + high + 1) // 2
+        if holds(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low, low * host_per_request
