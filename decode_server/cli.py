@@ -400,10 +400,11 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def _device_memory(text: str) -> int:
-    from decode_server.planner import parse_device_memory
+    """`--device-memory`: `H100` / `H200` (their totals, decode_server/planner.py `GPU_MEMORY`) or a size."""
+    from decode_server.planner import GPU_MEMORY
 
     try:
-        return parse_device_memory(text)
+        return GPU_MEMORY.get(text.strip().lower()) or parse_bytes(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"not a size or a GPU name (H100, H200): {text!r}") from None
 

@@ -44,13 +44,6 @@ GPU_MEMORY = {"h100": 81559 << 20, "h200": 143771 << 20}
 DEFAULT_RUNTIME_MEMORY = 1 << 30
 
 
-def parse_device_memory(text: str) -> int:
-    """`H100` / `H200` (their totals) or a size (`141GiB`, `80GB`, bytes)."""
-    from decode_server.cli import parse_bytes
-
-    return GPU_MEMORY.get(text.strip().lower()) or parse_bytes(text)
-
-
 def read_config_json(name_or_path: str) -> tuple[dict[str, Any], str]:
     """(config.json as a dict, where it came from): a name in configs/ (`tiny-dsa`, `deepseek-v3.2`, ...), a
     config JSON file, or a checkpoint directory. Only config.json is read, never a weight (`checkpoint_dir` says
