@@ -95,8 +95,8 @@ def test_prefetch_is_bit_identical_to_dense_and_to_no_prefetch(tiny_glm5) -> Non
 
 def test_equality_check_catches_a_wrong_prefetch(tiny_glm5) -> None:
     """The comparison above must be able to fail: a prefetch that runs each follower's swap-in against its full
-    layer's tables hands out the same slots (the layers' LRU states evolve alike), but the follower's own rows
-    were never copied there, and the logits differ from dense."""
+    layer's tables (wrong layer) hands out slots whose rows of the follower's layer were never copied there, and
+    the tokens or logits differ from dense."""
     dense = run_script(_engine(tiny_glm5, hisparse=False), _workload())
     engine = _engine(tiny_glm5, hisparse=True, prefetch=True)
     backend = engine.kv.backend
