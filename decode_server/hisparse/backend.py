@@ -114,8 +114,10 @@ class HiSparseBackend(AttentionBackend):
     # -- per forward --
     def begin_forward(self, batch: ForwardBatch) -> None:
         co = self.co
-        if self.prefetch.pending_layers:  # end_forward always joins: a leftover is a bug, never reuse it
-            raise RuntimeError(f"prefetched swap-ins of layers {self.prefetch.pending_layers} outlived their forward")
+        leftover = self.prefetch.pending_layers
+        if leftover:  # end_forward always joins, so this is a bug: never reuse them; joined, so the next forward runs
+            self.prefetch.join()
+            raise RuntimeError(f"prefetched swap-ins of layers {leftover} outlived their forward")
         if not batch.static:
             self.prepare_static_forward(batch)
         self._batch = batch
