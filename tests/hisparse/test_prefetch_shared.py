@@ -171,6 +171,32 @@ def test_an_aborted_forward_leaves_nothing_pending(tiny_glm5) -> None:
     assert backend._batch is None
 
 
+def test_a_leftover_prefetch_is_refused_and_dropped(tiny_glm5, monkeypatch) -> None:
+    """Were end_forward ever to miss a join (it does not: this simulates the bug), the next forward refuses to
+    start rather than hand a stale prefetch to a follower, and drops it, so the forward after that can run."""
+    engine = _engine(tiny_glm5, hisparse=True, prefetch=True)
+    backend = engine.kv.backend
+    decode_attention = backend._decode_attention
+
+    def failing(layer_id, q, topk, scale):
+        if layer_id == 1:
+            raise RuntimeError("injected failure in a shared layer")
+        return decode_attention(layer_id, q, topk, scale)
+
+    gen = torch.Generator().manual_seed(4)
+    engine.add_request("x", random_prompt(gen, 100), _greedy(4))
+    backend._decode_attention = failing
+    with monkeypatch.context() as patch:
+        patch.setattr(backend.prefetch, "join", lambda: None)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            for _ in range(4):
+                engine.step()
+    assert backend.prefetch.pending_layers == (1,)
+    with pytest.raises(RuntimeError, match="outlived their forward"):
+        engine.step()
+    assert backend.prefetch.pending_layers == ()
+
+
 def test_follower_refuses_a_different_top_k(tiny_glm5) -> None:
     """The prefetched slots belong to the full layer's selection: a follower handed another top-k tensor fails
     loudly instead of attending over rows of the wrong tokens."""
