@@ -8,6 +8,9 @@ timed over N decode steps of the real engine loop (schedule → forward → samp
   hisparse-mX      same, but the indexer's top-k is replaced by a synthetic trace with miss rate ≈ X %
                    (the indexer still runs, so its cost is counted): each layer selects a window of K positions
                    over a random permutation of the context that advances by X % of K per step.
+  ...+pf           HiSparse with `prefetch_shared_layers` (--hisparse-prefetch-shared-layers on|both): GLM-5
+                   shared layers' swap-ins start at their full layer on a side stream (issue 23 item 3); the
+                   synthetic trace replaces full layers' top-k only, so shared layers miss like their full layer.
 Reports batch, tokens/s, step time, hit rate and PCIe bytes per step; writes JSON and a PNG plot.
 
 GPU:   python benchmarks/bench_decode.py --contexts 8192 32768 65536 --device-kv-budget-gib 8
@@ -75,7 +78,8 @@ RANK_CONFIGS = ("dsv32-rank-ep8", "dsv32-rank-ep16", "glm5-rank-ep8")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="dsv32-bench", help="model config name in configs/ or a checkpoint dir")
+    p.add_argument("--config", default=None,
+                   help="model config name in configs/ or a checkpoint dir (default dsv32-bench; tiny-dsa with --smoke)")
     p.add_argument("--contexts", type=int, nargs="*", default=None,
                    help="default 8192 32768 65536; none (the flag alone): only the --sweep-kv-gib-per-layer runs")
     p.add_argument("--device-kv-budget-gib", type=float, default=None,
@@ -119,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="leave out the full-batch HiSparse run on the model's own (random-weight) indexer top-k")
     p.add_argument("--buffer-size", type=int, default=None, help="HiSparse D (default 2 * index_topk)")
     p.add_argument("--num-recent", type=int, default=4)
+    p.add_argument("--hisparse-prefetch-shared-layers", default="off", choices=["on", "off", "both"],
+                   help="HiSparse runs with the GLM-5 shared-layer prefetch (HiSparseConfig prefetch_shared_layers): "
+                        "off, on (modes named ...+pf) or both, each HiSparse run twice (issue 23 item 3)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bfloat16", "fp8_e4m3"],
                    help="KV rows: the model dtype (bf16, 1152 B) or FlashMLA's FP8 rows (656 B); default auto, "
                         "fp8_e4m3 for the rank configs")
@@ -143,13 +150,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "run once with and once without to measure what overlap scheduling gains")
     p.add_argument("--out", default=None, help="JSON results (default benchmarks/results/bench_decode[_smoke].json)")
     p.add_argument("--plot", default=None, help="PNG plot (default next to the JSON)")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU: tiny-dsa, 2 contexts, 3 steps")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes on CPU: tiny-dsa (or --config), 2 contexts, 3 steps")
     p.add_argument("--profile-dir", default=None,
                    help="after the timed steps of each run, profile 2 more steps with torch.profiler and write the "
                         "top operators by self CPU and by device time to <dir>/profile_<mode>_<context>.txt")
     args = p.parse_args(argv)
     if args.smoke:
-        args.config = "tiny-dsa"
+        args.config = args.config or "tiny-dsa"  # tiny-glm5 checks the shared-layer prefetch switch
         args.contexts = [192, 384] if args.contexts is None else args.contexts
         if not args.plan_memory:  # planned memory on the CPU: the engine's CPU budget, a host pool for the batch
             args.device_kv_budget_gib = 4 / 1024
@@ -158,6 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.batch_sizes = [1]
         args.page_size = 16
         args.device = "cpu" if args.device == "auto" else args.device
+    args.config = args.config or "dsv32-bench"
     args.contexts = [8192, 32768, 65536] if args.contexts is None else args.contexts
     rank = args.config in RANK_CONFIGS
     args.plan_memory = args.plan_memory or (rank and args.device_kv_budget_gib is None)
@@ -284,6 +293,7 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
     """The engine of one run with `device_budget` bytes of device KV, and how its HiSparse pools were sized."""
     device = rank_device(args, parallel)
     hisparse = mode.startswith("hisparse")
+    prefetch = mode.endswith(PREFETCH_SUFFIX)
     cfg = EngineConfig(
         device=args.device, enable_hisparse=hisparse, page_size=args.page_size, context_length=max_len,
         kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
@@ -291,7 +301,8 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
         host_kv_budget_bytes=int(args.host_kv_budget_gib * GIB) if args.host_kv_budget_gib is not None else None,
         max_running_requests=batch_cap,
         max_queued_requests=batch_cap + 1, chunked_prefill_size=max(2048, args.page_size),
-        hisparse=HiSparseConfig(device_buffer_size=args.buffer_size, num_recent_slots=args.num_recent),
+        hisparse=HiSparseConfig(device_buffer_size=args.buffer_size, num_recent_slots=args.num_recent,
+                                prefetch_shared_layers=prefetch),
         enable_deterministic_inference=args.enable_deterministic_inference, tp_size=args.tp_size,
         disable_cuda_graph=True,  # captured by run_one once the requests are in (capture_graphs)
         disable_overlap_schedule=args.disable_overlap_schedule,
@@ -301,7 +312,8 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
     if hisparse:
         kv_dtype = resolve_kv_dtype(cfg, resolve_model_dtype(cfg, device))
         layout, sizing = hisparse_layout(args, model_config, kv_dtype, context, max_len, batch_cap, device_budget)
-        kv = HiSparseCoordinator(layout, kv_dtype, device, parallel=parallel)  # shared host pool with TP
+        kv = HiSparseCoordinator(layout, kv_dtype, device, parallel=parallel,  # shared host pool with TP
+                                 prefetch_shared_layers=prefetch)
         cfg = cfg.model_copy(update={"max_running_requests": layout.max_reqs})
     engine = Engine(cfg, model=model, model_config=model_config, tokenizer=None, kv_manager=kv, parallel=parallel)
     return engine, sizing
@@ -551,6 +563,32 @@ def host_mem_total() -> int | None:
     return None
 
 
+PREFETCH_SUFFIX = "+pf"  # HiSparse modes run with prefetch_shared_layers
+
+
+def prefetch_variants(args, mode: str) -> list[str]:
+    """The mode names one planned run of `mode` expands to: HiSparse without and/or with the shared-layer
+    prefetch (--hisparse-prefetch-shared-layers); other modes as they are."""
+    if mode != "hisparse":
+        return [mode]
+    choice = args.hisparse_prefetch_shared_layers
+    return {"off": [mode], "on": [mode + PREFETCH_SUFFIX], "both": [mode, mode + PREFETCH_SUFFIX]}[choice]
+
+
+def run_name(mode: str, miss_rate: float | None) -> str:
+    """The result's mode: `hisparse-mX` for a synthetic miss rate, the prefetch suffix kept."""
+    if miss_rate is None:
+        return mode
+    return f"hisparse-m{round(miss_rate * 100)}" + (PREFETCH_SUFFIX if mode.endswith(PREFETCH_SUFFIX) else "")
+
+
+def prefetch_launched(engine: Engine) -> int | None:
+    """Shared-layer swap-ins the HiSparse backend started at their full layer (warm-up steps included); None for
+    dense."""
+    prefetch = getattr(getattr(engine.kv, "backend", None), "prefetch", None)
+    return prefetch.launched if prefetch is not None else None
+
+
 def run_one(args, model, model_config, mode: str, context: int, miss_rate: float | None,
             fixed_batch: int | None, parallel=None, device_budget: int | None = None, roof: Roof | None = None,
             sweep: float | None = None) -> dict:
@@ -564,7 +602,7 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
     engine, sizing = build_engine(args, model, model_config, mode, context, max_len, cap, device_budget, parallel)
     build_s = time.perf_counter() - t_build
     kv_dtype = engine.kv_dtype
-    name = mode if miss_rate is None else f"hisparse-m{round(miss_rate * 100)}"
+    name = run_name(mode, miss_rate)
     synthetic = SyntheticKV(context, kv_dtype, device, args.seed)
     t_fill = time.perf_counter()
     batch = fill(engine, synthetic, context, max_len, cap, args.seed)
@@ -617,7 +655,8 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
         "tp_size": args.tp_size, "host_pool_bytes": host_pool, "build_s": build_s, "fill_s": fill_s,
         "host_pool_shmem_bytes": shmem_used if parallel is not None and host_pool else None,
         "kv_budget_bytes": device_budget, "kv_budget_gib": device_budget / GIB, "kv_cache_dtype": str(kv_dtype),
-        "sweep_kv_gib_per_layer": sweep, **sizing, **spans, **graphs,
+        "sweep_kv_gib_per_layer": sweep, "prefetch_shared_layers": mode.endswith(PREFETCH_SUFFIX),
+        "prefetch_launched": prefetch_launched(engine), **sizing, **spans, **graphs,
     }
     if roof is not None:
         result.update(roof.floor_fields(engine, model_config, batch, context, result["h2d_bytes_per_step"],
@@ -824,6 +863,8 @@ def run_rank(args, parallel=None) -> int:
         plan += [(args.sweep_context, mode, miss, None, sweep_budget, per_layer) for mode, miss in
                  [("dense", None)] * ("dense" in args.modes)
                  + [("hisparse", r) for r in args.sweep_miss_rates] * ("hisparse" in args.modes)]
+    plan = [(context, variant, miss, fixed, run_budget, sweep) for context, mode, miss, fixed, run_budget, sweep in plan
+            for variant in prefetch_variants(args, mode)]
     results = []
     for context, mode, miss, fixed, run_budget, sweep in plan:
         try:
@@ -835,7 +876,7 @@ def run_rank(args, parallel=None) -> int:
                                    device_budget=run_budget, roof=roof, sweep=sweep))
         except (ValueError, RuntimeError, torch.OutOfMemoryError, DecodeServerError) as exc:
             logger.warning("skipped %s (miss %s, batch %s) at context %d: %s", mode, miss, fixed, context, exc)
-            results.append({"mode": mode if miss is None else f"hisparse-m{round(miss * 100)}",
+            results.append({"mode": run_name(mode, miss),
                             "context": context, "fixed_batch": fixed, "sweep_kv_gib_per_layer": sweep,
                             "error": str(exc)})
         if reporting:

@@ -31,6 +31,12 @@ class HiSparseConfig(BaseModel):
                     "KV budget); default: the longest request plus a prefill chunk, at most 1/8 of the budget; "
                     "0: none (prefill gathers from the host pool, slower)",
     )
+    prefetch_shared_layers: bool = Field(
+        default=False,
+        description="GLM-5 shared indexer layers: start their swap-ins (same top-k) at the full layer before them, "
+                    "on a side stream, so their host copies overlap that layer's attention and MoE; outputs are "
+                    "unchanged. Off by default until measured on a GPU (docs/engine.md)",
+    )
 
     @classmethod
     def from_json(cls, text: str | None) -> HiSparseConfig:

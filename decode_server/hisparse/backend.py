@@ -7,7 +7,10 @@ Decode (every request extends by one token):
   write_index_keys   → GPU indexer cache (every token of every running request stays there);
   index_topk         → the indexer over all tokens of each request (same keys, same order as dense);
   sparse_attention   → swap-in maps top-k positions to device slots, loading misses from the host pool, then
-                       sparse MLA over the device pool; identical rows in identical order as dense;
+                       sparse MLA over the device pool; identical rows in identical order as dense. With
+                       `prefetch_shared_layers`, a full layer also starts its GLM-5 shared followers' swap-ins
+                       (same top-k) on a side stream, and each follower takes those slots
+                       (decode_server/hisparse/prefetch.py);
   end_forward        → eager backup of the new rows (all layers) to the host pool on a side stream.
 Prefill (colocated; any extend length), on the device (decode_server/hisparse/prefill_staging.py): per layer,
 the requests' prefix rows are staged host pool → a two-layer device staging area on a side stream (overlapping
@@ -27,12 +30,13 @@ import torch
 
 from decode_server.engine.attention_backend import AttentionBackend
 from decode_server.engine.forward_batch import ForwardBatch
-from decode_server.engine.kv_rows import attention_rows, encode_row_bytes
+from decode_server.engine.kv_rows import CacheGeometry, attention_rows, encode_row_bytes
 from decode_server.hisparse import ops
 from decode_server.hisparse.counters import HiSparseCounters
 from decode_server.hisparse.device_buffer import DeviceBufferPool
 from decode_server.hisparse.host_pool import HostKVPool
 from decode_server.hisparse.indexer_pool import IndexerKeyPool
+from decode_server.hisparse.prefetch import SharedLayerPrefetch, shared_followers
 from decode_server.hisparse.prefill_staging import PrefillStaging
 from kernels import SwapInTables
 
@@ -54,6 +58,7 @@ class HiSparseMemory(Protocol):
     counters: HiSparseCounters
     staging: PrefillStaging | None
     backup_stream: torch.cuda.Stream | None
+    cache_geometry: CacheGeometry  # which layers run the indexer (GLM-5's shared layers do not)
 
     def set_pending_backup(self, event: torch.cuda.Event | None, rows: list[int] | None = None) -> None:
         """Record the newest backup (and the request rows whose rows it copies)."""
@@ -63,7 +68,9 @@ class HiSparseMemory(Protocol):
 
 
 class HiSparseBackend(AttentionBackend):
-    def __init__(self, coordinator: HiSparseMemory) -> None:
+    def __init__(self, coordinator: HiSparseMemory, prefetch_shared_layers: bool = False) -> None:
+        """`prefetch_shared_layers`: start GLM-5 shared layers' swap-ins at their full layer (a no-op for models
+        without shared layers; decode_server/hisparse/prefetch.py)."""
         self.co = coordinator
         self._batch: ForwardBatch | None = None
         self._query_rows: torch.Tensor | None = None
@@ -88,6 +95,8 @@ class HiSparseBackend(AttentionBackend):
             ))
             for layer in range(bufs.num_layers)
         ]
+        followers = shared_followers(coordinator.cache_geometry) if prefetch_shared_layers else {}
+        self.prefetch = SharedLayerPrefetch(followers, self.swaps, coordinator.device)
         self._attention_rows = [attention_rows(bufs.kv[layer], coordinator.kv_dtype)
                                 for layer in range(bufs.num_layers)]
         # Static decode batches (CUDA graphs): the new tokens' slots and host rows, written inside the forward
@@ -105,6 +114,10 @@ class HiSparseBackend(AttentionBackend):
     # -- per forward --
     def begin_forward(self, batch: ForwardBatch) -> None:
         co = self.co
+        leftover = self.prefetch.pending_layers
+        if leftover:  # end_forward always joins, so this is a bug: never reuse them; joined, so the next forward runs
+            self.prefetch.join()
+            raise RuntimeError(f"prefetched swap-ins of layers {leftover} outlived their forward")
         if not batch.static:
             self.prepare_static_forward(batch)
         self._batch = batch
@@ -147,6 +160,8 @@ class HiSparseBackend(AttentionBackend):
 
     def end_forward(self, batch: ForwardBatch) -> None:
         try:
+            # Before the backup, inside the captured region for CUDA graphs: no side-stream work outlives the forward.
+            self.prefetch.join()
             if (batch.is_decode and not batch.static and self._new_slots is not None
                     and self._new_host_rows is not None):
                 self._backup(self._new_slots, self._new_host_rows, batch.req_rows_cpu)
@@ -220,9 +235,14 @@ class HiSparseBackend(AttentionBackend):
     ) -> torch.Tensor:
         batch = self._current()
         co = self.co
-        if topk_positions.dtype != torch.int32 or not topk_positions.is_contiguous():
-            topk_positions = topk_positions.to(torch.int32).contiguous()
-        slots = self.swaps[layer_id](topk_positions, self._seq_lens, batch.req_rows)
+        source = topk_positions
+        slots = self.prefetch.take(layer_id, source)  # a shared layer whose swap-in its full layer started
+        if slots is None:
+            if topk_positions.dtype != torch.int32 or not topk_positions.is_contiguous():
+                topk_positions = topk_positions.to(torch.int32).contiguous()
+            # The full layer's own swap-in first (its attention waits for it), then its followers' on the side.
+            slots = self.swaps[layer_id](topk_positions, self._seq_lens, batch.req_rows)
+            self.prefetch.launch(layer_id, source, topk_positions, self._seq_lens, batch.req_rows)
         return ops.sparse_attention(q, self._attention_rows[layer_id], slots, softmax_scale, co.kv_lora_rank,
                                     co.reference_kernels, kernel=self.attention_kernel)
 

@@ -88,13 +88,15 @@ class HiSparseCoordinator(KVManager):
 
     def __init__(
         self, layout: HiSparseLayout, kv_dtype: torch.dtype, device: torch.device, reference_kernels: bool = False,
-        parallel: Any = None,
+        parallel: Any = None, prefetch_shared_layers: bool = False,
     ) -> None:
+        """`prefetch_shared_layers`: GLM-5 shared layers' swap-ins start at their full layer, on a side stream
+        (`HiSparseConfig.prefetch_shared_layers`, decode_server/hisparse/prefetch.py)."""
         self.layout = layout
         self.kv_dtype = kv_dtype
         self.device = device
         self.reference_kernels = reference_kernels  # PyTorch reference attention / indexer even on CUDA
-        geometry = layout.cache_geometry
+        geometry = self.cache_geometry = layout.cache_geometry
         self.index_slot = geometry.index_slots()
         self.kv_lora_rank = geometry.kv_lora_rank
         L, ps = layout.num_layers, layout.page_size
@@ -118,7 +120,7 @@ class HiSparseCoordinator(KVManager):
         self._row_backup: dict[int, torch.cuda.Event] = {}
         self._saved_index_keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._spilled_rows: dict[int, torch.Tensor] = {}  # retracted requests' host rows, out of the pool
-        self.backend = HiSparseBackend(self)
+        self.backend = HiSparseBackend(self, prefetch_shared_layers=prefetch_shared_layers)
 
     # -- backup ordering --
     def set_pending_backup(self, event: torch.cuda.Event | None, rows: list[int] | None = None) -> None:

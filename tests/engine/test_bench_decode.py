@@ -87,3 +87,25 @@ def test_bench_decode_fill_is_checked(tmp_path, monkeypatch):
     results = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
     assert "does not hold the injected rows" in results["hisparse"]["error"]
     assert "error" not in results["dense"] and results["dense"]["fill_s"] >= 0
+
+
+@pytest.mark.slow
+def test_bench_decode_prefetch_switch(tmp_path):
+    """`--hisparse-prefetch-shared-layers both` on tiny-glm5 (full, shared, full, shared): each HiSparse run twice,
+    the `+pf` one with the prefetch on (two followers started early per decode step), the same hit rate."""
+    spec = importlib.util.spec_from_file_location("bench_decode_pf", ROOT / "benchmarks" / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    assert bench.main(["--smoke", "--config", "tiny-glm5", "--contexts", "192", "--modes", "hisparse",
+                       "--miss-rates", "0.2", "--skip-model-indexer-run", "--hisparse-prefetch-shared-layers", "both",
+                       "--out", str(out), "--plot", str(tmp_path / "r.png")]) == 0
+    results = {(r["mode"], r["fixed_batch"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {("hisparse-m20", None), ("hisparse-m20+pf", None), ("hisparse", 1), ("hisparse+pf", 1)}
+    for (mode, batch), r in results.items():
+        assert "error" not in r, r
+        on = mode.endswith("+pf")
+        assert r["prefetch_shared_layers"] is on
+        assert (r["prefetch_launched"] > 0) is on
+        other = results[(mode.removesuffix("+pf") if on else mode + "+pf", batch)]
+        assert r["hit_rate"] == other["hit_rate"] and r["batch"] == other["batch"]

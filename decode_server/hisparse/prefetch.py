@@ -1,0 +1,165 @@
+"""Early swap-in of GLM-5's shared layers (issue 23 item 3): their misses are known one or more layers early.
+
+A "shared" layer has no indexer: it attends over the top-k positions of the previous full layer
+(decode_server/model/attention.py `forward_with_topk`). So once full layer L's top-k is known, the swap-ins of its
+followers L+1..L+s (the shared layers up to the next full layer) can start at once, on a side stream, and their
+host→device copies overlap L's attention and MoE and the followers' projections instead of sitting on the
+critical path of each follower's attention.
+
+Why the result stays bit-identical (tests/hisparse/test_prefetch_shared.py checks it against dense and against
+the prefetch switched off, with misses in the shared layers):
+- layer j's swap-in reads and updates only layer j's state: its `buffer_tokens` / `lru_order` rows, its counters,
+  the host pool rows of layer j and writes the device pool rows of layer j (kernels/swap_in_tables.py). Nothing
+  else in the forward changes any of it before layer j's attention, so running it earlier gives the same slots
+  and the same copies;
+- the only write to layer j's device rows in a decode forward besides the swap-in is `write_kv(j)`: the new token
+  goes to its identity slot while seq_len <= D (the swap-in's fast path then copies nothing), else to its ring
+  slot D + t mod R, which the swap-in never hands to a miss (misses take LRU positions < D; the new token,
+  t = seq_len - 1 >= D, is a ring hit, kernels/swap_in_ref.py). So swap-in(j) and write_kv(j) commute, and the
+  swap-in never reads the new token's host row (not backed up yet);
+- the host rows the swap-in reads were written by earlier steps' backups: the forward's stream already waits
+  for the last one (`prepare_static_forward` → `wait_backup_on_current_stream`), and the side stream waits for
+  the forward's stream before it starts;
+- the follower must receive the very top-k tensor its full layer received (the model carries it down the stack);
+  `take` checks that and refuses otherwise rather than attend over a stale selection.
+
+On CPU there are no streams: the prefetch is the same swap-in calls made earlier, in the same order per layer.
+On CUDA each launch runs on a dedicated side stream that first waits for the current stream; each follower gets
+an event recorded after its swap-in, and its attention's stream waits for that event (a fork and join, legal
+inside CUDA-graph capture). `join` waits for whatever is still pending (end of forward, aborted forward) so that
+nothing launched in one forward outlives it or leaks into the next.
+
+Allocator: the slots tensor is allocated on the side stream and read on the forward's stream, so `take` records
+that use (`Tensor.record_stream`) before handing it out; the inputs (top-k, seq_lens, request rows, allocated on
+the forward's stream) are held by the pending entry until the forward's stream has waited for the side stream,
+so the caching allocator cannot hand their memory out while the side stream still reads it.
+
+An aborted forward leaves its prefetched followers' swap-ins done (their tables then describe what their slots
+hold, so the buffers stay consistent; only which tokens are cached differs, which never changes a result).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from decode_server.engine.kv_rows import CacheGeometry
+
+logger = logging.getLogger(__name__)
+
+SwapIn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def shared_followers(geometry: CacheGeometry) -> dict[int, tuple[int, ...]]:
+    """Full layer id → the shared layers that reuse its top-k (those after it, up to the next full layer).
+
+    Only full layers with at least one follower appear. Shared layers before the first full layer have no top-k
+    to reuse (the model refuses them), so they follow nobody."""
+    full = set(geometry.index_layer_ids)
+    followers: dict[int, tuple[int, ...]] = {}
+    current: int | None = None
+    run: list[int] = []
+    for layer in range(geometry.num_layers):
+        if layer in full:
+            if current is not None and run:
+                followers[current] = tuple(run)
+            current, run = layer, []
+        elif current is not None:
+            run.append(layer)
+    if current is not None and run:
+        followers[current] = tuple(run)
+    return followers
+
+
+@dataclass
+class _Prefetched:
+    """One follower's swap-in, launched at its full layer."""
+
+    slots: torch.Tensor  # [B, K] int32 device slots its attention reads
+    source: torch.Tensor  # the top-k tensor the full layer received; the follower must receive the same one
+    event: torch.cuda.Event | None  # recorded on the side stream after the swap-in (CUDA); None on CPU
+    inputs: tuple[torch.Tensor, ...]  # read by the side stream: kept alive until the forward's stream joined it
+
+
+class SharedLayerPrefetch:
+    """Launches the followers' swap-ins at their full layer and hands their slots to the followers.
+
+    `swaps` is the backend's list of bound swap-ins (read at call time, so a profiler's wrappers see the calls).
+    """
+
+    def __init__(self, followers: dict[int, tuple[int, ...]], swaps: Sequence[SwapIn], device: torch.device) -> None:
+        self.followers = followers
+        self.swaps = swaps
+        self.device = device
+        # One side stream for all launches: the followers of one full layer run one after another, in layer order,
+        # like the forward would have run them; created only where there is something to prefetch.
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and followers else None
+        self._pending: dict[int, _Prefetched] = {}
+        self.launched = 0  # follower swap-ins launched early (tests and stats)
+
+    @property
+    def pending_layers(self) -> tuple[int, ...]:
+        """Followers whose prefetched slots are not taken yet (empty between forwards)."""
+        return tuple(self._pending)
+
+    def launch(self, layer_id: int, source: torch.Tensor, top_k: torch.Tensor, seq_lens: torch.Tensor,
+               req_rows: torch.Tensor) -> None:  # fmt: skip
+        """After full layer `layer_id`'s own swap-in: start its followers' swap-ins with the same batch.
+
+        `source` is the top-k tensor the layer received, `top_k` its int32 contiguous form the swap-in takes."""
+        followers = self.followers.get(layer_id)
+        if not followers:
+            return
+        inputs = (source, top_k, seq_lens, req_rows)
+        stream = self.stream
+        if stream is None:
+            for layer in followers:
+                self._put(layer, _Prefetched(self.swaps[layer](top_k, seq_lens, req_rows), source, None, inputs))
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for layer in followers:
+                slots = self.swaps[layer](top_k, seq_lens, req_rows)
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._put(layer, _Prefetched(slots, source, event, inputs))
+
+    def _put(self, layer: int, entry: _Prefetched) -> None:
+        if layer in self._pending:
+            raise RuntimeError(f"layer {layer} was prefetched twice in one forward")
+        self._pending[layer] = entry
+        self.launched += 1
+
+    def take(self, layer_id: int, source: torch.Tensor) -> torch.Tensor | None:
+        """The slots prefetched for `layer_id` (the current stream then waits for them), or None if none were."""
+        entry = self._pending.pop(layer_id, None)
+        if entry is None:
+            return None
+        if entry.source is not source:
+            # Its tables were already updated for the full layer's selection: attending over another one would
+            # read wrong rows, so refuse (the model always passes the full layer's top-k down).
+            raise RuntimeError(f"shared layer {layer_id} attends over a top-k other than its full layer's, whose "
+                               "swap-in was prefetched")
+        if entry.event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(entry.event)
+            entry.slots.record_stream(current)
+        return entry.slots
+
+    def join(self) -> None:
+        """The current stream waits for every launched swap-in not taken yet, which are then dropped: called at
+        the end of every forward (normal or aborted, inside a CUDA-graph capture too), so no side-stream work
+        outlives the forward that launched it."""
+        if not self._pending:
+            return
+        logger.debug("joining %d prefetched shared-layer swap-ins never taken (layers %s)", len(self._pending),
+                     sorted(self._pending))
+        if self.stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            for entry in self._pending.values():
+                if entry.event is not None:
+                    current.wait_event(entry.event)
+        self._pending.clear()
