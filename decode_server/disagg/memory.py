@@ -28,6 +28,7 @@ from decode_server.disagg.aux_record import AUX_RECORD_BYTES
 from decode_server.engine.dense_kv import DenseKVManager
 from decode_server.engine.kv_alloc import PagedAllocator
 from decode_server.engine.kv_manager import KVManager
+from decode_server.engine.pinned import host_empty
 from decode_server.engine.types import PoolUsage
 from decode_server.hisparse.coordinator import HiSparseCoordinator
 from kernels.indexer_ref import INDEX_HEAD_DIM
@@ -100,7 +101,8 @@ class DecodeMemory:
 
     def __init__(self, kv: KVManager, max_requests: int) -> None:
         self.kv = kv
-        pin = torch.cuda.is_available() and _device_of(kv).type == "cuda"
+        device = _device_of(kv)
+        pin = torch.cuda.is_available() and device.type == "cuda"
         self.aux = torch.zeros((max_requests, AUX_RECORD_BYTES), dtype=torch.uint8, pin_memory=pin)
         self._staging_rows: dict[int, list[int]] = {}  # dense: req_row -> staging rows it holds
         self._staging_pages: dict[int, list[int]] = {}
@@ -109,9 +111,9 @@ class DecodeMemory:
             num_layers, num_rows = host.kv.shape[0], host.kv.shape[1]
             self.staging_alloc: PagedAllocator | None = None
             self.stage_kv: torch.Tensor | None = None
-            self.stage_keys = torch.empty((num_layers, num_rows, INDEX_HEAD_DIM), dtype=torch.float8_e4m3fn,
-                                          pin_memory=pin)  # fmt: skip
-            self.stage_scales = torch.empty((num_layers, num_rows), dtype=torch.float32, pin_memory=pin)
+            self.stage_keys = host_empty((num_layers, num_rows, INDEX_HEAD_DIM), torch.float8_e4m3fn, device,
+                                         "PD index-key staging")
+            self.stage_scales = host_empty((num_layers, num_rows), torch.float32, device, "PD index-scale staging")
             self.regions = {
                 "kv": RegionView("kv", host.kv),
                 "index_keys": RegionView("index_keys", self.stage_keys),
@@ -122,9 +124,11 @@ class DecodeMemory:
             num_layers, num_rows = cache.kv.shape[0], cache.kv.shape[1]
             # As many rows as the device cache: the prompts of admitted requests always fit.
             self.staging_alloc = PagedAllocator(num_rows, cache.allocator.page_size, name="PD staging")
-            self.stage_kv = torch.empty(tuple(cache.kv.shape), dtype=cache.kv.dtype, pin_memory=pin)
-            self.stage_keys = torch.empty(tuple(cache.index_keys.shape), dtype=cache.index_keys.dtype, pin_memory=pin)
-            self.stage_scales = torch.empty(tuple(cache.index_scales.shape), dtype=torch.float32, pin_memory=pin)
+            self.stage_kv = host_empty(tuple(cache.kv.shape), cache.kv.dtype, device, "PD KV staging")
+            self.stage_keys = host_empty(tuple(cache.index_keys.shape), cache.index_keys.dtype, device,
+                                         "PD index-key staging")
+            self.stage_scales = host_empty(tuple(cache.index_scales.shape), torch.float32, device,
+                                           "PD index-scale staging")
             self.regions = {
                 "kv": RegionView("kv", self.stage_kv),
                 "index_keys": RegionView("index_keys", self.stage_keys),

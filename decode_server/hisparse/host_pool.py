@@ -1,7 +1,7 @@
 """Host KV pool: every token's MLA row of every running (or retracted) request, in pinned host memory.
 
-One uint8 tensor `[L, N_host, row_bytes]` (pinned on CUDA so kernels can read it over UVA and the backup can
-write it asynchronously), rows handed out in pages; `rows.table[req_row, p]` (a `RequestTokenTable`) is the host
+One uint8 tensor `[L, N_host, row_bytes]` (page-locked on CUDA, exactly its size (decode_server/engine/pinned.py),
+so kernels can read it over UVA and the backup can write it asynchronously), rows handed out in pages; `rows.table[req_row, p]` (a `RequestTokenTable`) is the host
 row of token p in every layer.
 
 With tensor parallelism (`parallel.tp_size > 1`) the tensor is one shared-memory region of the node that every
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from decode_server.engine.kv_alloc import PagedAllocator, RequestTokenTable
+from decode_server.engine.pinned import host_empty
 from decode_server.hisparse.shared_host import allocate_shared_host
 
 logger = logging.getLogger(__name__)
@@ -37,12 +38,12 @@ class HostKVPool:
         pin = device.type == "cuda" and torch.cuda.is_available()
         num_rows = num_pages * page_size
         self.shared = parallel is not None and parallel.tp_size > 1
-        # Not zero-filled (tens of GiB take seconds to touch): every row is written (prefill or backup) before
-        # anything reads it.
+        # Every row is written (prefill or backup) before anything reads it: no initial values are needed (the
+        # page-locked pool is zero-filled anyway, by host_empty, to fault its pages in on many threads).
         if self.shared:
             self.kv = allocate_shared_host((num_layers, num_rows, row_bytes), parallel, device)
         else:
-            self.kv = torch.empty((num_layers, num_rows, row_bytes), dtype=torch.uint8, pin_memory=pin)
+            self.kv = host_empty((num_layers, num_rows, row_bytes), torch.uint8, device, "host KV pool")
         # One table row more than request rows: the scratch row of padded decode batches, which maps no host row
         # (its top-k is masked and its new token is never backed up: forward_batch.SCRATCH_SLOTS).
         self.scratch_row = max_reqs
