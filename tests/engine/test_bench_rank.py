@@ -145,8 +145,9 @@ def test_bench_planned_memory_and_floor(tmp_path, monkeypatch):
 @pytest.mark.gpu
 def test_rank_model_builds_on_the_gpu_in_seconds(tmp_path):
     """dsv32-rank-ep16 cut to 8 layers (real dims, 16 FP8 experts): built and randomized on the GPU in under a
-    minute, holding on the device no more than its weights plus one float32 draw of its largest tensor; then a
-    short planned-memory bench run at 4K reports a floor."""
+    minute, holding on the device no more than its weights plus one draw of its largest tensor at a time (float32
+    values and their cast: 5 bytes an element; drawing everything in float32 first would need 4x the weights);
+    then a short planned-memory bench run at 4K reports a floor."""
     import time
 
     if not torch.cuda.is_available():
@@ -165,9 +166,12 @@ def test_rank_model_builds_on_the_gpu_in_seconds(tmp_path):
     elapsed = time.perf_counter() - start
     stored = weight_bytes(model)["total"]
     largest = max(t.numel() for t in model.state_dict().values())
+    peak = torch.cuda.max_memory_allocated() - base
+    print(f"rank model (8 layers): built in {elapsed:.1f} s, stored {stored / 2**30:.2f} GiB, largest tensor "
+          f"{largest / 2**20:.0f} Mi elements, peak {peak / 2**30:.2f} GiB ({(peak - stored) / 2**20:.0f} MiB over)")
     assert elapsed < 60, elapsed
     assert torch.cuda.memory_allocated() - base <= stored + (64 << 20)
-    assert torch.cuda.max_memory_allocated() - base <= stored + 4 * largest + (256 << 20)
+    assert peak <= stored + 5 * largest + (256 << 20)
     del model
     torch.cuda.empty_cache()
     out = tmp_path / "r.json"

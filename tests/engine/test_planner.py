@@ -392,6 +392,11 @@ def test_gpu_budget_and_pools_equal_the_engines(hisparse):
 
     name = "dsv32-bench"  # bf16 checkpoint config: the weights stay bf16 on the GPU
     config = load_config(name)
+    gc.collect()
+    torch.cuda.empty_cache()
+    # Tensors that earlier tests of this process still hold (caches, fixtures): in use, but no part of what a
+    # server process has besides its weights, so not held against the planner's runtime estimate.
+    leftover = torch.cuda.memory_allocated()
     model = build_random_model(config, "cuda", torch.bfloat16, seed=0)
     fields = dict(device="cuda", kv_cache_dtype="fp8_e4m3", context_length=32768, enable_hisparse=hisparse,
                   host_kv_budget_bytes=4 << 30, disable_cuda_graph=True)
@@ -403,10 +408,11 @@ def test_gpu_budget_and_pools_equal_the_engines(hisparse):
     plan = make_plan(read_config_json(name)[0], EngineConfig(**fields), model_name=name, device_memory=total,
                      runtime_memory=runtime)
     print(f"{torch.cuda.get_device_name()}: total {total / 2**20:.0f} MiB, weights "
-          f"{engine.weight_bytes['total'] / 2**20:.0f} MiB, runtime memory {runtime / 2**20:.0f} MiB, KV budget engine "
+          f"{engine.weight_bytes['total'] / 2**20:.0f} MiB, runtime memory {runtime / 2**20:.0f} MiB (of which "
+          f"{leftover / 2**20:.0f} MiB earlier tests' tensors), KV budget engine "
           f"{engine.kv_budgets.device / 2**20:.0f} MiB, planner {plan.kv_budget_bytes_per_gpu / 2**20:.0f} MiB")
     assert abs(engine.kv_budgets.device - plan.kv_budget_bytes_per_gpu) <= 4 << 20  # nothing allocated between
-    assert 0 < runtime <= DEFAULT_RUNTIME_MEMORY
+    assert 0 < runtime - leftover <= DEFAULT_RUNTIME_MEMORY
     plan = make_plan(read_config_json(name)[0], EngineConfig(**fields, device_kv_budget_bytes=engine.kv_budgets.device),
                      model_name=name)
     _check_pools_match(engine, plan)
