@@ -42,7 +42,7 @@ import torch
 from tqdm import tqdm
 
 from decode_server.config import EngineConfig, HiSparseConfig
-from decode_server.engine import kv_sizing
+from decode_server.engine import kv_sizing, pinned
 from decode_server.engine.cuda_graph import (
     DecodeGraphRunner,
     bucket_for,
@@ -61,6 +61,7 @@ from decode_server.engine.request import Request
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.errors import DecodeServerError
 from decode_server.hisparse.coordinator import HiSparseCoordinator, HiSparseLayout
+from decode_server.hisparse.prefetch import shared_followers
 from decode_server.model import build_random_model, load_config
 from decode_server.model.weights import weight_bytes
 from kernels.dispatch import copy_rows
@@ -123,9 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="leave out the full-batch HiSparse run on the model's own (random-weight) indexer top-k")
     p.add_argument("--buffer-size", type=int, default=None, help="HiSparse D (default 2 * index_topk)")
     p.add_argument("--num-recent", type=int, default=4)
-    p.add_argument("--hisparse-prefetch-shared-layers", default="off", choices=["on", "off", "both"],
+    p.add_argument("--hisparse-prefetch-shared-layers", default="on", choices=["on", "off", "both"],
                    help="HiSparse runs with the GLM-5 shared-layer prefetch (HiSparseConfig prefetch_shared_layers): "
-                        "off, on (modes named ...+pf) or both, each HiSparse run twice (issue 23 item 3)")
+                        "on (the server's default; modes named ...+pf on models with shared layers), off, or both, "
+                        "each HiSparse run twice (issue 23 item 3)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bfloat16", "fp8_e4m3"],
                    help="KV rows: the model dtype (bf16, 1152 B) or FlashMLA's FP8 rows (656 B); default auto, "
                         "fp8_e4m3 for the rank configs")
@@ -566,10 +568,11 @@ def host_mem_total() -> int | None:
 PREFETCH_SUFFIX = "+pf"  # HiSparse modes run with prefetch_shared_layers
 
 
-def prefetch_variants(args, mode: str) -> list[str]:
+def prefetch_variants(args, mode: str, has_shared_layers: bool) -> list[str]:
     """The mode names one planned run of `mode` expands to: HiSparse without and/or with the shared-layer
-    prefetch (--hisparse-prefetch-shared-layers); other modes as they are."""
-    if mode != "hisparse":
+    prefetch (--hisparse-prefetch-shared-layers) on models with GLM-5 shared layers; other modes, and HiSparse on
+    models without shared layers (where the prefetch has nothing to do, so it is left off), as they are."""
+    if mode != "hisparse" or not has_shared_layers:
         return [mode]
     choice = args.hisparse_prefetch_shared_layers
     return {"off": [mode], "on": [mode + PREFETCH_SUFFIX], "both": [mode, mode + PREFETCH_SUFFIX]}[choice]
@@ -665,6 +668,7 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        pinned.release_unused()  # the host pool's pages, before the next run measures the host's free memory
     return result
 
 
@@ -856,6 +860,7 @@ def run_rank(args, parallel=None) -> int:
              if not (m == "hisparse" and args.batch_miss_rates)]
     if "hisparse" in args.modes:
         runs += [("hisparse", r, b) for b in args.batch_sizes for r in args.batch_miss_rates]
+    has_shared_layers = bool(shared_followers(CacheGeometry.from_model_config(model_config)))
     plan: list[tuple[int, str, float | None, int | None, int, float | None]] = [
         (context, mode, miss, fixed, budget, None) for context in args.contexts for mode, miss, fixed in runs]
     for per_layer in args.sweep_kv_gib_per_layer:
@@ -864,7 +869,7 @@ def run_rank(args, parallel=None) -> int:
                  [("dense", None)] * ("dense" in args.modes)
                  + [("hisparse", r) for r in args.sweep_miss_rates] * ("hisparse" in args.modes)]
     plan = [(context, variant, miss, fixed, run_budget, sweep) for context, mode, miss, fixed, run_budget, sweep in plan
-            for variant in prefetch_variants(args, mode)]
+            for variant in prefetch_variants(args, mode, has_shared_layers)]
     results = []
     for context, mode, miss, fixed, run_budget, sweep in plan:
         try:
