@@ -65,4 +65,4 @@ if [[ $stages == *" sweep "* ]]; then
   bench sweep "${RANK_SWEEP_TIMEOUT:-120}" --num-layers "${SWEEP_LAYERS:-16}" --contexts \
     --sweep-kv-gib-per-layer 0.25 0.5 1 2 --sweep-context 32768 --sweep-miss-rates 0.05
 fi
-python3 benchmarks/rank_summary.py "$OUT" | tee "$OUT/rank_summary.txt"
+python3 benchmarks/rank_summary.py "$OUT" --plot "$OUT/rank_context.png" | tee "$OUT/rank_summary.txt"

@@ -1,11 +1,14 @@
 """The short table of benchmarks/rank_gpu_suite.sh (issue 22): every bench_decode JSON under a directory, one line
-a run, with HiSparse's tokens/s over dense's at the same context and budget.
+a run, with HiSparse's tokens/s over dense's at the same context and budget. With --plot, the runs of all stages
+in one figure: tok/s against context for each mode (batch-1 runs left out), and HiSparse / dense against the KV
+budget per layer when a sweep is there (<plot stem>_sweep.png).
 
-    python benchmarks/rank_summary.py gpu-out
+    python benchmarks/rank_summary.py gpu-out [--plot gpu-out/rank_context.png]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -34,5 +37,29 @@ def rows(directory: Path) -> list[str]:
     return out
 
 
+def merged_results(directory: Path) -> list[dict]:
+    """Every run of every rank_*.json (errors and fixed-batch runs left out): one list for bench_decode's plots."""
+    out = []
+    for path in sorted(directory.glob("rank_*.json")):
+        out += [r for r in json.loads(path.read_text()).get("results", [])
+                if "error" not in r and not r.get("fixed_batch")]
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("directory", nargs="?", default="gpu-out", type=Path)
+    parser.add_argument("--plot", type=Path, default=None, help="write the merged plots here (needs matplotlib)")
+    args = parser.parse_args(argv)
+    print("\n".join(rows(args.directory)))
+    if args.plot is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_decode import write_plots  # torch and the engine: only when plotting
+
+        for written in write_plots(merged_results(args.directory), args.plot):
+            print(f"wrote {written}")
+    return 0
+
+
 if __name__ == "__main__":
-    print("\n".join(rows(Path(sys.argv[1] if len(sys.argv) > 1 else "gpu-out"))))
+    sys.exit(main(sys.argv[1:]))

@@ -180,3 +180,32 @@ def test_rank_model_builds_on_the_gpu_in_seconds(tmp_path):
                        "--max-batch", "16", "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     assert all("error" not in r and r["floor_ms"] > 0 and r["step_over_floor"] > 0 for r in results), results
+
+
+def test_rank_summary_table_and_merged_plots(tmp_path, capsys):
+    """rank_summary.py over two stages' JSON: one line a run with HiSparse / dense at the same context (batch-1 and
+    failed runs named, not divided), and with --plot one tok/s-against-context figure across both files plus the
+    sweep's ratio figure."""
+    pytest.importorskip("matplotlib")
+
+    def run(mode, context, batch, tps, fixed=None, sweep=None):
+        return {"mode": mode, "context": context, "batch": batch, "fixed_batch": fixed, "tokens_per_s": tps,
+                "kv_budget_gib": 20.0, "step_ms": 1000 * batch / tps, "floor_ms": 10.0, "step_over_floor": 2.0,
+                "hit_rate": 0.95 if mode.startswith("hisparse") else None, "sweep_kv_gib_per_layer": sweep}
+
+    (tmp_path / "rank_32k.json").write_text(json.dumps({"results": [
+        run("dense", 32768, 14, 200.0), run("hisparse-m5", 32768, 51, 500.0), run("dense", 32768, 1, 20.0, fixed=1),
+        {"mode": "hisparse-m15", "context": 32768, "error": "CUDA error: out of memory"}]}))
+    (tmp_path / "rank_sweep.json").write_text(json.dumps({"results": [
+        run("dense", 32768, 10, 600.0, sweep=0.25), run("hisparse-m5", 32768, 37, 1500.0, sweep=0.25),
+        run("dense", 32768, 20, 1000.0, sweep=0.5), run("hisparse-m5", 32768, 70, 2000.0, sweep=0.5)]}))
+    summary = _load("rank_summary")
+    assert summary.main([str(tmp_path), "--plot", str(tmp_path / "ctx.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(line for line in lines if "hisparse-m5 " in line and "rank_32k" in line)
+    assert row.split()[6] == "2.50"
+    assert any("dense@B1" in line and line.split()[6] == "-" for line in lines)
+    assert any("hisparse-m15" in line and "error: CUDA error" in line for line in lines)
+    assert any("hisparse-m5@0.5G/L" in line and line.split()[6] == "2.00" for line in lines)
+    assert len(summary.merged_results(tmp_path)) == 6  # batch-1 and failed runs left out of the plots
+    assert (tmp_path / "ctx.png").stat().st_size > 0 and (tmp_path / "ctx_sweep.png").stat().st_size > 0
