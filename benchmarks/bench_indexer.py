@@ -109,6 +109,8 @@ class TopkResult:
     speedup_vs_sorted: float
     speedup_vs_unsorted: float
     fast_path_fraction: float
+    radix_us: float  # the kernel with select="radix" (histogram threshold search)
+    radix_same: bool  # and the same positions as the default
 
 
 @dataclass
@@ -248,12 +250,15 @@ class Bench:
         self.report.calls.append(call)
 
     def topk_timing(self, batch: int, length: int, source: str, scores: torch.Tensor, seq: torch.Tensor) -> None:
-        _, paths = topk_positions_triton(scores, seq, TOP_K, return_paths=True)
+        picked, paths = topk_positions_triton(scores, seq, TOP_K, return_paths=True)
         kernel_us = self.time(lambda: topk_positions_triton(scores, seq, TOP_K))
+        radix = topk_positions_triton(scores, seq, TOP_K, select="radix")
+        radix_us = self.time(lambda: topk_positions_triton(scores, seq, TOP_K, select="radix"))
         sorted_us = self.time(lambda: torch.topk(scores, TOP_K, dim=1, sorted=True))
         unsorted_us = self.time(lambda: torch.topk(scores, TOP_K, dim=1, sorted=False))
         res = TopkResult(batch, length, source, sorted_us, unsorted_us, kernel_us, sorted_us / kernel_us,
-                         unsorted_us / kernel_us, float((paths == 1).float().mean()))
+                         unsorted_us / kernel_us, float((paths == 1).float().mean()), radix_us,
+                         bool(torch.equal(radix, picked)))
         logger.info("%s", res)
         self.report.topk.append(res)
 
@@ -327,13 +332,14 @@ class Bench:
                 cells.append(f"{hit[0].us:7.1f} {hit[0].gbps:5.0f} {hit[0].hbm_fraction:5.1%} ({hit[0].score_err:.0e})"
                              if hit else f"{'-':>27}")
             print(f"{batch:3d} {length:6d} | " + " | ".join(cells))
-        print("\ntop-k of 2048: us (torch.topk sorted / unsorted / new kernel), speed-up of the new kernel")
-        print(f"{'B':>3} {'L':>6} {'scores':>14} | {'sorted':>8} {'unsorted':>8} {'new':>7} | {'vs sorted':>9} "
-              f"{'vs unsorted':>11} | fast path")
+        print("\ntop-k of 2048: us (torch.topk sorted / unsorted / new kernel / its radix select), speed-up of the "
+              "new kernel")
+        print(f"{'B':>3} {'L':>6} {'scores':>14} | {'sorted':>8} {'unsorted':>8} {'new':>7} {'radix':>7} | "
+              f"{'vs sorted':>9} {'vs unsorted':>11} | fast path | radix same")
         for t in sorted(r.topk, key=lambda t: (t.source, t.batch, t.length)):
             print(f"{t.batch:3d} {t.length:6d} {t.source:>14} | {t.torch_sorted_us:8.1f} {t.torch_unsorted_us:8.1f} "
-                  f"{t.kernel_us:7.1f} | {t.speedup_vs_sorted:8.1f}x {t.speedup_vs_unsorted:10.1f}x | "
-                  f"{t.fast_path_fraction:.2f}")
+                  f"{t.kernel_us:7.1f} {t.radix_us:7.1f} | {t.speedup_vs_sorted:8.1f}x {t.speedup_vs_unsorted:10.1f}x"
+                  f" | {t.fast_path_fraction:.2f} | {t.radix_same}")
         print("\nwhole call (scores + top-k): previous path vs indexer_topk_fast, set overlap mean/min")
         for c in r.calls:
             print(f"{c.batch:3d} {c.length:6d} | {c.previous_us:8.1f} {c.new_us:8.1f} | {c.speedup:5.2f}x | "

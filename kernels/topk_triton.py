@@ -16,7 +16,7 @@ positions with key == T, in position order. Steps for a row of n > k visible sco
    in position order, to a per-row scratch area (a block prefix sum gives each candidate its slot).
 3. Fast path, k <= #candidates <= CAPACITY (all random-data rows): the candidates are loaded as one register
    tensor; T = the largest t with #(key >= t) >= k, found bit by bit (32 block-wide counts; exact for any key
-   distribution); then one prefix sum of the `key == T` flags ranks the ties and one prefix sum of the selected
+   distribution) or, with select="radix", 8 bits at a time from four 256-bin histograms (the same T); then one prefix sum of the `key == T` flags ranks the ties and one prefix sum of the selected
    flags gives each selected position its output slot. No sort: the slots follow position order.
 4. Otherwise (the estimate missed, or a tie run wider than CAPACITY straddles the threshold):
    - if #(key > t_lo) < k <= #(key >= t_lo), T = t_lo exactly (e.g. an all-equal row);
@@ -44,6 +44,11 @@ SCAN_BLOCK = 4096
 SCAN_STAGES = 3  # scan loops keep this many blocks of scores in flight (async copies)
 NUM_WARPS = 16
 PATH_SHORT, PATH_FAST, PATH_ESTIMATE_EXACT, PATH_FULL_SEARCH = 0, 1, 2, 3
+# How steps 1 and 3 find a threshold key in registers: "bits" (32 block-wide counts, one per bit: what was measured,
+# ~80 µs a row at 32K on an H200, the same at every batch) or "radix" (four 256-bin histograms). Both return the
+# same key. "radix" becomes the default once a GPU run shows it faster (benchmarks/bench_indexer.py --topk-select).
+SELECTS = ("bits", "radix")
+DEFAULT_SELECT = "bits"
 
 
 def candidate_capacity(top_k: int) -> int:
@@ -86,6 +91,34 @@ def _kth_key(keys, valid, rank):
 
 
 @triton.jit
+def _kth_key_radix(keys, valid, rank):
+    """The same value as `_kth_key` (the rank-th largest valid key), found 8 bits at a time: four 256-bin
+    histograms of the keys still in the running, each picking the bin that holds the rank-th largest, instead of
+    32 block-wide counts (one per bit, each a reduction across the whole program)."""
+    ukeys = (keys ^ -2147483648).to(tl.uint32, bitcast=True)  # the int32 order as an unsigned order
+    bins = tl.arange(0, 256)
+    running = valid
+    remaining = rank
+    prefix = tl.zeros((), dtype=tl.uint32)
+    for shift in tl.static_range(24, -1, -8):
+        digit = ((ukeys >> shift) & 255).to(tl.int32)
+        hist = tl.histogram(digit, 256, mask=running)
+        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # #(digit >= b), non-increasing in b
+        chosen = tl.sum((at_least >= remaining).to(tl.int32), axis=0) - 1
+        remaining -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
+        prefix = prefix | (chosen.to(tl.uint32) << shift)
+        running = running & (digit == chosen)
+    return prefix.to(tl.int32, bitcast=True) ^ -2147483648
+
+
+@triton.jit
+def _kth_key_select(keys, valid, rank, RADIX: tl.constexpr):
+    if RADIX:
+        return _kth_key_radix(keys, valid, rank)
+    return _kth_key(keys, valid, rank)
+
+
+@triton.jit
 def _count_row(s_row, n, t, GREATER: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """#(key >= t) (or #(key > t) with GREATER) over the first n scores of a row."""
     offs = tl.arange(0, BLOCK)
@@ -116,7 +149,7 @@ def _topk_kernel(
     scores_ptr, lens_ptr, out_ptr, cand_key_ptr, cand_pos_ptr, paths_ptr,
     stride_s, stride_o, stride_c, width, top_k,
     CAPACITY: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, RADIX: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(lens_ptr + row), 0), width).to(tl.int32)
@@ -139,7 +172,7 @@ def _topk_kernel(
             skeys = _order_key(tl.load(s_row + spos))
             target = (top_k + CAPACITY) // 2
             rank = tl.minimum(tl.maximum((target * (CHUNKS * CHUNK) + n - 1) // n, 1), CHUNKS * CHUNK)
-            t_lo = _kth_key(skeys, sidx >= 0, rank)
+            t_lo = _kth_key_select(skeys, sidx >= 0, rank, RADIX)
         # 2. Count and compact the candidates (key >= t_lo) in position order.
         n_ge = n * 0
         n_gt = n * 0
@@ -161,7 +194,7 @@ def _topk_kernel(
             valid = cidx < n_ge
             keys = tl.load(ck_row + cidx, mask=valid, other=-2147483648, cache_modifier=".cg")
             cpos = tl.load(cp_row + cidx, mask=valid, other=0, cache_modifier=".cg")
-            t = _kth_key(keys, valid, top_k)
+            t = _kth_key_select(keys, valid, top_k, RADIX)
             above = valid & (keys > t)
             ties_wanted = top_k - tl.sum(above.to(tl.int32), axis=0)
             tie = (valid & (keys == t)).to(tl.int32)
@@ -197,11 +230,15 @@ def _topk_kernel(
 
 
 def topk_positions_triton(
-    scores: torch.Tensor, seq_lens: torch.Tensor, top_k: int, *, return_paths: bool = False
+    scores: torch.Tensor, seq_lens: torch.Tensor, top_k: int, *, return_paths: bool = False,
+    select: str = DEFAULT_SELECT,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """scores [T, L] float32 on the GPU (unit inner stride; positions >= seq_len are never read), seq_lens [T]
     → [T, top_k] int32 (kernels/topk_ref.topk_positions_ref's rule and output). With `return_paths`, also the
-    int32 [T] path each row took (PATH_* above). One launch, no host sync."""
+    int32 [T] path each row took (PATH_* above). `select`: how the threshold keys of steps 1 and 3 are found
+    (SELECTS; the same keys, so the same output either way). One launch, no host sync."""
+    if select not in SELECTS:
+        raise ValueError(f"select must be one of {SELECTS}, got {select!r}")
     if scores.dim() != 2 or scores.dtype != torch.float32 or scores.stride(1) != 1:
         raise ValueError(f"scores must be a float32 [T, L] tensor with unit inner stride, got {scores.dtype} "
                          f"{tuple(scores.shape)} strides {scores.stride()}")
@@ -222,6 +259,7 @@ def topk_positions_triton(
             scores, lens, out, cand_keys, cand_pos, paths,
             scores.stride(0), out.stride(0), cand_keys.stride(0), width, top_k,
             CAPACITY=capacity, BLOCK=SCAN_BLOCK, CHUNKS=SAMPLE_CHUNKS, CHUNK=SAMPLE_CHUNK, STAGES=SCAN_STAGES,
+            RADIX=select == "radix",
             num_warps=NUM_WARPS,
         )
     return (out, paths) if return_paths else out
