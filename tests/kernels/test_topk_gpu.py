@@ -14,14 +14,18 @@ K = 2048
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _topk(scores: torch.Tensor, lens: torch.Tensor, k: int = K, paths: bool = False):
+SELECTS = ("bits", "radix")  # kernels/topk_triton.SELECTS: both threshold searches must give the reference
+
+
+def _topk(scores: torch.Tensor, lens: torch.Tensor, k: int = K, paths: bool = False, select: str = "bits"):
     from kernels.topk_triton import topk_positions_triton
 
-    return topk_positions_triton(scores, lens, k, return_paths=paths)
+    return topk_positions_triton(scores, lens, k, return_paths=paths, select=select)
 
 
-def _assert_equal_to_reference(scores: torch.Tensor, lens: torch.Tensor, k: int = K) -> torch.Tensor:
-    got, paths = _topk(scores, lens, k, paths=True)
+def _assert_equal_to_reference(scores: torch.Tensor, lens: torch.Tensor, k: int = K,
+                               select: str = "bits") -> torch.Tensor:
+    got, paths = _topk(scores, lens, k, paths=True, select=select)
     want = topk_positions_ref(scores, lens, k)  # on the GPU: a stable sort of the same keys
     if not torch.equal(got, want):
         row = int((got != want).any(1).nonzero()[0])
@@ -31,23 +35,25 @@ def _assert_equal_to_reference(scores: torch.Tensor, lens: torch.Tensor, k: int 
     return paths
 
 
+@pytest.mark.parametrize("select", SELECTS)
 @pytest.mark.parametrize("length", [32768, 65536, 131072])
 @pytest.mark.parametrize("batch", [1, 17, 64, 128])
-def test_random_rows_match_reference(batch: int, length: int) -> None:
+def test_random_rows_match_reference(batch: int, length: int, select: str) -> None:
     gen = torch.Generator(device=DEV).manual_seed(batch * 1000 + length)
     scores = torch.randn(batch, length, device=DEV, generator=gen)
     lens = torch.randint(K // 2, length + 1, (batch,), device=DEV, generator=gen)
     lens[0] = length
     if batch > 4:
         lens[1:5] = torch.tensor([K - 1, K, K + 1, 8193], device=DEV)
-    paths = _assert_equal_to_reference(scores, lens)
+    paths = _assert_equal_to_reference(scores, lens, select=select)
     long_rows = lens > K
     # Random scores always take the fast path (the speed depends on it).
     assert bool((paths[long_rows] == 1).all()), paths.tolist()
 
 
+@pytest.mark.parametrize("select", SELECTS)
 @pytest.mark.parametrize("length", [32768, 131072])
-def test_ties_special_values_and_every_path(length: int) -> None:
+def test_ties_special_values_and_every_path(length: int, select: str) -> None:
     from kernels.topk_triton import sample_positions
 
     gen = torch.Generator(device=DEV).manual_seed(length)
@@ -76,12 +82,12 @@ def test_ties_special_values_and_every_path(length: int) -> None:
     rows.append(coarse)
     scores = torch.stack(rows)
     lens = torch.full((len(rows),), length, device=DEV)
-    paths = _assert_equal_to_reference(scores, lens).tolist()
+    paths = _assert_equal_to_reference(scores, lens, select=select).tolist()
     assert paths[1] == 2 and paths[2] == 2, paths  # the estimate is the threshold
     assert paths[5] == 3 and paths[6] == 3, paths  # the sample lied: full search
     # The same rows with shorter lengths.
     lens = torch.tensor([length - 1, 9000, 8193, 8192, K + 1, K, 20000, length // 2], device=DEV)
-    _assert_equal_to_reference(scores, lens)
+    _assert_equal_to_reference(scores, lens, select=select)
 
 
 def test_short_rows_and_narrow_tables() -> None:
