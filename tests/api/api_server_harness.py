@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,10 +26,34 @@ START_TIMEOUT_S = 180.0
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, below the kernel's ephemeral range.
+
+    Why not bind(("127.0.0.1", 0)): that returns an ephemeral port, and between picking it and the server binding
+    it the kernel may hand the same number to any outgoing connection — a server's own engine ranks connect to
+    each other while it starts — so the server failed with "address already in use" (CI, 2026-11-26). The kernel
+    never assigns ports below the ephemeral range by itself: only another explicit bind could take the one picked
+    here."""
+    low, _ = _ephemeral_range()
+    first = 20000 if low > 21000 else 1024
+    rng = random.SystemRandom()
+    for _ in range(500):
+        port = rng.randrange(first, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{first}, {low}) on 127.0.0.1")
 
 
 def child_pids(pid: int) -> list[int]:

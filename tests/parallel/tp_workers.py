@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 import sys
 import time
 from pathlib import Path
@@ -17,10 +16,11 @@ import torch
 import torch.multiprocessing as mp
 
 _TESTS = Path(__file__).resolve().parents[1]
-for _sub in ("model", "hisparse"):
+for _sub in ("model", "hisparse", "api"):
     if str(_TESTS / _sub) not in sys.path:
         sys.path.append(str(_TESTS / _sub))
 
+from api_server_harness import free_port  # noqa: E402  (below the ephemeral range: see there)
 from dsa_test_helpers import forward_tokens  # noqa: E402
 from harness import Arrival, make_engine, random_prompt, run_script  # noqa: E402
 
@@ -130,10 +130,6 @@ def rank_scenarios(rank: int, init_method: str, out_dir: str) -> None:
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_ranks(fn, out_dir: Path, timeout_s: float = 300.0) -> list[dict]:
