@@ -16,8 +16,9 @@ positions with key == T, in position order. Steps for a row of n > k visible sco
    in position order, to a per-row scratch area (a block prefix sum gives each candidate its slot).
 3. Fast path, k <= #candidates <= CAPACITY (all random-data rows): the candidates are loaded as one register
    tensor; T = the largest t with #(key >= t) >= k, found bit by bit (32 block-wide counts; exact for any key
-   distribution) or, with select="radix", 8 bits at a time from four 256-bin histograms (the same T); then one prefix sum of the `key == T` flags ranks the ties and one prefix sum of the selected
-   flags gives each selected position its output slot. No sort: the slots follow position order.
+   distribution) or, with select="radix", 8 bits at a time from four 256-bin histograms (the same T); then one
+   prefix sum of the `key == T` flags ranks the ties and one prefix sum of the selected flags gives each selected
+   position its output slot. No sort: the slots follow position order.
 4. Otherwise (the estimate missed, or a tie run wider than CAPACITY straddles the threshold):
    - if #(key > t_lo) < k <= #(key >= t_lo), T = t_lo exactly (e.g. an all-equal row);
    - else T is found bit by bit with full-row counting passes (32 passes over the row: slow, but only rows
@@ -46,7 +47,7 @@ NUM_WARPS = 16
 PATH_SHORT, PATH_FAST, PATH_ESTIMATE_EXACT, PATH_FULL_SEARCH = 0, 1, 2, 3
 # How steps 1 and 3 find a threshold key in registers: "bits" (32 block-wide counts, one per bit: what was measured,
 # ~80 µs a row at 32K on an H200, the same at every batch) or "radix" (four 256-bin histograms). Both return the
-# same key. "radix" becomes the default once a GPU run shows it faster (benchmarks/bench_indexer.py --topk-select).
+# same key. "radix" becomes the default once a GPU run shows it faster (benchmarks/bench_indexer.py times both).
 SELECTS = ("bits", "radix")
 DEFAULT_SELECT = "bits"
 

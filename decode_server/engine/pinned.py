@@ -12,8 +12,8 @@ cudaHostAlloc memory is). Anonymous mappings are first faulted in by torch's mul
 Release is deferred. When a buffer's last view dies (a garbage-collector finalizer, which may run anywhere, also
 in the middle of a CUDA graph capture, where cudaHostUnregister is not permitted: it failed with error 900 and
 invalidated the capture on the H100, 2026-11-26), the buffer is only queued. `release_unused()` unregisters the
-queued buffers and only then lets their mappings go; every `host_empty` and `lock_mapping` calls it first, and
-callers that free an engine call it when they want the memory back. A registration therefore never outlives its
+queued buffers and only then lets their mappings go; `host_empty` and the shared pool's allocation call it before
+they map more, and callers that free an engine call it when they want the memory back. A registration therefore never outlives its
 pages (a later mapping at the same address would fail to register: cuda error 712).
 """
 
@@ -50,9 +50,9 @@ _QUEUED: list[int] = []  # addresses whose buffers died, waiting for release_unu
 def lock_mapping(mapping: mmap.mmap, nbytes: int, device: torch.device, what: str,
                  prefault: bool) -> torch.Tensor:
     """A uint8 tensor over the first `nbytes` of `mapping`, page-locked for `device` while it lives (the mapping is
-    kept until `release_unused()` has unregistered it). `prefault`: write zeros first, on many threads (only
-    for memory nobody else writes yet: not a shared region other processes may already be filling)."""
-    release_unused()
+    kept until `release_unused()` has unregistered it; callers run that before mapping more). `prefault`: write
+    zeros first, on many threads (only for memory nobody else writes yet: not a shared region other processes may
+    already be filling)."""
     flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
     if prefault:
         # cudaHostRegister then only locks resident pages, where it would otherwise fault tens of GiB in on one

@@ -1,8 +1,8 @@
 """Host KV pool: every token's MLA row of every running (or retracted) request, in pinned host memory.
 
 One uint8 tensor `[L, N_host, row_bytes]` (page-locked on CUDA, exactly its size (decode_server/engine/pinned.py),
-so kernels can read it over UVA and the backup can write it asynchronously), rows handed out in pages; `rows.table[req_row, p]` (a `RequestTokenTable`) is the host
-row of token p in every layer.
+so kernels can read it over UVA and the backup can write it asynchronously), rows handed out in pages;
+`rows.table[req_row, p]` (a `RequestTokenTable`) is the host row of token p in every layer.
 
 With tensor parallelism (`parallel.tp_size > 1`) the tensor is one shared-memory region of the node that every
 rank maps (decode_server/hisparse/shared_host.py); each rank keeps its own page table, identical on every rank

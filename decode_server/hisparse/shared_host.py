@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from decode_server.engine.pinned import lock_mapping
+from decode_server.engine.pinned import lock_mapping, release_unused
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,8 @@ def allocate_shared_host(shape: tuple[int, ...], parallel: Any, device: torch.de
             box = [None]
         dist.broadcast_object_list(box, src=0, group=group)
         name = str(box[0])
+        if device.type == "cuda" and torch.cuda.is_available():
+            release_unused()  # dead pools' pages go before more are mapped
         fd = os.open(name, os.O_RDWR)
         try:
             mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
