@@ -595,7 +595,22 @@ def prefetch_launched(engine: Engine) -> int | None:
 def run_one(args, model, model_config, mode: str, context: int, miss_rate: float | None,
             fixed_batch: int | None, parallel=None, device_budget: int | None = None, roof: Roof | None = None,
             sweep: float | None = None) -> dict:
-    """One timed run: `mode` at `context` with as many requests as `device_budget` holds (or `fixed_batch`)."""
+    """One timed run: `mode` at `context` with as many requests as `device_budget` holds (or `fixed_batch`).
+    Its engine is gone when this returns, and its host pool's pages released: the next run sizes its pool from
+    the host's free memory. (Released inside the run, the pool outlived it: locals such as the step breakdown
+    still held the engine, and each run's pool was capped by the previous one's, 2026-11-26.)"""
+    result = _timed_run(args, model, model_config, mode, context, miss_rate, fixed_batch, parallel, device_budget,
+                        roof, sweep)
+    gc.collect()
+    if rank_device(args, parallel).type == "cuda":
+        torch.cuda.empty_cache()
+        pinned.release_unused()
+    return result
+
+
+def _timed_run(args, model, model_config, mode: str, context: int, miss_rate: float | None,
+               fixed_batch: int | None, parallel, device_budget: int | None, roof: Roof | None,
+               sweep: float | None) -> dict:
     device = rank_device(args, parallel)
     device_budget = device_budget if device_budget is not None else int(args.device_kv_budget_gib * GIB)
     max_len = context + args.warmup + args.steps + 4  # room for every step; nothing finishes while timed
@@ -664,11 +679,6 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
     if roof is not None:
         result.update(roof.floor_fields(engine, model_config, batch, context, result["h2d_bytes_per_step"],
                                         result["step_ms"]))
-    del engine, synthetic
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        pinned.release_unused()  # the host pool's pages, before the next run measures the host's free memory
     return result
 
 

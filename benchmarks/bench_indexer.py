@@ -9,8 +9,9 @@ the top-k kernel against torch.topk, and the whole call, new path against the pr
   gathers) and the new kernel (kernels/indexer_fast.py) in each precision (fp16 = the engine's default, fp16x2,
   fp8). Bytes = B·L·(128 key + 4 scale + 4 row id + 4 score written); GB/s = bytes / time; `hbm_fraction` =
   GB/s / the copy's GB/s. score err = max |score − fp64| / max |fp64| over the first 4 queries.
-- Top-k (`topk` table): the new kernel (kernels/topk_triton.py) against torch.topk (sorted, as the previous path
-  ran it, and unsorted) on the same fp32 scores, B ∈ {1, 16, 64, 128}, L ∈ {32K, 64K, 128K}: random normal scores,
+- Top-k (`topk` table): the engine's CUDA kernel (kernels/topk_cuda.py) and the Triton kernel
+  (kernels/topk_triton.py, its fallback for very wide rows) against torch.topk (sorted, as the previous path ran
+  it, and unsorted) on the same fp32 scores, B ∈ {1, 16, 64, 128}, L ∈ {32K, 64K, 128K}: random normal scores,
   and the indexer's own scores at the scores cases; `fast` = fraction of rows that took the fast path.
 - Whole call (`calls` table): `indexer_topk_fast` (the engine's path) against `indexer_topk_triton` (the previous
   path: previous scores kernel + torch.topk), with the overlap of their selected sets (mean/min over queries).
@@ -51,6 +52,7 @@ from _timing import device_name, time_gpu_us  # noqa: E402
 from kernels.indexer_fast import FastScoresConfig, indexer_scores_fast, indexer_topk_fast  # noqa: E402
 from kernels.indexer_ref import quantize_index_keys  # noqa: E402
 from kernels.indexer_triton import ScoresConfig, indexer_scores_triton, indexer_topk_triton  # noqa: E402
+from kernels.topk_cuda import topk_positions_cuda  # noqa: E402
 from kernels.topk_triton import topk_positions_triton  # noqa: E402
 
 logger = logging.getLogger("bench_indexer")
@@ -105,12 +107,12 @@ class TopkResult:
     source: str
     torch_sorted_us: float
     torch_unsorted_us: float
-    kernel_us: float
+    kernel_us: float  # the engine's kernel: CUDA (kernels/topk_cuda.py); under --smoke the Triton one
     speedup_vs_sorted: float
     speedup_vs_unsorted: float
-    fast_path_fraction: float
-    radix_us: float  # the kernel with select="radix" (histogram threshold search)
-    radix_same: bool  # and the same positions as the default
+    fast_path_fraction: float  # of the Triton kernel's rows
+    triton_us: float  # the Triton kernel (kernels/topk_triton.py: the fallback for rows beyond the CUDA one's width)
+    same: bool  # both kernels gave the same positions
 
 
 @dataclass
@@ -251,14 +253,14 @@ class Bench:
 
     def topk_timing(self, batch: int, length: int, source: str, scores: torch.Tensor, seq: torch.Tensor) -> None:
         picked, paths = topk_positions_triton(scores, seq, TOP_K, return_paths=True)
-        kernel_us = self.time(lambda: topk_positions_triton(scores, seq, TOP_K))
-        radix = topk_positions_triton(scores, seq, TOP_K, select="radix")
-        radix_us = self.time(lambda: topk_positions_triton(scores, seq, TOP_K, select="radix"))
+        triton_us = self.time(lambda: topk_positions_triton(scores, seq, TOP_K))
+        engine = topk_positions_triton if SMOKE else topk_positions_cuda
+        same = bool(torch.equal(engine(scores, seq, TOP_K), picked))
+        kernel_us = self.time(lambda: engine(scores, seq, TOP_K))
         sorted_us = self.time(lambda: torch.topk(scores, TOP_K, dim=1, sorted=True))
         unsorted_us = self.time(lambda: torch.topk(scores, TOP_K, dim=1, sorted=False))
         res = TopkResult(batch, length, source, sorted_us, unsorted_us, kernel_us, sorted_us / kernel_us,
-                         unsorted_us / kernel_us, float((paths == 1).float().mean()), radix_us,
-                         bool(torch.equal(radix, picked)))
+                         unsorted_us / kernel_us, float((paths == 1).float().mean()), triton_us, same)
         logger.info("%s", res)
         self.report.topk.append(res)
 
@@ -332,14 +334,14 @@ class Bench:
                 cells.append(f"{hit[0].us:7.1f} {hit[0].gbps:5.0f} {hit[0].hbm_fraction:5.1%} ({hit[0].score_err:.0e})"
                              if hit else f"{'-':>27}")
             print(f"{batch:3d} {length:6d} | " + " | ".join(cells))
-        print("\ntop-k of 2048: us (torch.topk sorted / unsorted / new kernel / its radix select), speed-up of the "
-              "new kernel")
-        print(f"{'B':>3} {'L':>6} {'scores':>14} | {'sorted':>8} {'unsorted':>8} {'new':>7} {'radix':>7} | "
-              f"{'vs sorted':>9} {'vs unsorted':>11} | fast path | radix same")
+        print("\ntop-k of 2048: us (torch.topk sorted / unsorted / the CUDA kernel / the Triton kernel), speed-up of "
+              "the CUDA kernel; Triton's fast-path rows; the two kernels' positions equal")
+        print(f"{'B':>3} {'L':>6} {'scores':>14} | {'sorted':>8} {'unsorted':>8} {'cuda':>7} {'triton':>7} | "
+              f"{'vs sorted':>9} {'vs unsorted':>11} | fast path | same")
         for t in sorted(r.topk, key=lambda t: (t.source, t.batch, t.length)):
             print(f"{t.batch:3d} {t.length:6d} {t.source:>14} | {t.torch_sorted_us:8.1f} {t.torch_unsorted_us:8.1f} "
-                  f"{t.kernel_us:7.1f} {t.radix_us:7.1f} | {t.speedup_vs_sorted:8.1f}x {t.speedup_vs_unsorted:10.1f}x"
-                  f" | {t.fast_path_fraction:.2f} | {t.radix_same}")
+                  f"{t.kernel_us:7.1f} {t.triton_us:7.1f} | {t.speedup_vs_sorted:8.1f}x {t.speedup_vs_unsorted:10.1f}x"
+                  f" | {t.fast_path_fraction:.2f} | {t.same}")
         print("\nwhole call (scores + top-k): previous path vs indexer_topk_fast, set overlap mean/min")
         for c in r.calls:
             print(f"{c.batch:3d} {c.length:6d} | {c.previous_us:8.1f} {c.new_us:8.1f} | {c.speedup:5.2f}x | "

@@ -1,4 +1,5 @@
-"""Build and load kernels/csrc/hisparse_kernels.cu with torch's extension builder.
+"""Build and load the CUDA kernels (kernels/csrc/hisparse_kernels.cu: swap-in, backup, row copies;
+kernels/csrc/topk_kernels.cu: the indexer's top-k) as one module with torch's extension builder.
 
 Two ways to get the compiled module:
 - JIT, on first CUDA use: built for the current device's architecture (sm_90a on Hopper) and cached under
@@ -27,7 +28,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "hisparse_kernels.cu"
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("hisparse_kernels.cu", "topk_kernels.cu"))
 _STAMP = "prebuilt.json"
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -52,7 +53,10 @@ def _module_name(arch: str) -> str:
 
 
 def source_digest() -> str:
-    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()
 
 
 def _compile(arch: str, build_dir: Path) -> ModuleType:
@@ -63,7 +67,7 @@ def _compile(arch: str, build_dir: Path) -> ModuleType:
     logger.info("loading HiSparse CUDA kernels (%s) from %s", gencode, build_dir)
     return load(
         name=_module_name(arch),
-        sources=[str(_SOURCE)],
+        sources=[str(source) for source in _SOURCES],
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3", "-lineinfo", gencode, "-Xptxas=-v"],
         build_directory=str(build_dir),
@@ -113,7 +117,8 @@ def build_extension(arch: str, root: Path | None = None) -> Path:
 
 
 def load_extension() -> ModuleType:
-    """The compiled module (functions `swap_in`, `backup`): the prebuilt one if there is one, else JIT-built."""
+    """The compiled module (`swap_in`, `SwapInContext`, `backup`, `copy_rows`, `topk_rows`,
+    `topk_rows_max_width`): the prebuilt one if there is one, else JIT-built."""
     global _module
     if _module is not None:
         return _module

@@ -1,4 +1,5 @@
-"""Lightning-indexer top-k on the GPU: scores at memory speed (Triton), then the exact top-k kernel.
+"""Lightning-indexer top-k on the GPU: scores at memory speed (Triton), then the exact top-k kernel (CUDA radix
+select, kernels/topk_cuda.py; the Triton one for rows beyond its width).
 
 `indexer_topk_fast` is what the engine runs on CUDA (kernels/indexer_gpu.py); both HiSparse and dense call it,
 so their selections are bit-identical. Semantics: kernels/indexer_ref.py (scores) and kernels/topk_ref.py (the
@@ -38,7 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk_triton import candidate_capacity, topk_positions_triton
+from kernels.topk_cuda import topk_positions
+from kernels.topk_triton import candidate_capacity
 
 INDEX_HEAD_DIM = 128
 PRECISIONS = ("fp16", "fp16x2", "fp8")
@@ -243,11 +245,11 @@ def indexer_topk_fast(
     chunk = queries_per_chunk(max_len, top_k)
     if num_q <= chunk:
         scores = indexer_scores_fast(q, weights, keys_fp8, scales, token_rows, req, seq, config)
-        return topk_positions_triton(scores, seq, top_k)
+        return topk_positions(scores, seq, top_k)
     picked = torch.empty((num_q, top_k), dtype=torch.int32, device=device)
     for start in range(0, num_q, chunk):
         end = min(num_q, start + chunk)
         scores = indexer_scores_fast(q[start:end], weights[start:end], keys_fp8, scales, token_rows,
                                      req[start:end], seq[start:end], config)
-        picked[start:end] = topk_positions_triton(scores, seq[start:end], top_k)
+        picked[start:end] = topk_positions(scores, seq[start:end], top_k)
     return picked

@@ -1,5 +1,10 @@
 """Top-k of the indexer scores on the GPU (Triton): exact, deterministic, per-row lengths, no host sync.
 
+The engine runs the CUDA kernel (kernels/topk_cuda.py, 4–6× faster: docs/benchmarks.md); this one serves rows wider
+than that kernel's shared-memory bitmap and the CPU checks under Triton's interpreter. A threshold search by
+four 256-bin `tl.histogram`s (instead of 32 counts) was tried and measured slower on an H200 (92 against 72 µs a
+row at 32K), and removed.
+
 Same rule and output as kernels/topk_ref.py (`topk_positions_ref`): the k visible positions with the largest
 (order key, −position), in ascending position order; rows with n <= k visible positions give 0..n−1 then −1.
 
@@ -16,9 +21,8 @@ positions with key == T, in position order. Steps for a row of n > k visible sco
    in position order, to a per-row scratch area (a block prefix sum gives each candidate its slot).
 3. Fast path, k <= #candidates <= CAPACITY (all random-data rows): the candidates are loaded as one register
    tensor; T = the largest t with #(key >= t) >= k, found bit by bit (32 block-wide counts; exact for any key
-   distribution) or, with select="radix", 8 bits at a time from four 256-bin histograms (the same T); then one
-   prefix sum of the `key == T` flags ranks the ties and one prefix sum of the selected flags gives each selected
-   position its output slot. No sort: the slots follow position order.
+   distribution); then one prefix sum of the `key == T` flags ranks the ties and one prefix sum of the selected
+   flags gives each selected position its output slot. No sort: the slots follow position order.
 4. Otherwise (the estimate missed, or a tie run wider than CAPACITY straddles the threshold):
    - if #(key > t_lo) < k <= #(key >= t_lo), T = t_lo exactly (e.g. an all-equal row);
    - else T is found bit by bit with full-row counting passes (32 passes over the row: slow, but only rows
@@ -45,11 +49,6 @@ SCAN_BLOCK = 4096
 SCAN_STAGES = 3  # scan loops keep this many blocks of scores in flight (async copies)
 NUM_WARPS = 16
 PATH_SHORT, PATH_FAST, PATH_ESTIMATE_EXACT, PATH_FULL_SEARCH = 0, 1, 2, 3
-# How steps 1 and 3 find a threshold key in registers: "bits" (32 block-wide counts, one per bit: what was measured,
-# ~80 µs a row at 32K on an H200, the same at every batch) or "radix" (four 256-bin histograms). Both return the
-# same key. "radix" becomes the default once a GPU run shows it faster (benchmarks/bench_indexer.py times both).
-SELECTS = ("bits", "radix")
-DEFAULT_SELECT = "bits"
 
 
 def candidate_capacity(top_k: int) -> int:
@@ -92,34 +91,6 @@ def _kth_key(keys, valid, rank):
 
 
 @triton.jit
-def _kth_key_radix(keys, valid, rank):
-    """The same value as `_kth_key` (the rank-th largest valid key), found 8 bits at a time: four 256-bin
-    histograms of the keys still in the running, each picking the bin that holds the rank-th largest, instead of
-    32 block-wide counts (one per bit, each a reduction across the whole program)."""
-    ukeys = (keys ^ -2147483648).to(tl.uint32, bitcast=True)  # the int32 order as an unsigned order
-    bins = tl.arange(0, 256)
-    running = valid
-    remaining = rank
-    prefix = tl.zeros((), dtype=tl.uint32)
-    for shift in tl.static_range(24, -1, -8):
-        digit = ((ukeys >> shift) & 255).to(tl.int32)
-        hist = tl.histogram(digit, 256, mask=running)
-        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # #(digit >= b), non-increasing in b
-        chosen = tl.sum((at_least >= remaining).to(tl.int32), axis=0) - 1
-        remaining -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
-        prefix = prefix | (chosen.to(tl.uint32) << shift)
-        running = running & (digit == chosen)
-    return prefix.to(tl.int32, bitcast=True) ^ -2147483648
-
-
-@triton.jit
-def _kth_key_select(keys, valid, rank, RADIX: tl.constexpr):
-    if RADIX:
-        return _kth_key_radix(keys, valid, rank)
-    return _kth_key(keys, valid, rank)
-
-
-@triton.jit
 def _count_row(s_row, n, t, GREATER: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """#(key >= t) (or #(key > t) with GREATER) over the first n scores of a row."""
     offs = tl.arange(0, BLOCK)
@@ -150,7 +121,7 @@ def _topk_kernel(
     scores_ptr, lens_ptr, out_ptr, cand_key_ptr, cand_pos_ptr, paths_ptr,
     stride_s, stride_o, stride_c, width, top_k,
     CAPACITY: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
-    STAGES: tl.constexpr, RADIX: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(lens_ptr + row), 0), width).to(tl.int32)
@@ -173,7 +144,7 @@ def _topk_kernel(
             skeys = _order_key(tl.load(s_row + spos))
             target = (top_k + CAPACITY) // 2
             rank = tl.minimum(tl.maximum((target * (CHUNKS * CHUNK) + n - 1) // n, 1), CHUNKS * CHUNK)
-            t_lo = _kth_key_select(skeys, sidx >= 0, rank, RADIX)
+            t_lo = _kth_key(skeys, sidx >= 0, rank)
         # 2. Count and compact the candidates (key >= t_lo) in position order.
         n_ge = n * 0
         n_gt = n * 0
@@ -195,7 +166,7 @@ def _topk_kernel(
             valid = cidx < n_ge
             keys = tl.load(ck_row + cidx, mask=valid, other=-2147483648, cache_modifier=".cg")
             cpos = tl.load(cp_row + cidx, mask=valid, other=0, cache_modifier=".cg")
-            t = _kth_key_select(keys, valid, top_k, RADIX)
+            t = _kth_key(keys, valid, top_k)
             above = valid & (keys > t)
             ties_wanted = top_k - tl.sum(above.to(tl.int32), axis=0)
             tie = (valid & (keys == t)).to(tl.int32)
@@ -232,14 +203,12 @@ def _topk_kernel(
 
 def topk_positions_triton(
     scores: torch.Tensor, seq_lens: torch.Tensor, top_k: int, *, return_paths: bool = False,
-    select: str = DEFAULT_SELECT,
+    num_warps: int = NUM_WARPS, scan_block: int = SCAN_BLOCK,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """scores [T, L] float32 on the GPU (unit inner stride; positions >= seq_len are never read), seq_lens [T]
     → [T, top_k] int32 (kernels/topk_ref.topk_positions_ref's rule and output). With `return_paths`, also the
-    int32 [T] path each row took (PATH_* above). `select`: how the threshold keys of steps 1 and 3 are found
-    (SELECTS; the same keys, so the same output either way). One launch, no host sync."""
-    if select not in SELECTS:
-        raise ValueError(f"select must be one of {SELECTS}, got {select!r}")
+    int32 [T] path each row took (PATH_* above). `num_warps` / `scan_block`: launch shape (any power of two;
+    benchmarks/tune_topk.py sweeps them). One launch, no host sync."""
     if scores.dim() != 2 or scores.dtype != torch.float32 or scores.stride(1) != 1:
         raise ValueError(f"scores must be a float32 [T, L] tensor with unit inner stride, got {scores.dtype} "
                          f"{tuple(scores.shape)} strides {scores.stride()}")
@@ -259,8 +228,7 @@ def topk_positions_triton(
         _topk_kernel[(num_rows,)](
             scores, lens, out, cand_keys, cand_pos, paths,
             scores.stride(0), out.stride(0), cand_keys.stride(0), width, top_k,
-            CAPACITY=capacity, BLOCK=SCAN_BLOCK, CHUNKS=SAMPLE_CHUNKS, CHUNK=SAMPLE_CHUNK, STAGES=SCAN_STAGES,
-            RADIX=select == "radix",
-            num_warps=NUM_WARPS,
+            CAPACITY=capacity, BLOCK=scan_block, CHUNKS=SAMPLE_CHUNKS, CHUNK=SAMPLE_CHUNK, STAGES=SCAN_STAGES,
+            num_warps=num_warps,
         )
     return (out, paths) if return_paths else out

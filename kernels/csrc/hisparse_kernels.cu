@@ -765,6 +765,10 @@ void copy_rows(torch::Tensor src_pool, torch::Tensor dst_pool, torch::Tensor src
   HS_CUDA_CHECK(cudaGetLastError());
 }
 
+// kernels/csrc/topk_kernels.cu
+torch::Tensor topk_rows(torch::Tensor scores, torch::Tensor lens, int64_t k);
+int64_t topk_rows_max_width(int64_t device);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swap_in", &swap_in, "HiSparse swap-in: plan kernel + copy kernel (one layer, one batch)");
   pybind11::class_<SwapInContext>(m, "SwapInContext",
@@ -778,4 +782,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("top_k"), pybind11::arg("seq_lens"), pybind11::arg("req_rows"));
   m.def("backup", &backup, "Copy rows of all layers device -> pinned host in one launch");
   m.def("copy_rows", &copy_rows, "Copy rows of all layers between device / pinned host pools in one launch");
+  m.def("topk_rows", &topk_rows, "Top-k positions of each row's visible scores (radix select, ascending order)",
+        pybind11::arg("scores"), pybind11::arg("lens"), pybind11::arg("k"));
+  m.def("topk_rows_max_width", &topk_rows_max_width, "Widest row the top-k kernel takes on a device",
+        pybind11::arg("device"));
 }

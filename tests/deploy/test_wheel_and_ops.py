@@ -117,7 +117,7 @@ def _ops(venv: Path, *args: str, timeout: float = 60) -> subprocess.CompletedPro
 def test_wheel_carries_configs_and_kernel_sources(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"decode_server/model/configs/tiny-dsa.json", "decode_server/ops.py",
-            "kernels/csrc/hisparse_kernels.cu"} <= names  # fmt: skip
+            "kernels/csrc/hisparse_kernels.cu", "kernels/csrc/topk_kernels.cu"} <= names  # fmt: skip
 
 
 def test_wheel_installs_and_imports_from_the_venv(venv: Path) -> None:

@@ -38,22 +38,21 @@ def _fail(msg: str) -> None:
 
 
 def interpret_kth_key() -> None:
-    """The radix threshold search returns `_kth_key`'s key for every rank of arrays with ties, ±0, ±inf and NaN
-    (their order keys), partly masked: on every rank, so that a bin chosen one off at any level shows."""
+    """The threshold search returns the sorted array's key for every rank of arrays with ties, ±0, ±inf and NaN
+    (their order keys), partly masked: on every rank, so that a bit decided wrongly at any level shows."""
     import triton.language as tl
 
     from kernels import topk_triton
 
     # The kernel below looks its callees up in this module's globals (as Triton resolves names).
-    globals().update(_kth_key=topk_triton._kth_key, _kth_key_radix=topk_triton._kth_key_radix)
+    globals().update(_kth_key=topk_triton._kth_key)
 
     @triton.jit
-    def both(keys_ptr, n, rank, out_ptr, SIZE: tl.constexpr):
+    def kth(keys_ptr, n, rank, out_ptr, SIZE: tl.constexpr):
         idx = tl.arange(0, SIZE)
         valid = idx < n
         keys = tl.load(keys_ptr + idx, mask=valid, other=-2147483648)
         tl.store(out_ptr, _kth_key(keys, valid, rank))  # noqa: F821 - put in globals above
-        tl.store(out_ptr + 1, _kth_key_radix(keys, valid, rank))  # noqa: F821
 
     gen = torch.Generator().manual_seed(3)
     cases = {
@@ -63,15 +62,15 @@ def interpret_kth_key() -> None:
         "extremes": torch.tensor([-2**31, 2**31 - 1, 0, -1, 1, 0x7F800000, -0x7F800001, 0x7FFFFFFF] * 8,
                                  dtype=torch.int32),
     }
-    out = torch.empty(2, dtype=torch.int32)
+    out = torch.empty(1, dtype=torch.int32)
     for name, keys in cases.items():
         for n in (64, 37):
             for rank in range(1, n + 1):
-                both[(1,)](keys, n, rank, out, SIZE=64)
+                kth[(1,)](keys, n, rank, out, SIZE=64)
                 want = int(keys[:n].sort(descending=True).values[rank - 1])
-                if out.tolist() != [want, want]:
-                    _fail(f"k-th key, {name}, n {n}, rank {rank}: bits/radix {out.tolist()}, want {want}")
-        print(f"k-th key ({name}): bits and radix equal the sorted key at every rank")
+                if int(out) != want:
+                    _fail(f"k-th key, {name}, n {n}, rank {rank}: {int(out)}, want {want}")
+        print(f"k-th key ({name}): the sorted key at every rank")
 
 
 def interpret_topk() -> None:
@@ -83,16 +82,14 @@ def interpret_topk() -> None:
 
     def check(name: str, scores: torch.Tensor, lens: torch.Tensor, k: int, paths_wanted: list[int] | None = None):
         want = topk_positions_ref(scores, lens, k)
-        for select in topk_triton.SELECTS:  # both ways of finding the threshold key: the same output
-            t0 = time.time()
-            got, paths = topk_positions_triton(scores, lens, k, return_paths=True, select=select)
-            if not torch.equal(got, want):
-                row = int((got != want).any(1).nonzero()[0])
-                _fail(f"{name} ({select}): row {row} differs: got {got[row, :12].tolist()} "
-                      f"want {want[row, :12].tolist()}")
-            if paths_wanted is not None and paths.tolist() != paths_wanted:
-                _fail(f"{name} ({select}): paths {paths.tolist()} != {paths_wanted}")
-            print(f"{name} ({select}): ok, paths {paths.tolist()} ({time.time() - t0:.1f} s)")
+        t0 = time.time()
+        got, paths = topk_positions_triton(scores, lens, k, return_paths=True)
+        if not torch.equal(got, want):
+            row = int((got != want).any(1).nonzero()[0])
+            _fail(f"{name}: row {row} differs: got {got[row, :12].tolist()} want {want[row, :12].tolist()}")
+        if paths_wanted is not None and paths.tolist() != paths_wanted:
+            _fail(f"{name}: paths {paths.tolist()} != {paths_wanted}")
+        print(f"{name}: ok, paths {paths.tolist()} ({time.time() - t0:.1f} s)")
 
     k = 64
     small = torch.randn(8, 700, generator=gen)
@@ -270,18 +267,14 @@ def compile_topk() -> None:
              "cand_pos_ptr": "*i32", "paths_ptr": "*i32", "stride_s": "i32", "stride_o": "i32", "stride_c": "i32",
              "width": "i32", "top_k": "i32"}
     aligned = [n for n in types if n.endswith("_ptr")] + ["stride_s", "stride_o", "stride_c", "top_k"]
-    for radix in (False, True):
-        constexprs = {"CAPACITY": candidate_capacity(2048), "BLOCK": SCAN_BLOCK, "CHUNKS": SAMPLE_CHUNKS,
-                      "CHUNK": SAMPLE_CHUNK, "STAGES": SCAN_STAGES, "RADIX": radix}
-        t0 = time.time()
-        kernel = _compile_sm90(_topk_kernel, types, constexprs, aligned, NUM_WARPS, 3)
-        scans = [body for body in _loops(kernel.asm["ttgir"]) if "tt.cumsum" in body or "tt.scan" in body]
-        if not scans or any("tt.load" in body for body in scans):
-            _fail("a scan loop of the top-k kernel is not pipelined")
-        if radix and "tt.histogram" not in kernel.asm["ttgir"]:
-            _fail("the radix select does not use histograms")
-        print(f"top-k ({'radix' if radix else 'bits'}): compiled for sm_90 in {time.time() - t0:.0f} s, "
-              f"{_resources(kernel)}; scan loops pipelined")
+    constexprs = {"CAPACITY": candidate_capacity(2048), "BLOCK": SCAN_BLOCK, "CHUNKS": SAMPLE_CHUNKS,
+                  "CHUNK": SAMPLE_CHUNK, "STAGES": SCAN_STAGES}
+    t0 = time.time()
+    kernel = _compile_sm90(_topk_kernel, types, constexprs, aligned, NUM_WARPS, 3)
+    scans = [body for body in _loops(kernel.asm["ttgir"]) if "tt.cumsum" in body or "tt.scan" in body]
+    if not scans or any("tt.load" in body for body in scans):
+        _fail("a scan loop of the top-k kernel is not pipelined")
+    print(f"top-k: compiled for sm_90 in {time.time() - t0:.0f} s, {_resources(kernel)}; scan loops pipelined")
 
 
 CHECKS = {
