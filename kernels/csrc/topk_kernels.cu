@@ -9,8 +9,9 @@
 //      of the row's positions); those in b1 are the candidates, kept in shared memory when they fit (else every
 //      later step re-reads the row, filtering on b1: slower, same result);
 //   3. two more histogram rounds over the candidates (bits 19..8, then 7..0) give the k-th key T exactly; every
-//      candidate above T is selected, and the ties (key == T) too when all of them are needed; otherwise an
-//      ordered pass over the row (warp ballots, block prefix) takes the lowest positions among the ties;
+//      candidate above T is selected, and the ties (key == T) too when all of them are needed; otherwise the
+//      lowest positions among the ties are taken: ranked in a shared-memory list when there are few (<= 128,
+//      candidates in shared memory), else by an ordered pass over the row (warp ballots, block prefix);
 //   4. the bitmap is written out in position order (popcounts, one block prefix sum).
 // Histograms and candidate lists use shared-memory atomics (their order is not defined), but every decision is
 // a set defined by T and the tie rule, so the output is deterministic and equal to the reference's.
@@ -30,6 +31,7 @@ constexpr int kBins = 4096;       // rounds 1 and 2: 12-bit digits (bits 31..20,
 constexpr int kLastBins = 256;    // round 3: bits 7..0
 constexpr int kCandCap = 4096;    // candidates kept in shared memory
 constexpr int kUnroll = 4;        // loads in flight per thread in a row pass
+constexpr int kTieListCap = 128;  // ties at the threshold ranked in a list (more: an ordered pass over the row)
 constexpr int kFixedSmemWords = kBins + 2 * kCandCap + kWarps + 8;
 
 #define TK_CUDA_CHECK(expr)                                                                     \
@@ -163,7 +165,10 @@ __global__ void __launch_bounds__(kThreads) topk_rows_kernel(const float* __rest
   const int words = (n + 31) >> 5;
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   for (int i = threadIdx.x; i < words; i += kThreads) bitmap[i] = 0u;
-  if (threadIdx.x == 0) scalars[2] = 0;  // candidate count
+  if (threadIdx.x == 0) {
+    scalars[2] = 0;  // candidates collected
+    scalars[3] = 0;  // ties listed
+  }
   __syncthreads();
 
   // 1. Histogram of the top 12 bits; the bin of the k-th largest key.
@@ -217,12 +222,27 @@ __global__ void __launch_bounds__(kThreads) topk_rows_kernel(const float* __rest
   select_bin(hist, kLastBins, need, warp_sums, scalars);
   const uint32_t threshold = (prefix2 << 8) | static_cast<uint32_t>(scalars[0]);
   need -= scalars[1];  // ties (key == T) to take, lowest positions first
-  const bool all_ties = need == hist[scalars[0]];
+  const int ties = hist[scalars[0]];
+  const bool all_ties = need == ties;
+  // A few ties among the shared-memory candidates: rank them by position in a list (hist is free now).
+  const bool tie_list = !all_ties && in_smem && ties <= kTieListCap;
   __syncthreads();
   for_each_cand([&](uint32_t key, int pos) {
-    if (key > threshold || (all_ties && key == threshold)) mark(bitmap, pos);
+    if (key > threshold || (all_ties && key == threshold)) {
+      mark(bitmap, pos);
+    } else if (tie_list && key == threshold) {
+      hist[atomicAdd(&scalars[3], 1)] = pos;
+    }
   });
-  if (!all_ties) {
+  if (tie_list) {
+    __syncthreads();
+    if (threadIdx.x < ties) {
+      const int pos = hist[threadIdx.x];
+      int rank = 0;
+      for (int u = 0; u < ties; ++u) rank += hist[u] < pos;
+      if (rank < need) mark(bitmap, pos);
+    }
+  } else if (!all_ties) {
     // Ordered pass: the first `need` positions with key == T.
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int taken = 0;

@@ -90,6 +90,14 @@ def test_ties_special_values_and_every_path(length: int, select: str) -> None:
     rows.append(low)
     coarse = (torch.randn(length, device=DEV, generator=gen) * 4).round()  # a few wide tie runs
     rows.append(coarse)
+    # Distinct scores, then three more positions given the k-th largest score: four ties at the threshold, one
+    # of them taken (the lowest position). The CUDA kernel ranks so few ties in a list (cubes spread the scores so
+    # that its threshold bin holds < 4096 candidates, in shared memory, at 32K and 128K).
+    few_ties = (torch.randperm(length, device=DEV, generator=gen).double() ** 3).float()
+    kth = float(few_ties.topk(K).values[-1])
+    below = (few_ties < kth).nonzero().flatten()
+    few_ties[below[torch.randperm(below.numel(), device=DEV, generator=gen)[:3]]] = kth
+    rows.append(few_ties)
     scores = torch.stack(rows)
     lens = torch.full((len(rows),), length, device=DEV)
     # For the CUDA kernel: rows 0, 1, 2 and 7 put more than its 4096 shared-memory candidates in the threshold
@@ -100,7 +108,7 @@ def test_ties_special_values_and_every_path(length: int, select: str) -> None:
         assert paths[1] == 2 and paths[2] == 2, paths  # the estimate is the threshold
         assert paths[5] == 3 and paths[6] == 3, paths  # the sample lied: full search
     # The same rows with shorter lengths.
-    lens = torch.tensor([length - 1, 9000, 8193, 8192, K + 1, K, 20000, length // 2], device=DEV)
+    lens = torch.tensor([length - 1, 9000, 8193, 8192, K + 1, K, 20000, length // 2, length - 7], device=DEV)
     _assert_equal_to_reference(scores, lens, select=select)
 
 
