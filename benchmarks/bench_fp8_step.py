@@ -85,7 +85,8 @@ def run_model(bd, label: str, model, config, batch: int, args) -> dict:
     bd_args.device = "cuda"
     device = torch.device("cuda")
     max_len = args.context + 3 + args.steps + args.profile_steps + 8
-    engine = bd.build_engine(bd_args, model, config, "dense", args.context, max_len, batch)
+    engine, _sizing = bd.build_engine(bd_args, model, config, "dense", args.context, max_len, batch,
+                                      int(args.device_kv_budget_gib * bd.GIB))
     synthetic = bd.SyntheticKV(args.context, engine.kv_dtype, device, args.seed)
     n = bd.fill(engine, synthetic, args.context, max_len, batch, args.seed)
     if n < batch:

@@ -3,7 +3,10 @@
 # benchmark, each under its own timeout (one that fails or runs out does not stop the others); logs and JSON under
 # $OUT (default ./gpu-out), the short table of benchmarks/fp8_summary.py last.
 # Usage on the GPU machine, from the project root (wheels for pydantic etc. in .whl/, as for gpu_suite.sh):
-#   bash benchmarks/fp8_gpu_suite.sh [tests] [gemm] [step]        (default: all three)
+#   bash benchmarks/fp8_gpu_suite.sh [tune] [tests] [gemm] [step]        (default: tests gemm step)
+# tune: measure this GPU's FP8 GEMM table afresh (tune_fp8_gemm.py: DeepSeek-V3.2 at TP1 and TP8/EP8, and the
+# bench configs' own shapes) into $OUT/<gpu>.json, which the later stages of the same call then use
+# ($HISPARSE_FP8_GEMM_TABLE); copy it to kernels/fp8_gemm_tables/ to ship it.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -18,6 +21,16 @@ stages=("${@:-tests gemm step}")
 stages=" ${stages[*]} "
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+if [[ $stages == *" tune "* ]]; then
+  table="$OUT/$(python3 -c 'import torch; from kernels.fp8_gemm_table import device_slug; print(device_slug(torch.cuda.get_device_name()))').json"
+  rm -f "$table"
+  timeout "${FP8_TUNE_TIMEOUT:-300}" python3 benchmarks/tune_fp8_gemm.py --configs deepseek-v3.2 --parallel 1x1 8x8 \
+    --max-tokens 256 --out "$table" >"$OUT/tune_fp8_gemm.log" 2>&1 \
+    && timeout "${FP8_TUNE_TIMEOUT:-300}" python3 benchmarks/tune_fp8_gemm.py --configs dsv32-bench-16l \
+      --parallel 1x1 --max-tokens 256 --out "$table" >>"$OUT/tune_fp8_gemm.log" 2>&1
+  echo "tune_fp8_gemm: exit $? (log $OUT/tune_fp8_gemm.log, table $table)"
+  [[ -s $table ]] && export HISPARSE_FP8_GEMM_TABLE=$table
+fi
 if [[ $stages == *" tests "* ]]; then
   timeout "${FP8_TESTS_TIMEOUT:-320}" python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE -s \
     tests/kernels/test_fp8_gemm_gpu.py tests/hisparse/test_fp8_weights_lossless_gpu.py \

@@ -64,6 +64,11 @@ _MAX_CALLS = 32
 _TIMED_BATCH_US = 1500.0
 _MAX_RANDOM_COPIES = 64
 _AGREEMENT = 2.0**-6  # candidates must agree with the default Triton kernel within this share of max |y|
+# Rows up to which the fused variants (quantization and split-K sum inside the GEMM) of the dense kernel are
+# candidates and the default: each column tile quantizes the rows again, which stops paying as M grows. The grouped
+# kernel's fused variants are not offered: every (column tile, expert) program repeats the quantization, and they
+# measured 1.2-3x slower than quantizing once at every tuned shape (H100, 2026-11-26).
+FUSED_MAX_ROWS = 16
 
 Weights = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -192,9 +197,13 @@ def triton_candidates(kind: str, bucket: int, n: int, k: int, experts: int, devi
         rows = math.ceil(bucket / active)
     else:
         active, rows = 1, bucket
-    # (row tile, column tiles): few distinct tiles, since each is a Triton compilation.
+    # (row tile, column tiles): few distinct tiles, since each is a Triton compilation. Grouped: the rows per
+    # expert only average `rows` (routing is uneven), and an expert over one row tile reads its weights once more,
+    # so the next row tile is a candidate too once `rows` fills half of a tile.
     tiles = ([(16, (64, 128))] if rows <= 16 else [(32, (64, 128))] if rows <= 32 else [(64, (64, 128))]
              if rows <= 64 else [(64, (128,)), (128, (128,))])
+    if kind == "grouped" and rows <= 32 and 2 * rows >= tiles[0][0]:
+        tiles.append((2 * tiles[0][0], (64,)))
     out = []
     for bm, column_tiles in tiles:
         m_tiles = math.ceil(rows / bm)
@@ -207,14 +216,20 @@ def triton_candidates(kind: str, bucket: int, n: int, k: int, experts: int, devi
             warps = 8 if bm * bn >= 128 * 128 else 4
             stages = 3 if bm >= 128 else 4
             out += [GemmChoice("triton", config(bm, bn, s, warps, stages, m_programs)) for s in splits]
+            if kind == "dense" and rows <= FUSED_MAX_ROWS:  # the fused variants: one kernel instead of up to three
+                out += [GemmChoice("triton", config(bm, bn, s, warps, stages, m_programs, fuse_quant=True,
+                                                    fuse_reduce=s > 1)) for s in splits]
     return out
 
 
 def default_choice(kind: str, bucket: int, n: int, k: int, experts: int, device: torch.device) -> GemmChoice:
-    """The untimed choice: the first column tile, split-K up to about one wave."""
+    """The untimed choice: the first column tile, split-K up to about one wave; fused where the fused variants
+    are candidates (small M)."""
     candidates = triton_candidates(kind, bucket, n, k, experts, device)
     bn = candidates[0].config.block_n
-    candidates = [c for c in candidates if c.config.block_n == bn and c.config.block_m == candidates[0].config.block_m]
+    fused = any(c.config.fuse_quant for c in candidates)
+    candidates = [c for c in candidates if c.config.block_n == bn and c.config.block_m == candidates[0].config.block_m
+                  and c.config.fuse_quant == fused]
     sms = _sm_count(_index(device))
     rows = bucket if kind == "dense" else max(1, math.ceil(bucket / max(1, min(experts, bucket))))
     base = math.ceil(n / bn) * math.ceil(rows / candidates[0].config.block_m)
@@ -416,6 +431,8 @@ def _run_dense(choice: GemmChoice, rows: torch.Tensor, w: torch.Tensor, w_scale:
     if choice.backend == "scaled_mm":
         q, scales = tri.quantize_activations(rows, pad_rows_to=SCALED_MM_ROW_ALIGN)
         return _scaled_mm(q, scales, w, w_scale, out_dtype)[:m]
+    if choice.config.fuse_quant:
+        return tri.fp8_gemm(rows, None, m, w, w_scale, out_dtype, choice.config, block)
     q, scales = tri.quantize_activations(rows)
     return tri.fp8_gemm(q, scales, m, w, w_scale, out_dtype, choice.config, block)
 
@@ -424,6 +441,8 @@ def _run_grouped(choice: GemmChoice, rows: torch.Tensor, w: torch.Tensor, w_scal
                  end_offsets: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype,
                  quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     tri = _triton()
+    if choice.config.fuse_quant:  # quantizes inside the GEMM; a shared quantized form is not needed
+        return tri.fp8_grouped_gemm(rows, None, w, w_scale, end_offsets, out_dtype, choice.config, block)
     q, scales = quantized if quantized is not None else tri.quantize_activations(rows)
     return tri.fp8_grouped_gemm(q, scales, w, w_scale, end_offsets, out_dtype, choice.config, block)
 

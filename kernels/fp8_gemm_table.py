@@ -88,7 +88,11 @@ def write_table(path: Path, device_name: str, entries: list[dict[str, Any]], met
     replaced); returns the number of entries written."""
     existing: dict[TableKey, dict[str, Any]] = {}
     if path.exists():
-        existing = {entry_key(e): e for e in json.loads(path.read_text())["entries"]}
+        previous = json.loads(path.read_text())
+        existing = {entry_key(e): e for e in previous["entries"]}
+        earlier = str(previous.get("command", ""))
+        if earlier and "command" in meta and meta["command"] not in earlier.split(" && "):
+            meta = {**meta, "command": f"{earlier} && {meta['command']}"}  # merged runs: every command
     for entry in entries:
         existing[entry_key(entry)] = entry
     ordered = [existing[key] for key in sorted(existing)]

@@ -21,6 +21,19 @@ offsets come from the device: no host sync). Program (n tile, e · m_progs + j, 
 tiles j, j + m_progs, …; an expert without rows costs one offsets load and reads no weights, so a decode step reads
 only the experts it routed to. Rows past end[E-1] (other ranks' choices with expert parallelism) are not written.
 
+Fused variants (`TritonGemmConfig.fuse_quant`, `fuse_reduce`), for decode's small M where each extra kernel costs
+more than its work (a batch-1 projection was three kernels: quantize, GEMM, split-K sum):
+  - fuse_quant: the GEMM reads the bf16 activations and quantizes each [rows, 128] tile itself with exactly the
+    quantization kernel's arithmetic (`_quantize_tile`), so the products, and the output, are the same bits as the
+    unfused path with the same tiles; every column tile's programs quantize the same rows again (cheap while M is
+    small: the tuner measures where it stops paying).
+  - fuse_reduce (split-K): each split writes its float32 partial, then takes a ticket from a per-tile counter
+    (`tl.atomic_add`, acquire-release at GPU scope, after a block barrier so the whole tile's stores are ordered
+    before it); the split that arrives last sums the partials in split order — the sum kernel's order, so again
+    the same bits whichever split arrives last — writes the output and resets the counter to 0 for the next call.
+    The counters are one zeroed int32 buffer per device and stream (`_tile_counters`), reused by every call on
+    that stream (calls on one stream never overlap).
+
 Launch shapes never depend on device values, and nothing syncs with the host: every call is CUDA-graph capturable.
 """
 
@@ -52,11 +65,14 @@ class TritonGemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     m_programs: int = 1  # grouped kernel: programs per expert along M (each takes every m_programs-th row tile)
+    fuse_quant: bool = False  # quantize the activations inside the GEMM (no quantization kernel)
+    fuse_reduce: bool = False  # split-K: the last split of a tile sums the partials (no sum kernel)
 
     def label(self) -> str:
         grouped = f" mp{self.m_programs}" if self.m_programs != 1 else ""
+        fused = (" fq" if self.fuse_quant else "") + (" fr" if self.fuse_reduce and self.split_k > 1 else "")
         return (f"triton bm{self.block_m} bn{self.block_n} sk{self.split_k} w{self.num_warps} "
-                f"s{self.num_stages}{grouped}")
+                f"s{self.num_stages}{grouped}{fused}")
 
 
 @triton.jit
@@ -74,6 +90,15 @@ def _round_e4m3(v):
     return tl.where(v < 0, -r, r)
 
 
+@triton.jit
+def _quantize_values(x):
+    """x [R, GROUP] float32 (one 128-channel group per row) → (e4m3 values, float32 scale per row)."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, _ACT_EPS_C), tl.full(amax.shape, _FP8_MAX_C, tl.float32))
+    q = _round_e4m3(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))).to(tl.float8e4nv)
+    return q, scale
+
+
 @triton.jit(do_not_specialize=["m", "m_pad"])
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, m, m_pad, k, stride_xm, stride_qm, stride_sg,
                      GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr):
@@ -82,10 +107,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, m, m_pad, k, stride_xm, stride_qm, str
     cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
     in_k = cols < k
     x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=in_k & (row < m), other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, _ACT_EPS_C), tl.full([GROUPS], _FP8_MAX_C, tl.float32))
-    values = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], [GROUPS, GROUP_SIZE]))
-    q = _round_e4m3(values).to(tl.float8e4nv)
+    q, scale = _quantize_values(x)
     tl.store(q_ptr + row.to(tl.int64) * stride_qm + cols, q, mask=in_k)
     num_groups = tl.cdiv(k, GROUP_SIZE)
     tl.store(s_ptr + groups * stride_sg + row, scale, mask=groups < num_groups)
@@ -113,10 +135,12 @@ def quantize_activations(x: torch.Tensor, pad_rows_to: int = 1) -> tuple[torch.T
 @triton.jit
 def _tile_product(a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, row_ok, offs_n, n_ok, t_start, num_tiles, k,
                   stride_am, stride_asg, stride_bn, stride_bsn, stride_bsk,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr,
+                  FUSE_QUANT: tl.constexpr):
     """Σ over K tiles t_start .. t_start + num_tiles − 1 (those inside K) of dot(q_x, q_wᵀ) · s_x · s_w for rows
     offs_m and columns offs_n, in float32. The trip count is a kernel argument (a plain loop Triton pipelines;
-    the last split's tiles past K are masked, scales included, so garbage never meets a zero)."""
+    the last split's tiles past K are masked, scales included, so garbage never meets a zero). FUSE_QUANT: a_ptr
+    is the unquantized activations (as_ptr unused), each tile quantized here as the quantization kernel would."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     k_tiles = tl.cdiv(k, BLOCK_K)
@@ -128,18 +152,52 @@ def _tile_product(a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, row_ok, offs_n, n_ok, t_
         tile_ok = t < k_tiles
         cols = t * BLOCK_K + offs_k
         k_ok = cols < k
-        a = tl.load(a_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if FUSE_QUANT:
+            x = tl.load(a_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            # Rows past M read as 1, not 0: a zero dividend sends IEEE division to its slow path (measured 2-3x
+            # slower at M = 1, where 15 of the tile's 16 rows are padding); their scale is zeroed below anyway.
+            x = tl.where(row_ok[:, None], x, 1.0)
+            a, a_s = _quantize_values(x)
+            a_s = tl.where(row_ok & tile_ok, a_s, 0.0)
+        else:
+            a = tl.load(a_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a_s = tl.load(as_ptr + t * stride_asg + offs_m, mask=row_ok & tile_ok, other=0.0)
         b = tl.load(b_rows + cols[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        a_s = tl.load(as_ptr + t * stride_asg + offs_m, mask=row_ok & tile_ok, other=0.0)
         b_s = tl.load(b_scale_rows + t * stride_bsk, mask=n_ok & tile_ok, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
     return acc
 
 
+@triton.jit
+def _store_tile(acc, c_ptr, ws_ptr, counter_ptr, offs_m, row_ok, offs_n, n_ok, pid_k, splits,
+                stride_cm, stride_ws_split, stride_ws_m, FUSE_REDUCE: tl.constexpr):
+    """Write one output tile: straight to c (no split-K), as split pid_k's float32 partial (the sum kernel adds
+    them), or — FUSE_REDUCE — as a partial after which the last of the tile's splits sums all of them in split
+    order into c (module docstring)."""
+    mask = row_ok[:, None] & n_ok[None, :]
+    if FUSE_REDUCE:
+        part = ws_ptr + offs_m.to(tl.int64)[:, None] * stride_ws_m + offs_n[None, :]
+        tl.store(part + pid_k.to(tl.int64) * stride_ws_split, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial stores are issued before the ticket is taken
+        ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == splits - 1:
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for s in range(0, splits):
+                total += tl.load(part + s * stride_ws_split, mask=mask, other=0.0, cache_modifier=".cg")
+            out = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+            tl.store(out, total.to(c_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    else:
+        out = c_ptr + pid_k.to(tl.int64) * stride_ws_split + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["m", "tiles_per_split"])
-def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m, n, k, tiles_per_split,
-                     stride_am, stride_asg, stride_bn, stride_bsn, stride_bsk, stride_cm, stride_csplit,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr):
+def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, counters_ptr, m, n, k, tiles_per_split,
+                     stride_am, stride_asg, stride_bn, stride_bsn, stride_bsk, stride_cm, stride_ws_split,
+                     stride_ws_m,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr,
+                     FUSE_QUANT: tl.constexpr, FUSE_REDUCE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -150,17 +208,19 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m, n, k, tiles_per_spl
     acc = _tile_product(a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, row_ok, offs_n, n_ok, pid_k * tiles_per_split,
                         tiles_per_split, k,
                         stride_am, stride_asg, stride_bn, stride_bsn, stride_bsk,
-                        BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BN)
-    out = c_ptr + pid_k.to(tl.int64) * stride_csplit + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+                        BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BN, FUSE_QUANT)
+    counter = counters_ptr + pid_m * tl.num_programs(0) + pid_n
+    _store_tile(acc, c_ptr, ws_ptr, counter, offs_m, row_ok, offs_n, n_ok, pid_k, tl.num_programs(2),
+                stride_cm, stride_ws_split, stride_ws_m, FUSE_REDUCE)
 
 
-@triton.jit(do_not_specialize=["tiles_per_split", "m_progs"])
-def _fp8_grouped_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ends_ptr, n, k, tiles_per_split, m_progs,
+@triton.jit(do_not_specialize=["tiles_per_split", "m_progs", "counters_per_column"])
+def _fp8_grouped_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, counters_ptr, ends_ptr, n, k,
+                             tiles_per_split, m_progs, counters_per_column,
                              stride_am, stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
-                             stride_cm, stride_csplit,
+                             stride_cm, stride_ws_split, stride_ws_m,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             SCALE_BN: tl.constexpr):
+                             SCALE_BN: tl.constexpr, FUSE_QUANT: tl.constexpr, FUSE_REDUCE: tl.constexpr):
     pid_n = tl.program_id(0)
     expert = tl.program_id(1) // m_progs
     part = tl.program_id(1) % m_progs
@@ -180,10 +240,13 @@ def _fp8_grouped_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ends_ptr, n, k
         row_ok = offs_m < end
         acc = _tile_product(a_ptr, as_ptr, b_expert, bs_expert, offs_m, row_ok, offs_n, n_ok, t_start,
                             tiles_per_split, k, stride_am, stride_asg, stride_bn, stride_bsn, stride_bsk,
-                            BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BN)
-        out = (c_ptr + pid_k.to(tl.int64) * stride_csplit + offs_m.to(tl.int64)[:, None] * stride_cm
-               + offs_n[None, :])
-        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+                            BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BN, FUSE_QUANT)
+        # Counter of this (expert, row tile): start // BLOCK_M + expert + tile index is distinct for every pair
+        # (an expert's tiles end before the next expert's first index) and below cdiv(M, BLOCK_M) + E.
+        tile = start // BLOCK_M + expert + (m0 - start) // BLOCK_M
+        counter = counters_ptr + pid_n * counters_per_column + tile
+        _store_tile(acc, c_ptr, ws_ptr, counter, offs_m, row_ok, offs_n, n_ok, pid_k, tl.num_programs(2),
+                    stride_cm, stride_ws_split, stride_ws_m, FUSE_REDUCE)
         m0 += m_progs * BLOCK_M
 
 
@@ -205,10 +268,52 @@ def _splits(k: int, split_k: int) -> tuple[int, int]:
     return triton.cdiv(k_tiles, per_split), per_split
 
 
-def _output(rows: int, n: int, splits: int, out_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+_COUNTERS_MIN = 1 << 16
+_counters: dict[tuple[str, int, int], torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []  # buffers replaced by larger ones: captured CUDA graphs may still use them
+
+
+def _tile_counters(device: torch.device, count: int) -> torch.Tensor:
+    """A zeroed int32 buffer of ≥ `count` tile counters for the current stream of `device`. Every fused-reduce
+    kernel leaves its counters at 0 when it ends, so the buffer is reused by every call on the stream (the
+    calls of one stream never overlap; another stream gets its own buffer). Allocated on first use — inside a
+    CUDA-graph capture too: the tensor is kept for the life of the process, so a captured graph's pointer to it
+    stays valid — and replaced by a larger zeroed buffer for a larger grid (the old one kept alive likewise)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = ("cuda", index, torch.cuda.current_stream(index).cuda_stream)
+        where = torch.device("cuda", index)
+    else:  # Triton's CPU interpreter (the CPU tests)
+        key, where = (device.type, 0, 0), device
+    buffer = _counters.get(key)
+    if buffer is None or buffer.numel() < count:
+        if buffer is not None:
+            _outgrown.append(buffer)
+        size = max(_COUNTERS_MIN, 1 << max(0, count - 1).bit_length())
+        buffer = torch.zeros(size, dtype=torch.int32, device=where)
+        _counters[key] = buffer
+    return buffer
+
+
+def _outputs(rows: int, n: int, splits: int, fuse_reduce: bool, out_dtype: torch.dtype,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what the kernel writes its tiles to, float32 split-K partials or the same tensor when there are none).
+    Without fused reduction the partials are the kernel's output and `_reduce` sums them afterwards."""
     if splits == 1:
-        return torch.empty(rows, n, dtype=out_dtype, device=device)
-    return torch.empty(splits, rows, n, dtype=torch.float32, device=device)
+        out = torch.empty(rows, n, dtype=out_dtype, device=device)
+        return out, out
+    partials = torch.empty(splits, rows, n, dtype=torch.float32, device=device)
+    if fuse_reduce:
+        return torch.empty(rows, n, dtype=out_dtype, device=device), partials
+    return partials, partials
+
+
+def _store_args(target: torch.Tensor, partials: torch.Tensor, splits: int,
+                fuse_reduce: bool) -> tuple[int, int, int]:
+    """(stride_cm, stride_ws_split, stride_ws_m) of `_store_tile` for the tensors of `_outputs`."""
+    if fuse_reduce:
+        return target.stride(0), partials.stride(0), partials.stride(1)
+    return target.stride(-2), (target.stride(0) if splits > 1 else 0), 0
 
 
 def _reduce(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -220,6 +325,19 @@ def _reduce(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if numel:
         _splitk_sum_kernel[(triton.cdiv(numel, _REDUCE_BLOCK),)](partials, out, numel, splits, BLOCK=_REDUCE_BLOCK)
     return out
+
+
+def _activation_args(a: torch.Tensor, a_scales: torch.Tensor | None,
+                     config: TritonGemmConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(activation pointer, scale pointer, scale group stride) for the kernels: the quantized rows and their
+    scales, or with fuse_quant the unquantized rows (the scale pointer is then unused)."""
+    if config.fuse_quant:
+        if a.dtype not in (torch.bfloat16, torch.float16, torch.float32) or a_scales is not None:
+            raise ValueError(f"fuse_quant takes the unquantized activations and no scales; got {a.dtype}")
+        return a, a, 0
+    if a_scales is None or a.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"quantized activations (float8_e4m3fn) and their scales are required; got {a.dtype}")
+    return a, a_scales, a_scales.stride(0)
 
 
 def _check_weight(w: torch.Tensor, w_scale: torch.Tensor, k: int, block: tuple[int, int]) -> None:
@@ -234,47 +352,68 @@ def _check_weight(w: torch.Tensor, w_scale: torch.Tensor, k: int, block: tuple[i
                          f"{w_scale.dtype} {tuple(w_scale.shape)}")
 
 
-def fp8_gemm(q: torch.Tensor, scales: torch.Tensor, m: int, w: torch.Tensor, w_scale: torch.Tensor,
+def fp8_gemm(a: torch.Tensor, a_scales: torch.Tensor | None, m: int, w: torch.Tensor, w_scale: torch.Tensor,
              out_dtype: torch.dtype, config: TritonGemmConfig, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """(q [≥m, K] e4m3, scales [G, ≥m] group-major) @ dequant(w [N, K])ᵀ → [m, N] out_dtype."""
-    k = q.shape[1]
+    """(a [≥m, K] e4m3, a_scales [G, ≥m] group-major) @ dequant(w [N, K])ᵀ → [m, N] out_dtype. With
+    `config.fuse_quant`, a is the unquantized activations (bf16/fp16/fp32, last dim contiguous) and a_scales None."""
+    if config.fuse_quant and a.stride(-1) != 1:
+        a = a.contiguous()
+    k = a.shape[1]
     _check_weight(w, w_scale, k, block)
+    a_arg, s_arg, stride_asg = _activation_args(a, a_scales, config)
     n = w.shape[0]
     splits, per_split = _splits(k, config.split_k)
-    out = _output(m, n, splits, out_dtype, q.device)
+    fuse_reduce = config.fuse_reduce and splits > 1
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), splits)
+    counters = _tile_counters(a.device, grid[0] * grid[1]) if fuse_reduce and m and n else None
+    if counters is None:
+        fuse_reduce = False
+    target, partials = _outputs(m, n, splits, fuse_reduce, out_dtype, a.device)
     if m and n:
-        grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), splits)
+        stride_cm, stride_ws_split, stride_ws_m = _store_args(target, partials, splits, fuse_reduce)
         _fp8_gemm_kernel[grid](
-            q, scales, w, w_scale, out, m, n, k, per_split,
-            q.stride(0), scales.stride(0), w.stride(0), w_scale.stride(0), w_scale.stride(1),
-            out.stride(-2), out.stride(0) if splits > 1 else 0,
+            a_arg, s_arg, w, w_scale, target, partials, counters if counters is not None else target, m, n, k,
+            per_split, a.stride(0), stride_asg, w.stride(0), w_scale.stride(0), w_scale.stride(1),
+            stride_cm, stride_ws_split, stride_ws_m,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=GROUP, SCALE_BN=block[0],
+            FUSE_QUANT=config.fuse_quant, FUSE_REDUCE=fuse_reduce,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
-    return _reduce(out, out_dtype)
+    return target if fuse_reduce else _reduce(target, out_dtype)
 
 
-def fp8_grouped_gemm(q: torch.Tensor, scales: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+def fp8_grouped_gemm(a: torch.Tensor, a_scales: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
                      end_offsets: torch.Tensor, out_dtype: torch.dtype, config: TritonGemmConfig,
                      block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """Rows of q [M, K] (scales [G, M] group-major) sorted by expert; expert e (weight w[e] [N, K], scales
-    w_scale[e]) owns rows [end_offsets[e-1], end_offsets[e]) (int32 [E], on the device) → [M, N] out_dtype;
-    rows past end_offsets[E-1] are left undefined."""
-    m, k = q.shape
+    """Rows of a [M, K] (a_scales [G, M] group-major; with `config.fuse_quant` a is unquantized and a_scales
+    None) sorted by expert; expert e (weight w[e] [N, K], scales w_scale[e]) owns rows [end_offsets[e-1],
+    end_offsets[e]) (int32 [E], on the device) → [M, N] out_dtype; rows past end_offsets[E-1] are left undefined."""
+    if config.fuse_quant and a.stride(-1) != 1:
+        a = a.contiguous()
+    m, k = a.shape
     _check_weight(w, w_scale, k, block)
     if w.dim() != 3 or w_scale.dim() != 3 or end_offsets.numel() != w.shape[0]:
         raise ValueError(f"grouped weights must be [E, N, K] with E end offsets; got {tuple(w.shape)}, "
                          f"{tuple(w_scale.shape)}, {end_offsets.numel()} offsets")
+    a_arg, s_arg, stride_asg = _activation_args(a, a_scales, config)
     experts, n = w.shape[0], w.shape[1]
     splits, per_split = _splits(k, config.split_k)
-    out = _output(m, n, splits, out_dtype, q.device)
+    fuse_reduce = config.fuse_reduce and splits > 1
+    grid = (triton.cdiv(n, config.block_n), experts * config.m_programs, splits)
+    per_column = triton.cdiv(m, config.block_m) + experts
+    counters = _tile_counters(a.device, grid[0] * per_column) if fuse_reduce and m and n and experts else None
+    if counters is None:
+        fuse_reduce = False
+    target, partials = _outputs(m, n, splits, fuse_reduce, out_dtype, a.device)
     if m and n and experts:
-        grid = (triton.cdiv(n, config.block_n), experts * config.m_programs, splits)
+        stride_cm, stride_ws_split, stride_ws_m = _store_args(target, partials, splits, fuse_reduce)
         _fp8_grouped_gemm_kernel[grid](
-            q, scales, w, w_scale, out, end_offsets, n, k, per_split, config.m_programs,
-            q.stride(0), scales.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
-            w_scale.stride(2), out.stride(-2), out.stride(0) if splits > 1 else 0,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=GROUP,
-            SCALE_BN=block[0], num_warps=config.num_warps, num_stages=config.num_stages,
+            a_arg, s_arg, w, w_scale, target, partials, counters if counters is not None else target, end_offsets,
+            n, k, per_split, config.m_programs, per_column,
+            a.stride(0), stride_asg, w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
+            w_scale.stride(2), stride_cm, stride_ws_split, stride_ws_m,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=GROUP, SCALE_BN=block[0],
+            FUSE_QUANT=config.fuse_quant, FUSE_REDUCE=fuse_reduce,
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
-    return _reduce(out, out_dtype)
+    return target if fuse_reduce else _reduce(target, out_dtype)

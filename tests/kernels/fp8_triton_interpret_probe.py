@@ -99,6 +99,38 @@ def test_dense() -> None:
         check(f"dense {m}x{n}x{k} {config.label()} {out_dtype}", got, ref, tolerance(x, w, s, ref, out_dtype))
 
 
+def same_bits(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    if not torch.equal(got.float(), want.float()):
+        sys.exit(f"FAIL {name}: differs from the unfused kernel by {(got.float() - want.float()).abs().max():.3g}")
+    print(f"ok {name}: the same bits as the unfused kernel")
+
+
+def test_dense_fused() -> None:
+    """Quantization and the split-K sum inside the GEMM give the unfused kernel's bits (same tiles), also when
+    the counters are reused by the next call."""
+    cases = [  # (M, N, K, config, output dtype)
+        (1, 576, 640, tri.TritonGemmConfig(16, 64, 4), torch.bfloat16),  # 5 K tiles in 3 splits (2, 2, 1)
+        (5, 200, 640, tri.TritonGemmConfig(16, 64, 2), torch.float32),
+        (17, 64, 100, tri.TritonGemmConfig(16, 64, 1), torch.float32),  # ragged K, two row tiles, no split
+        (3, 128, 1152, tri.TritonGemmConfig(16, 128, 8), torch.bfloat16),
+    ]
+    for i, (m, n, k, base, out_dtype) in enumerate(cases):
+        x = activations(m, k, seed=40 + i, dtype=torch.bfloat16)
+        w, s = weights(n, k, seed=50 + i)
+        q, scales = tri.quantize_activations(x)
+        want = tri.fp8_gemm(q, scales, m, w, s, out_dtype, base)
+        for fq, fr in ((True, False), (False, True), (True, True)):
+            config = tri.TritonGemmConfig(base.block_m, base.block_n, base.split_k, fuse_quant=fq, fuse_reduce=fr)
+            for call in range(2):  # the second call finds the counters the first one reset
+                got = tri.fp8_gemm(x if fq else q, None if fq else scales, m, w, s, out_dtype, config)
+                assert got.shape == (m, n) and got.dtype == out_dtype
+                same_bits(f"dense {m}x{n}x{k} {config.label()} call {call}", got, want)
+    counters = [t for t in tri._counters.values()]
+    if any(int(t.abs().sum()) for t in counters):
+        sys.exit("FAIL fused reduce: tile counters not back at 0")
+    print("ok fused reduce: every tile counter back at 0")
+
+
 def test_grouped() -> None:
     experts, n, k = 4, 192, 384
     pairs = [weights(n, k, seed=30 + e) for e in range(experts)]
@@ -116,10 +148,18 @@ def test_grouped() -> None:
         q, scales = tri.quantize_activations(x)
         got = tri.fp8_grouped_gemm(q, scales, w, s, ends, torch.float32, config)
         check(f"grouped E={experts} {config.label()}", got[:39], ref[:39], tol + 1e-30)
+        fused = tri.TritonGemmConfig(config.block_m, config.block_n, config.split_k, m_programs=config.m_programs,
+                                     fuse_quant=True, fuse_reduce=True)
+        for call in range(2):
+            again = tri.fp8_grouped_gemm(x, None, w, s, ends, torch.float32, fused)
+            same_bits(f"grouped E={experts} {fused.label()} call {call}", again[:39], got[:39])
+    if any(int(t.abs().sum()) for t in tri._counters.values()):
+        sys.exit("FAIL grouped fused reduce: tile counters not back at 0")
 
 
 if __name__ == "__main__":
     test_quantize()
     test_dense()
+    test_dense_fused()
     test_grouped()
     print("all interpreter cases passed")

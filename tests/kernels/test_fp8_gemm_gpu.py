@@ -243,3 +243,65 @@ def test_batch_invariant_tiles_make_a_row_independent_of_its_batch() -> None:
         batched = fp8_linear(rows, w, s)
         alone = torch.cat([fp8_linear(rows[i : i + 1], w, s) for i in (0, 37, 99)])
     assert torch.equal(batched[[0, 37, 99]], alone)
+
+
+FUSED_CASES = [("kv_a", 1, 8), ("wk", 1, 16), ("q_b", 4, 1), ("o_proj", 16, 8), ("ragged", 3, 2)]
+
+
+@pytest.mark.parametrize(("shape", "m", "split_k"), FUSED_CASES)
+def test_fused_quantization_and_reduction_give_the_unfused_bits(shape: str, m: int, split_k: int) -> None:
+    """The fused variants (quantization and the split-K sum inside the GEMM) compute the same products and sum the
+    splits in the same order as quantize → GEMM → sum kernel: the same bits, at every call (a late partial, a lost
+    ticket or a counter left non-zero by the previous call would show as a different value). Also under a CUDA
+    graph, replayed several times against eager calls."""
+    from kernels import fp8_gemm_triton as tri
+
+    n, k = SHAPES[shape]
+    w, s, _ = weight(n, k)
+    x = activations(m, k)
+    base = tri.TritonGemmConfig(16, 64, split_k)
+    q, scales = tri.quantize_activations(x)
+    want = tri.fp8_gemm(q, scales, m, w, s, torch.bfloat16, base)
+    fused = tri.TritonGemmConfig(16, 64, split_k, fuse_quant=True, fuse_reduce=True)
+    for _ in range(20):
+        assert torch.equal(tri.fp8_gemm(x, None, m, w, s, torch.bfloat16, fused), want)
+    reduce_only = tri.TritonGemmConfig(16, 64, split_k, fuse_reduce=True)
+    assert torch.equal(tri.fp8_gemm(q, scales, m, w, s, torch.bfloat16, reduce_only), want)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=stream):
+        captured = tri.fp8_gemm(x, None, m, w, s, torch.bfloat16, fused)
+    for seed in range(1, 4):
+        x.copy_(activations(m, k, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        q, scales = tri.quantize_activations(x)
+        assert torch.equal(captured, tri.fp8_gemm(q, scales, m, w, s, torch.bfloat16, base))
+    assert not any(int(t.abs().sum()) for t in tri._counters.values()), "tile counters left non-zero"
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_fused_grouped_gemm_gives_the_unfused_bits(tokens: int) -> None:
+    """The grouped kernel's fused variant (per (expert, row tile) counters) against the unfused one, with
+    experts that get no rows and rows of other ranks past the last offset."""
+    from kernels import fp8_gemm_triton as tri
+
+    experts, top_k, n, k = 32, 8, 2048, 7168
+    base_w, base_s, _ = weight(n, k)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    w = base_w.unsqueeze(0).repeat(experts, 1, 1)
+    s = base_s.unsqueeze(0) * torch.rand(experts, 1, 1, device="cuda", generator=gen).add(0.5)
+    ids = torch.rand(tokens, 40, device="cuda", generator=gen).topk(top_k, dim=-1).indices.flatten()
+    ids = torch.where(ids < experts, ids, experts)
+    sorted_ids, order = torch.sort(ids, stable=True)
+    ends = torch.searchsorted(sorted_ids, torch.arange(experts, device="cuda"), right=True).to(torch.int32)
+    x = activations(tokens, k)[order // top_k]
+    rows = int(ends[-1])
+    for split_k in (1, 4, 8):
+        base = tri.TritonGemmConfig(16, 64, split_k)
+        q, scales = tri.quantize_activations(x)
+        want = tri.fp8_grouped_gemm(q, scales, w, s, ends, torch.bfloat16, base)[:rows]
+        fused = tri.TritonGemmConfig(16, 64, split_k, fuse_quant=True, fuse_reduce=True)
+        for _ in range(10):
+            assert torch.equal(tri.fp8_grouped_gemm(x, None, w, s, ends, torch.bfloat16, fused)[:rows], want)
+    assert not any(int(t.abs().sum()) for t in tri._counters.values()), "tile counters left non-zero"

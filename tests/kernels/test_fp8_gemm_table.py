@@ -82,11 +82,15 @@ def test_without_a_table_every_shape_takes_the_default(fake_gpu) -> None:
 
 
 def test_write_merges_and_a_malformed_table_is_an_error(fake_gpu, monkeypatch) -> None:
-    fp8_gemm_table.write_table(fake_gpu, "Fake GPU 80GB", [entry("dense", 576, 7168, 1, "scaled_mm")], {})
+    fp8_gemm_table.write_table(fake_gpu, "Fake GPU 80GB", [entry("dense", 576, 7168, 1, "scaled_mm")],
+                               {"command": "tune --configs a"})
     total = fp8_gemm_table.write_table(fake_gpu, "Fake GPU 80GB", [entry("dense", 576, 7168, 1, "triton", None),
-                                                                  entry("dense", 576, 7168, 2, "scaled_mm")], {})
+                                                                  entry("dense", 576, 7168, 2, "scaled_mm")],
+                                       {"command": "tune --configs b"})
     table = fp8_gemm_table.read_table(fake_gpu)
     assert total == 2 and table[("dense", 576, 7168, 0, 1, "bfloat16")] == ("triton", None)
+    # A merged table names every run that wrote it.
+    assert json.loads(fake_gpu.read_text())["command"] == "tune --configs a && tune --configs b"
     fake_gpu.write_text(json.dumps({"device": "x", "entries": [{"kind": "dense"}]}))
     with pytest.raises(ValueError, match="malformed"):
         fp8_gemm_table.read_table(fake_gpu)
