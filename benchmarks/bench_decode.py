@@ -395,10 +395,16 @@ class SyntheticKV:
 
 
 def fill(engine: Engine, synthetic: SyntheticKV, context: int, max_len: int, limit: int, seed: int) -> int:
-    """Admit requests with injected KV until the budget (or `limit`) is reached; returns the batch size."""
+    """Admit requests with injected KV until the budget (or `limit`) is reached; returns the batch size.
+
+    Every request shares the synthetic context but decodes from a token of its own: with one shared token every
+    request would carry the same hidden state through every layer, so the router would send the whole batch to
+    the same top-k experts and a MoE layer would read only those experts' weights (a fraction of what a real batch
+    reads; measured so before 2026-11-26)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = int(engine.model_config.vocab_size)
     prompt = torch.randint(2, vocab, (context,), generator=gen).tolist()
+    first_tokens = torch.randint(2, vocab, (max(limit, 1),), generator=gen).tolist()
     params = SamplingParams(max_tokens=max_len - context, temperature=0.0, ignore_eos=True)
     sched = engine.scheduler
     n = 0
@@ -412,7 +418,7 @@ def fill(engine: Engine, synthetic: SyntheticKV, context: int, max_len: int, lim
         synthetic.inject(engine, req, context)
         req.num_computed = context
         sched.on_prefill_done(req)
-        req.output_ids.append(int(prompt[-1]))
+        req.output_ids.append(int(first_tokens[n]))
         n += 1
     engine.step()  # returns the abort delta, if any, and runs the first decode step
     return n
