@@ -29,6 +29,7 @@ from torch import nn
 from decode_server.model import batch_invariant
 from decode_server.model.batch_invariant import Linear
 from decode_server.model.config import ModelConfig
+from decode_server.model.layers import narrow_linear
 from decode_server.model.rope import apply_rope_half_split, apply_rope_interleaved
 from kernels.indexer_ref import quantize_index_keys
 
@@ -86,5 +87,9 @@ class Indexer(nn.Module):
         k = batch_invariant.layer_norm(self.wk(x).float(), self.k_norm)
         k = batch_invariant.matmul_rows(self._rope(k, cos, sin), self.hadamard)
         keys_fp8, key_scales = quantize_index_keys(k)
-        weights = batch_invariant.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale
+        if batch_invariant.enabled():
+            weights = batch_invariant.linear(x.float(), self.weights_proj.weight.float())
+        else:
+            weights = narrow_linear(x.float(), self.weights_proj.weight.float())
+        weights = weights * self.weight_scale
         return IndexerOutput(q=q, weights=weights, keys_fp8=keys_fp8, key_scales=key_scales)

@@ -1,4 +1,5 @@
-"""Small building blocks shared by the DSA model: RMSNorm and the SwiGLU MLP (dense layers, experts)."""
+"""Small building blocks shared by the DSA model: RMSNorm, the SwiGLU MLP (dense layers, experts) and the narrow
+float32 projection of the MoE router and the indexer's head weights (`narrow_linear`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,35 @@ from torch import nn
 from decode_server.model import batch_invariant
 from decode_server.parallel.layers import column_linear, row_linear
 from decode_server.parallel.state import ParallelState, resolve
+
+# Split-K for narrow float32 projections on CUDA (`narrow_linear`).
+NARROW_SPLIT_CHUNK = 256
+NARROW_MIN_ROWS = 8  # below: F.linear measured as fast or faster (H200, benchmarks/bench_narrow_linear.py)
+NARROW_MAX_ROWS = 512
+NARROW_MAX_OUT = 256
+
+
+def narrow_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]ᵀ in x's dtype, for the narrow float32 projections every decode step runs on the
+    hidden state: the MoE router (N = its experts) and the indexer's head weights (N = 64), K = hidden size.
+
+    Why not F.linear: with TF32 off, cuBLAS runs a float32 GEMM of a few dozen rows and N ≤ 128 in a single thread
+    block that walks all of K (an H100 took ~28 µs a call at T 16, K 7168: two such calls a layer cost more than
+    the layer's attention at that batch). Here K is cut into chunks of NARROW_SPLIT_CHUNK: one batched GEMM (a
+    block per chunk, the weight read in place through strides) and a sum over the chunks in order, all float32.
+    The result depends only on the inputs and T (deterministic; both HiSparse and dense run it). Measured on an
+    H200 (docs/benchmarks.md): 1.3-1.5x faster at 16 rows, about even at 64, never slower from 8 rows on; below 8
+    rows (cuBLAS's GEMV and small kernels win), on CPU, for wide outputs, long prefills and a K that the chunk does
+    not divide, F.linear runs."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    if (not x.is_cuda or rows < NARROW_MIN_ROWS or rows > NARROW_MAX_ROWS or n > NARROW_MAX_OUT
+            or k % NARROW_SPLIT_CHUNK or k == NARROW_SPLIT_CHUNK):
+        return F.linear(x, weight)
+    chunks = k // NARROW_SPLIT_CHUNK
+    a = x.reshape(rows, chunks, NARROW_SPLIT_CHUNK).transpose(0, 1)  # [chunks, T, chunk]
+    b = weight.reshape(n, chunks, NARROW_SPLIT_CHUNK).permute(1, 2, 0)  # [chunks, chunk, N], column-major views
+    return torch.bmm(a, b).sum(0)
 
 
 class RMSNorm(nn.Module):

@@ -24,7 +24,7 @@ from torch import nn
 
 from decode_server.model import batch_invariant
 from decode_server.model.config import ModelConfig
-from decode_server.model.layers import MLP
+from decode_server.model.layers import MLP, narrow_linear
 from decode_server.parallel.comm import all_reduce
 from decode_server.parallel.layers import split_size
 from decode_server.parallel.state import ParallelState, resolve
@@ -85,7 +85,7 @@ class MoEGate(nn.Module):
 
         def route(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return route_tokens(
-                F.linear(rows, self.weight.float()), self.e_score_correction_bias, c.n_group, c.topk_group,
+                narrow_linear(rows, self.weight.float()), self.e_score_correction_bias, c.n_group, c.topk_group,
                 c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor,
             )
 
