@@ -22,12 +22,12 @@ def narrow_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ weight [N, K]ᵀ in x's dtype, for the narrow float32 projections every decode step runs on the
     hidden state: the MoE router (N = its experts) and the indexer's head weights (N = 64), K = hidden size.
 
-    Why not F.linear: with TF32 off, cuBLAS runs a float32 GEMM of a few dozen rows and N ≤ 128 in a single thread
-    block that walks all of K (an H100 took ~28 µs a call at T 16, K 7168: two such calls a layer cost more than
-    the layer's attention at that batch). Here K is cut into chunks of NARROW_SPLIT_CHUNK: one batched GEMM (a
+    Why not F.linear: with TF32 off, cuBLAS runs a float32 GEMM of a few dozen rows and N ≤ 256 in a few thread
+    blocks that walk all of K (10-21 µs a call at T 16, K 7168, on an H100 and an H200: more than the ~2 MB of
+    weights need). Here K is cut into chunks of NARROW_SPLIT_CHUNK: one batched GEMM (a
     block per chunk, the weight read in place through strides) and a sum over the chunks in order, all float32.
     The result depends only on the inputs and T (deterministic; both HiSparse and dense run it). Measured on an
-    H200 (docs/benchmarks.md): 1.3-1.5x faster at 16 rows, about even at 64, never slower from 8 rows on; below 8
+    H100 and an H200 (docs/benchmarks.md): 1.3-1.5x faster at 16 rows, 0.97-1.35x at 64-256; below 8
     rows (cuBLAS's GEMV and small kernels win), on CPU, for wide outputs, long prefills and a K that the chunk does
     not divide, F.linear runs."""
     rows, k = x.shape
