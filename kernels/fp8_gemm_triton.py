@@ -24,7 +24,7 @@ only the experts it routed to. Rows past end[E-1] (other ranks' choices with exp
 Fused variants (`TritonGemmConfig.fuse_quant`, `fuse_reduce`), for decode's small M where each extra kernel costs
 more than its work (a batch-1 projection was three kernels: quantize, GEMM, split-K sum):
   - fuse_quant: the GEMM reads the bf16 activations and quantizes each [rows, 128] tile itself with exactly the
-    quantization kernel's arithmetic (`_quantize_tile`), so the products, and the output, are the same bits as the
+    quantization kernel's arithmetic (`_quantize_values`), so the products, and the output, are the same bits as the
     unfused path with the same tiles; every column tile's programs quantize the same rows again (cheap while M is
     small: the tuner measures where it stops paying).
   - fuse_reduce (split-K): each split writes its float32 partial, then takes a ticket from a per-tile counter
