@@ -363,11 +363,9 @@ def fp8_gemm(a: torch.Tensor, a_scales: torch.Tensor | None, m: int, w: torch.Te
     a_arg, s_arg, stride_asg = _activation_args(a, a_scales, config)
     n = w.shape[0]
     splits, per_split = _splits(k, config.split_k)
-    fuse_reduce = config.fuse_reduce and splits > 1
+    fuse_reduce = bool(config.fuse_reduce and splits > 1 and m and n)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), splits)
-    counters = _tile_counters(a.device, grid[0] * grid[1]) if fuse_reduce and m and n else None
-    if counters is None:
-        fuse_reduce = False
+    counters = _tile_counters(a.device, grid[0] * grid[1]) if fuse_reduce else None
     target, partials = _outputs(m, n, splits, fuse_reduce, out_dtype, a.device)
     if m and n:
         stride_cm, stride_ws_split, stride_ws_m = _store_args(target, partials, splits, fuse_reduce)
@@ -398,12 +396,10 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scales: torch.Tensor | None, w: torch.Te
     a_arg, s_arg, stride_asg = _activation_args(a, a_scales, config)
     experts, n = w.shape[0], w.shape[1]
     splits, per_split = _splits(k, config.split_k)
-    fuse_reduce = config.fuse_reduce and splits > 1
+    fuse_reduce = bool(config.fuse_reduce and splits > 1 and m and n and experts)
     grid = (triton.cdiv(n, config.block_n), experts * config.m_programs, splits)
     per_column = triton.cdiv(m, config.block_m) + experts
-    counters = _tile_counters(a.device, grid[0] * per_column) if fuse_reduce and m and n and experts else None
-    if counters is None:
-        fuse_reduce = False
+    counters = _tile_counters(a.device, grid[0] * per_column) if fuse_reduce else None
     target, partials = _outputs(m, n, splits, fuse_reduce, out_dtype, a.device)
     if m and n and experts:
         stride_cm, stride_ws_split, stride_ws_m = _store_args(target, partials, splits, fuse_reduce)
