@@ -11,6 +11,8 @@ timed over N decode steps of the real engine loop (schedule → forward → samp
   ...+pf           HiSparse with `prefetch_shared_layers` (--hisparse-prefetch-shared-layers on|both): GLM-5
                    shared layers' swap-ins start at their full layer on a side stream (issue 23 item 3); the
                    synthetic trace replaces full layers' top-k only, so shared layers miss like their full layer.
+  ...+early        HiSparse with `early_swap_in` (--hisparse-early-swap-in on|both): each layer's swap-in starts
+                   right after its selection, on a side stream, instead of at its attention (issue 23 item 4).
 Reports batch, tokens/s, step time, hit rate and PCIe bytes per step; writes JSON and a PNG plot.
 
 GPU:   python benchmarks/bench_decode.py --contexts 8192 32768 65536 --device-kv-budget-gib 8
@@ -128,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="HiSparse runs with the GLM-5 shared-layer prefetch (HiSparseConfig prefetch_shared_layers): "
                         "on (the server's default; modes named ...+pf on models with shared layers), off, or both, "
                         "each HiSparse run twice (issue 23 item 3)")
+    p.add_argument("--hisparse-early-swap-in", default="off", choices=["on", "off", "both"],
+                   help="HiSparse runs with the early swap-in (HiSparseConfig early_swap_in): off (the server's "
+                        "default), on (modes named ...+early), or both, each HiSparse run twice (issue 23 item 4)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bfloat16", "fp8_e4m3"],
                    help="KV rows: the model dtype (bf16, 1152 B) or FlashMLA's FP8 rows (656 B); default auto, "
                         "fp8_e4m3 for the rank configs")
@@ -156,7 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tiny sizes on CPU: tiny-dsa (or --config), 2 contexts, 3 steps")
     p.add_argument("--profile-dir", default=None,
                    help="after the timed steps of each run, profile 2 more steps with torch.profiler and write the "
-                        "top operators by self CPU and by device time to <dir>/profile_<mode>_<context>.txt")
+                        "top operators by self CPU and by device time to <dir>/profile_<mode>_<context>.txt (on CUDA "
+                        "also its Chrome trace, profile_<mode>_<context>.trace.json)")
     args = p.parse_args(argv)
     if args.smoke:
         args.config = args.config or "tiny-dsa"  # tiny-glm5 checks the shared-layer prefetch switch
@@ -295,7 +301,8 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
     """The engine of one run with `device_budget` bytes of device KV, and how its HiSparse pools were sized."""
     device = rank_device(args, parallel)
     hisparse = mode.startswith("hisparse")
-    prefetch = mode.endswith(PREFETCH_SUFFIX)
+    prefetch = PREFETCH_SUFFIX in mode
+    early = EARLY_SUFFIX in mode
     cfg = EngineConfig(
         device=args.device, enable_hisparse=hisparse, page_size=args.page_size, context_length=max_len,
         kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
@@ -304,7 +311,7 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
         max_running_requests=batch_cap,
         max_queued_requests=batch_cap + 1, chunked_prefill_size=max(2048, args.page_size),
         hisparse=HiSparseConfig(device_buffer_size=args.buffer_size, num_recent_slots=args.num_recent,
-                                prefetch_shared_layers=prefetch),
+                                prefetch_shared_layers=prefetch, early_swap_in=early),
         enable_deterministic_inference=args.enable_deterministic_inference, tp_size=args.tp_size,
         disable_cuda_graph=True,  # captured by run_one once the requests are in (capture_graphs)
         disable_overlap_schedule=args.disable_overlap_schedule,
@@ -315,7 +322,7 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
         kv_dtype = resolve_kv_dtype(cfg, resolve_model_dtype(cfg, device))
         layout, sizing = hisparse_layout(args, model_config, kv_dtype, context, max_len, batch_cap, device_budget)
         kv = HiSparseCoordinator(layout, kv_dtype, device, parallel=parallel,  # shared host pool with TP
-                                 prefetch_shared_layers=prefetch)
+                                 prefetch_shared_layers=prefetch, early_swap_in=early)
         cfg = cfg.model_copy(update={"max_running_requests": layout.max_reqs})
     engine = Engine(cfg, model=model, model_config=model_config, tokenizer=None, kv_manager=kv, parallel=parallel)
     return engine, sizing
@@ -572,23 +579,26 @@ def host_mem_total() -> int | None:
 
 
 PREFETCH_SUFFIX = "+pf"  # HiSparse modes run with prefetch_shared_layers
+EARLY_SUFFIX = "+early"  # HiSparse modes run with early_swap_in
 
 
-def prefetch_variants(args, mode: str, has_shared_layers: bool) -> list[str]:
+def hisparse_variants(args, mode: str, has_shared_layers: bool) -> list[str]:
     """The mode names one planned run of `mode` expands to: HiSparse without and/or with the shared-layer
-    prefetch (--hisparse-prefetch-shared-layers) on models with GLM-5 shared layers; other modes, and HiSparse on
-    models without shared layers (where the prefetch has nothing to do, so it is left off), as they are."""
-    if mode != "hisparse" or not has_shared_layers:
+    prefetch (--hisparse-prefetch-shared-layers) on models with GLM-5 shared layers (elsewhere it has nothing to
+    do, so it is left off), each with and/or without the early swap-in (--hisparse-early-swap-in); other modes as
+    they are."""
+    if mode != "hisparse":
         return [mode]
-    choice = args.hisparse_prefetch_shared_layers
-    return {"off": [mode], "on": [mode + PREFETCH_SUFFIX], "both": [mode, mode + PREFETCH_SUFFIX]}[choice]
+    pf = {"off": [""], "on": [PREFETCH_SUFFIX], "both": ["", PREFETCH_SUFFIX]}[args.hisparse_prefetch_shared_layers]
+    early = {"off": [""], "on": [EARLY_SUFFIX], "both": ["", EARLY_SUFFIX]}[args.hisparse_early_swap_in]
+    return [mode + p + e for p in (pf if has_shared_layers else [""]) for e in early]
 
 
 def run_name(mode: str, miss_rate: float | None) -> str:
-    """The result's mode: `hisparse-mX` for a synthetic miss rate, the prefetch suffix kept."""
+    """The result's mode: `hisparse-mX` for a synthetic miss rate, the variant suffixes kept."""
     if miss_rate is None:
         return mode
-    return f"hisparse-m{round(miss_rate * 100)}" + (PREFETCH_SUFFIX if mode.endswith(PREFETCH_SUFFIX) else "")
+    return f"hisparse-m{round(miss_rate * 100)}" + mode.removeprefix("hisparse")
 
 
 def prefetch_launched(engine: Engine) -> int | None:
@@ -679,7 +689,8 @@ def _timed_run(args, model, model_config, mode: str, context: int, miss_rate: fl
         "tp_size": args.tp_size, "host_pool_bytes": host_pool, "build_s": build_s, "fill_s": fill_s,
         "host_pool_shmem_bytes": shmem_used if parallel is not None and host_pool else None,
         "kv_budget_bytes": device_budget, "kv_budget_gib": device_budget / GIB, "kv_cache_dtype": str(kv_dtype),
-        "sweep_kv_gib_per_layer": sweep, "prefetch_shared_layers": mode.endswith(PREFETCH_SUFFIX),
+        "sweep_kv_gib_per_layer": sweep, "prefetch_shared_layers": PREFETCH_SUFFIX in mode,
+        "early_swap_in": EARLY_SUFFIX in mode,
         "prefetch_launched": prefetch_launched(engine), **sizing, **spans, **graphs,
     }
     if roof is not None:
@@ -689,7 +700,9 @@ def _timed_run(args, model, model_config, mode: str, context: int, miss_rate: fl
 
 
 def profile_steps(engine: Engine, device: torch.device, path: Path, steps: int = 2) -> None:
-    """Where host and device time go in a decode step: operator tables from torch.profiler."""
+    """Where host and device time go in a decode step: operator tables from torch.profiler, and on CUDA its
+    Chrome trace next to them (`<path stem>.trace.json`, for Perfetto): which kernels run beside which, e.g. the
+    early swap-in's side stream against the projections."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -704,6 +717,8 @@ def profile_steps(engine: Engine, device: torch.device, path: Path, steps: int =
         tables += ["\n## by device time\n", averages.table(sort_by="self_cuda_time_total", row_limit=30)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(tables))
+    if device.type == "cuda":
+        prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
 
 
 def write_plots(results: list[dict], path: Path) -> list[Path]:
@@ -885,7 +900,7 @@ def run_rank(args, parallel=None) -> int:
                  [("dense", None)] * ("dense" in args.modes)
                  + [("hisparse", r) for r in args.sweep_miss_rates] * ("hisparse" in args.modes)]
     plan = [(context, variant, miss, fixed, run_budget, sweep) for context, mode, miss, fixed, run_budget, sweep in plan
-            for variant in prefetch_variants(args, mode, has_shared_layers)]
+            for variant in hisparse_variants(args, mode, has_shared_layers)]
     results = []
     for context, mode, miss, fixed, run_budget, sweep in plan:
         try:

@@ -13,6 +13,7 @@
 #   64k     dense, HiSparse at 5/15/20 % misses, batch 1
 #   128k    the same at 128K
 #   sweep   32K, the first SWEEP_LAYERS (16) layers, device KV of 0.25 0.5 1 2 GiB per layer: dense and 5 % misses
+# BENCH_ARGS adds bench_decode.py flags to every stage (e.g. "--hisparse-early-swap-in both").
 # Usage on the GPU machine, from the project root (wheels for pydantic etc. in .whl/, as for gpu_suite.sh):
 #   bash benchmarks/rank_gpu_suite.sh [tests] [32k] [64k] [128k] [sweep]       (default: all; timeouts sum to 570 s)
 # Outputs under $OUT (default ./gpu-out): rank_<stage>.json / .log / .png, rank_sweep_sweep.png; the short table of
@@ -36,7 +37,7 @@ if [[ -z ${CONFIG:-} ]]; then
   if (( mem_mib > 100000 )); then CONFIG=dsv32-rank-ep8; else CONFIG=dsv32-rank-ep16; fi
 fi
 echo "GPU memory ${mem_mib} MiB: config $CONFIG; host pool cap ${HOST_FRACTION:-0.7} x MemAvailable"
-common=(--config "$CONFIG" --steps "${STEPS:-10}" --warmup 2 --host-memory-fraction "${HOST_FRACTION:-0.7}")
+common=(--config "$CONFIG" --steps "${STEPS:-10}" --warmup 2 --host-memory-fraction "${HOST_FRACTION:-0.7}" ${BENCH_ARGS:-})
 bench() {  # stage timeout args...
   local stage=$1 limit=$2
   shift 2

@@ -37,6 +37,13 @@ class HiSparseConfig(BaseModel):
                     "on a side stream, so their host copies overlap that layer's attention and MoE; outputs are "
                     "unchanged (measured on an H200: 6 % off the step at 20 % misses, docs/benchmarks.md)",
     )
+    early_swap_in: bool = Field(
+        default=False,
+        description="decode: start each layer's swap-in on a side stream as soon as its indexer has selected, so "
+                    "the query and KV-row projections run beside it instead of after it; outputs are unchanged. "
+                    "Off by default: on an H100 it did not shorten the step (batch 1 and 17, 32K and 64K, "
+                    "docs/benchmarks.md)",
+    )
 
     @classmethod
     def from_json(cls, text: str | None) -> HiSparseConfig:

@@ -5,7 +5,10 @@ Per layer, the model computes (for the T new tokens of a `ForwardBatch`):
   - the lightning-indexer key of each new token, already packed as FP8 e4m3 [T, 128] + fp32 scale [T],
   - the indexer query [T, Hi, 128] and per-head weights [T, Hi] (all scale factors folded in),
   - the absorbed MLA query [T, H, 576].
-It then calls, in this order: `write_kv`, `write_index_keys`, `index_topk`, `sparse_attention`.
+It then calls, in this order: `write_index_keys`, `index_topk`, `prepare_attention`, `write_kv`,
+`sparse_attention`: the selection first, so that a backend can start fetching the selected rows
+(`prepare_attention`) while the model computes the query and the new KV row; a layer without its own indexer
+skips the first two and prepares with the top-k it reuses.
 
 Positions returned by `index_topk` are logical token positions inside each request (−1 = padding); each
 backend maps them to its own physical rows. Both backends run the same sparse attention over the same rows
@@ -44,6 +47,10 @@ class AttentionBackend(ABC):
     def finish_static_forward(self, batch: ForwardBatch, num_real: int) -> None:  # noqa: B027 - optional hook
         """Host side of `end_forward` for a static batch, after its replay: only the first `num_real` rows are
         requests."""
+
+    def prepare_attention(self, layer_id: int, topk_positions: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """The layer's selection is known: start whatever its `sparse_attention` will need of memory (HiSparse:
+        the swap-in). The model passes the very tensor it will hand to `sparse_attention`."""
 
     @abstractmethod
     def write_kv(self, layer_id: int, kv_rows: torch.Tensor) -> None:

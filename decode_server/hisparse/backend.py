@@ -6,6 +6,8 @@ Decode (every request extends by one token):
                        else its recent-ring slot), so the token generated one step ago is always on the device;
   write_index_keys   → GPU indexer cache (every token of every running request stays there);
   index_topk         → the indexer over all tokens of each request (same keys, same order as dense);
+  prepare_attention  → with `early_swap_in` (off by default) the layer's swap-in starts here, on a side stream,
+                       so the model's query and KV-row projections run beside it;
   sparse_attention   → swap-in maps top-k positions to device slots, loading misses from the host pool, then
                        sparse MLA over the device pool; identical rows in identical order as dense. With
                        `prefetch_shared_layers`, a full layer also starts its GLM-5 shared followers' swap-ins
@@ -36,7 +38,7 @@ from decode_server.hisparse.counters import HiSparseCounters
 from decode_server.hisparse.device_buffer import DeviceBufferPool
 from decode_server.hisparse.host_pool import HostKVPool
 from decode_server.hisparse.indexer_pool import IndexerKeyPool
-from decode_server.hisparse.prefetch import SharedLayerPrefetch, shared_followers
+from decode_server.hisparse.prefetch import SwapInPrefetch, shared_followers
 from decode_server.hisparse.prefill_staging import PrefillStaging
 from kernels import SwapInTables
 
@@ -68,9 +70,11 @@ class HiSparseMemory(Protocol):
 
 
 class HiSparseBackend(AttentionBackend):
-    def __init__(self, coordinator: HiSparseMemory, prefetch_shared_layers: bool = False) -> None:
+    def __init__(self, coordinator: HiSparseMemory, prefetch_shared_layers: bool = False,
+                 early_swap_in: bool = False) -> None:
         """`prefetch_shared_layers`: start GLM-5 shared layers' swap-ins at their full layer (a no-op for models
-        without shared layers; decode_server/hisparse/prefetch.py)."""
+        without shared layers); `early_swap_in`: start a layer's own swap-in in `index_topk` rather than in its
+        attention (decode_server/hisparse/prefetch.py)."""
         self.co = coordinator
         self._batch: ForwardBatch | None = None
         self._query_rows: torch.Tensor | None = None
@@ -96,7 +100,7 @@ class HiSparseBackend(AttentionBackend):
             for layer in range(bufs.num_layers)
         ]
         followers = shared_followers(coordinator.cache_geometry) if prefetch_shared_layers else {}
-        self.prefetch = SharedLayerPrefetch(followers, self.swaps, coordinator.device)
+        self.prefetch = SwapInPrefetch(followers, self.swaps, coordinator.device, early=early_swap_in)
         self._attention_rows = [attention_rows(bufs.kv[layer], coordinator.kv_dtype)
                                 for layer in range(bufs.num_layers)]
         # Static decode batches (CUDA graphs): the new tokens' slots and host rows, written inside the forward
@@ -222,6 +226,22 @@ class HiSparseBackend(AttentionBackend):
             token_rows, batch.token_req, batch.positions + 1, top_k, self.co.reference_kernels,
         ))
 
+    def prepare_attention(self, layer_id: int, topk_positions: torch.Tensor) -> None:
+        batch = self._current()
+        if not (batch.is_decode and self.prefetch.early) or layer_id in self.prefetch.pending_layers:
+            return  # prefill, early swap-in off, or a shared layer whose full layer already launched it
+        # This layer's swap-in (and its shared followers') now, on the side stream: its attention takes the slots
+        # after the model's query and KV-row projections, which run meanwhile.
+        self.prefetch.launch(layer_id, topk_positions, self._swap_in_topk(topk_positions), self._seq_lens,
+                             batch.req_rows, include_self=True)
+
+    @staticmethod
+    def _swap_in_topk(positions: torch.Tensor) -> torch.Tensor:
+        """The top-k in the form the swap-in takes (int32, contiguous)."""
+        if positions.dtype != torch.int32 or not positions.is_contiguous():
+            return positions.to(torch.int32).contiguous()
+        return positions
+
     def sparse_attention(
         self, layer_id: int, q: torch.Tensor, topk_positions: torch.Tensor, softmax_scale: float
     ) -> torch.Tensor:
@@ -236,10 +256,10 @@ class HiSparseBackend(AttentionBackend):
         batch = self._current()
         co = self.co
         source = topk_positions
-        slots = self.prefetch.take(layer_id, source)  # a shared layer whose swap-in its full layer started
+        # Started early: by this layer's index_topk (early_swap_in) or by its full layer (a GLM-5 shared layer).
+        slots = self.prefetch.take(layer_id, source)
         if slots is None:
-            if topk_positions.dtype != torch.int32 or not topk_positions.is_contiguous():
-                topk_positions = topk_positions.to(torch.int32).contiguous()
+            topk_positions = self._swap_in_topk(topk_positions)
             # The full layer's own swap-in first (its attention waits for it), then its followers' on the side.
             slots = self.swaps[layer_id](topk_positions, self._seq_lens, batch.req_rows)
             self.prefetch.launch(layer_id, source, topk_positions, self._seq_lens, batch.req_rows)

@@ -88,10 +88,11 @@ class HiSparseCoordinator(KVManager):
 
     def __init__(
         self, layout: HiSparseLayout, kv_dtype: torch.dtype, device: torch.device, reference_kernels: bool = False,
-        parallel: Any = None, prefetch_shared_layers: bool = False,
+        parallel: Any = None, prefetch_shared_layers: bool = False, early_swap_in: bool = False,
     ) -> None:
         """`prefetch_shared_layers`: GLM-5 shared layers' swap-ins start at their full layer, on a side stream
-        (`HiSparseConfig.prefetch_shared_layers`, decode_server/hisparse/prefetch.py)."""
+        (`HiSparseConfig.prefetch_shared_layers`); `early_swap_in`: a layer's own swap-in starts when its top-k
+        is known (`HiSparseConfig.early_swap_in`); both in decode_server/hisparse/prefetch.py."""
         self.layout = layout
         self.kv_dtype = kv_dtype
         self.device = device
@@ -120,7 +121,8 @@ class HiSparseCoordinator(KVManager):
         self._row_backup: dict[int, torch.cuda.Event] = {}
         self._saved_index_keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._spilled_rows: dict[int, torch.Tensor] = {}  # retracted requests' host rows, out of the pool
-        self.backend = HiSparseBackend(self, prefetch_shared_layers=prefetch_shared_layers)
+        self.backend = HiSparseBackend(self, prefetch_shared_layers=prefetch_shared_layers,
+                                       early_swap_in=early_swap_in)
 
     # -- backup ordering --
     def set_pending_backup(self, event: torch.cuda.Event | None, rows: list[int] | None = None) -> None:

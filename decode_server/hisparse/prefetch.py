@@ -1,6 +1,13 @@
-"""Early swap-in of GLM-5's shared layers (issue 23 item 3): their misses are known one or more layers early.
+"""Swap-ins started before the attention that needs them: a layer's own (`early`) and GLM-5's shared layers'.
 
-A "shared" layer has no indexer: it attends over the top-k positions of the previous full layer
+Own layer (`HiSparseConfig.early_swap_in`, issue 23 item 4): the model selects first (indexer, top-k) and only
+then computes the absorbed query and the new KV row (decode_server/model/attention.py), so the backend starts the
+layer's swap-in from `prepare_attention` (called right after the selection) on a side stream, and the plan
+kernel's latency and the miss copies run beside those projections instead of before the attention (at batch 1
+the swap-in was ~3 % of a step).
+
+Shared layers (`HiSparseConfig.prefetch_shared_layers`, issue 23 item 3): their misses are known one or more layers
+early. A "shared" layer has no indexer: it attends over the top-k positions of the previous full layer
 (decode_server/model/attention.py `forward_with_topk`). So once full layer L's top-k is known, the swap-ins of its
 followers L+1..L+s (the shared layers up to the next full layer) can start at once, on a side stream, and their
 host→device copies overlap L's attention and MoE and the followers' projections instead of sitting on the
@@ -10,8 +17,8 @@ Why the result stays bit-identical (tests/hisparse/test_prefetch_shared.py check
 the prefetch switched off, with misses in the shared layers):
 - layer j's swap-in reads and updates only layer j's state: its `buffer_tokens` / `lru_order` rows, its counters,
   the host pool rows of layer j and writes the device pool rows of layer j (kernels/swap_in_tables.py). Nothing
-  else in the forward changes any of it before layer j's attention, so running it earlier gives the same slots
-  and the same copies;
+  else in the forward changes any of it before layer j's attention, so running it earlier (at layer j's
+  `prepare_attention`, or at its full layer) gives the same slots and the same copies;
 - the only write to layer j's device rows in a decode forward besides the swap-in is `write_kv(j)`: the new token
   goes to its identity slot while seq_len <= D (the swap-in's fast path then copies nothing), else to its ring
   slot D + t mod R, which the swap-in never hands to a miss (misses take LRU positions < D; the new token,
@@ -84,21 +91,27 @@ class _Prefetched:
     inputs: tuple[torch.Tensor, ...]  # read by the side stream: kept alive until the forward's stream joined it
 
 
-class SharedLayerPrefetch:
-    """Launches the followers' swap-ins at their full layer and hands their slots to the followers.
+class SwapInPrefetch:
+    """Launches swap-ins ahead of their attention (a layer's own with `early`, the followers' at their full layer)
+    and hands their slots to the attention.
 
     `swaps` is the backend's list of bound swap-ins (read at call time, so a profiler's wrappers see the calls).
     """
 
-    def __init__(self, followers: dict[int, tuple[int, ...]], swaps: Sequence[SwapIn], device: torch.device) -> None:
+    def __init__(self, followers: dict[int, tuple[int, ...]], swaps: Sequence[SwapIn], device: torch.device,
+                 early: bool = False) -> None:  # fmt: skip
         self.followers = followers
         self.swaps = swaps
         self.device = device
-        # One side stream for all launches: the followers of one full layer run one after another, in layer order,
-        # like the forward would have run them; created only where there is something to prefetch.
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and followers else None
+        self.early = early
+        # One side stream for all launches: the swap-ins run one after another in layer order, like the forward
+        # would have run them; created only where there is something to launch. High priority: the attention waits
+        # for it, so its blocks go first when the projections beside it free an SM.
+        wanted = device.type == "cuda" and (early or bool(followers))
+        self.stream = torch.cuda.Stream(device, priority=-1) if wanted else None
         self._pending: dict[int, _Prefetched] = {}
-        self.launched = 0  # follower swap-ins launched early (tests and stats)
+        self.launched = 0  # follower swap-ins launched at their full layer (tests and stats)
+        self.early_launched = 0  # layers' own swap-ins launched from their prepare_attention
 
     @property
     def pending_layers(self) -> tuple[int, ...]:
@@ -106,43 +119,49 @@ class SharedLayerPrefetch:
         return tuple(self._pending)
 
     def launch(self, layer_id: int, source: torch.Tensor, top_k: torch.Tensor, seq_lens: torch.Tensor,
-               req_rows: torch.Tensor) -> None:  # fmt: skip
-        """After full layer `layer_id`'s own swap-in: start its followers' swap-ins with the same batch.
+               req_rows: torch.Tensor, include_self: bool = False) -> None:  # fmt: skip
+        """Start full layer `layer_id`'s followers' swap-ins with the same batch, after its own: from its attention
+        (which ran its own swap-in), or with `include_self` from its `prepare_attention`, its own first.
 
         `source` is the top-k tensor the layer received, `top_k` its int32 contiguous form the swap-in takes."""
-        followers = self.followers.get(layer_id)
-        if not followers:
+        layers = ((layer_id,) if include_self else ()) + self.followers.get(layer_id, ())
+        if not layers:
             return
         inputs = (source, top_k, seq_lens, req_rows)
         stream = self.stream
         if stream is None:
-            for layer in followers:
-                self._put(layer, _Prefetched(self.swaps[layer](top_k, seq_lens, req_rows), source, None, inputs))
+            for layer in layers:
+                entry = _Prefetched(self.swaps[layer](top_k, seq_lens, req_rows), source, None, inputs)
+                self._put(layer, entry, own=layer == layer_id)
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for layer in followers:
+            for layer in layers:
                 slots = self.swaps[layer](top_k, seq_lens, req_rows)
                 event = torch.cuda.Event()
                 event.record(stream)
-                self._put(layer, _Prefetched(slots, source, event, inputs))
+                self._put(layer, _Prefetched(slots, source, event, inputs), own=layer == layer_id)
 
-    def _put(self, layer: int, entry: _Prefetched) -> None:
+    def _put(self, layer: int, entry: _Prefetched, own: bool) -> None:
         if layer in self._pending:
             raise RuntimeError(f"layer {layer} was prefetched twice in one forward")
         self._pending[layer] = entry
-        self.launched += 1
+        if own:
+            self.early_launched += 1
+        else:
+            self.launched += 1
 
     def take(self, layer_id: int, source: torch.Tensor) -> torch.Tensor | None:
-        """The slots prefetched for `layer_id` (the current stream then waits for them), or None if none were."""
+        """The slots launched early for `layer_id` (the current stream then waits for them), or None if none were."""
         entry = self._pending.pop(layer_id, None)
         if entry is None:
             return None
         if entry.source is not source:
-            # Its tables were already updated for the full layer's selection: attending over another one would
-            # read wrong rows, so refuse (the model always passes the full layer's top-k down).
-            raise RuntimeError(f"shared layer {layer_id} attends over a top-k other than its full layer's, whose "
-                               "swap-in was prefetched")
+            # Its tables were already updated for the selection it was launched with: attending over another one
+            # would read wrong rows, so refuse (the model hands its attention the tensor it prepared with, and a
+            # shared layer its full layer's, unchanged).
+            raise RuntimeError(f"layer {layer_id} attends over a top-k other than the one its swap-in was launched "
+                               "with")
         if entry.event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(entry.event)
@@ -155,7 +174,7 @@ class SharedLayerPrefetch:
         outlives the forward that launched it."""
         if not self._pending:
             return
-        logger.debug("joining %d prefetched shared-layer swap-ins never taken (layers %s)", len(self._pending),
+        logger.debug("joining %d early swap-ins never taken (layers %s)", len(self._pending),
                      sorted(self._pending))
         if self.stream is not None:
             current = torch.cuda.current_stream(self.device)

@@ -6,7 +6,7 @@ Per new token (T of them, prefill chunk or decode alike):
   absorbed query per head  [W_UKᵀ q_nope ; q_pe]  (576), so scores are q·row and values are row[:512];
   output per head  W_UV · o_latent, concatenated, then o_proj.
 KV memory is reached only through the forward context's attention backend, in the contract's order:
-write_kv → write_index_keys → index_topk → sparse_attention. Nothing here is sized by the prefix length.
+write_index_keys → index_topk → prepare_attention → write_kv → sparse_attention (engine/attention_backend.py). Nothing here is sized by the prefix length.
 GLM-5's "shared" layers have no indexer: they skip write_index_keys / index_topk and attend over the top-k
 positions of the previous full layer of the same forward pass (cross-layer top-k sharing).
 
@@ -117,8 +117,8 @@ class MLAAttention(nn.Module):
         num_tokens = x.shape[0]
 
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
-        query = self.absorbed_query(q_latent, cos, sin)
-        backend.write_kv(self.layer_id, self.latent_rows(x, cos, sin))
+        # The selection first: the backend starts fetching what it selected (HiSparse: this layer's swap-in) while
+        # the query and KV-row projections below run (docs/engine.md "The HiSparse step").
         if self.indexer is not None:
             index = self.indexer(x, q_latent, cos32, sin32)
             backend.write_index_keys(self.layer_id, index.keys_fp8, index.key_scales)
@@ -128,7 +128,10 @@ class MLAAttention(nn.Module):
             raise RuntimeError(f"layer {self.layer_id} shares the top-k of a previous full layer, but none ran")
         else:
             positions = shared_topk
+        backend.prepare_attention(self.layer_id, positions)
+        query = self.absorbed_query(q_latent, cos, sin)
         del q_latent
+        backend.write_kv(self.layer_id, self.latent_rows(x, cos, sin))
         latent_out = backend.sparse_attention(self.layer_id, query, positions, self.softmax_scale)  # [T, H, 512]
         del query
         # [H, T, 512] @ [H, 512, v] → [H, T, v] → [T, H·v]

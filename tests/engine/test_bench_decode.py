@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -92,20 +93,42 @@ def test_bench_decode_fill_is_checked(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_bench_decode_prefetch_switch(tmp_path):
     """`--hisparse-prefetch-shared-layers both` on tiny-glm5 (full, shared, full, shared): each HiSparse run twice,
-    the `+pf` one with the prefetch on (two followers started early per decode step), the same hit rate."""
+    the `+pf` one with the prefetch on (two followers started early per decode step), the same hit rate; with
+    `--hisparse-early-swap-in on` every run is a `+early` one."""
     spec = importlib.util.spec_from_file_location("bench_decode_pf", ROOT / "benchmarks" / "bench_decode.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "r.json"
     assert bench.main(["--smoke", "--config", "tiny-glm5", "--contexts", "192", "--modes", "hisparse",
                        "--miss-rates", "0.2", "--skip-model-indexer-run", "--hisparse-prefetch-shared-layers", "both",
-                       "--out", str(out), "--plot", str(tmp_path / "r.png")]) == 0
+                       "--hisparse-early-swap-in", "on", "--out", str(out), "--plot", str(tmp_path / "r.png")]) == 0
     results = {(r["mode"], r["fixed_batch"]): r for r in json.loads(out.read_text())["results"]}
-    assert set(results) == {("hisparse-m20", None), ("hisparse-m20+pf", None), ("hisparse", 1), ("hisparse+pf", 1)}
+    assert set(results) == {("hisparse-m20+early", None), ("hisparse-m20+pf+early", None), ("hisparse+early", 1),
+                            ("hisparse+pf+early", 1)}
     for (mode, batch), r in results.items():
         assert "error" not in r, r
-        on = mode.endswith("+pf")
-        assert r["prefetch_shared_layers"] is on
+        on = "+pf" in mode
+        assert r["prefetch_shared_layers"] is on and r["early_swap_in"] is True
         assert (r["prefetch_launched"] > 0) is on
-        other = results[(mode.removesuffix("+pf") if on else mode + "+pf", batch)]
+        other = results[(mode.replace("+pf", "") if on else mode.replace("+early", "+pf+early"), batch)]
         assert r["hit_rate"] == other["hit_rate"] and r["batch"] == other["batch"]
+
+
+@pytest.mark.parametrize(("prefetch", "early", "shared", "expected"), [
+    ("on", "off", False, ["hisparse"]),
+    ("on", "both", False, ["hisparse", "hisparse+early"]),
+    ("both", "off", True, ["hisparse", "hisparse+pf"]),
+    ("both", "both", True, ["hisparse", "hisparse+early", "hisparse+pf", "hisparse+pf+early"]),
+    ("off", "on", True, ["hisparse+early"]),
+])
+def test_hisparse_variants_and_their_names(prefetch, early, shared, expected):
+    """Each planned HiSparse run expands to the switches' variants (the prefetch only where the model has shared
+    layers); a synthetic miss rate's name keeps the suffixes; dense is never expanded."""
+    spec = importlib.util.spec_from_file_location("bench_decode_variants", ROOT / "benchmarks" / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(hisparse_prefetch_shared_layers=prefetch, hisparse_early_swap_in=early)
+    assert bench.hisparse_variants(args, "hisparse", shared) == expected
+    assert bench.hisparse_variants(args, "dense", shared) == ["dense"]
+    assert [bench.run_name(v, 0.05) for v in expected] == [v.replace("hisparse", "hisparse-m5") for v in expected]
+    assert bench.run_name("dense", None) == "dense"

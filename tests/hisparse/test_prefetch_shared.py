@@ -57,9 +57,11 @@ def _workload() -> list[Arrival]:
             Arrival(0, "c", random_prompt(gen, 30), 8), Arrival(3, "d", random_prompt(gen, 120), 9)]
 
 
-def _engine(tiny, hisparse: bool, prefetch: bool = False):
+def _engine(tiny, hisparse: bool, prefetch: bool = False, early: bool = False):
+    """`early` off by default: these tests follow the followers' launch from the full layer's attention (the
+    early swap-in, which launches them from its index_topk, is tests/hisparse/test_early_swap_in.py)."""
     return make_engine(tiny, hisparse=hisparse, buffer_size=TOP_K, num_recent=2, device_budget=32 << 20,
-                       prefetch_shared_layers=prefetch)
+                       prefetch_shared_layers=prefetch, early_swap_in=early)
 
 
 def _run_hisparse(tiny, prefetch: bool, replay: list) -> tuple[RunResult, object]:
@@ -210,7 +212,7 @@ def test_follower_refuses_a_different_top_k(tiny_glm5) -> None:
     gen = torch.Generator().manual_seed(3)
     engine.add_request("x", random_prompt(gen, 100), _greedy(4))
     backend._decode_attention = other_topk
-    with pytest.raises(RuntimeError, match="other than its full layer's"):
+    with pytest.raises(RuntimeError, match="other than the one its swap-in was launched with"):
         for _ in range(4):
             engine.step()
     assert backend.prefetch.pending_layers == ()
