@@ -180,6 +180,18 @@ def assert_identical(dense: RunResult, sparse: RunResult) -> None:
             assert torch.equal(a, b), f"{rid}: logits of token {i} differ"
 
 
+def assert_same_run(what: str, a: RunResult, b: RunResult) -> None:
+    """`assert_identical` with a label, and no NaN in the logits (HiSparse pools are NaN-poisoned in the GPU tests:
+    a row read before it was written shows there)."""
+    assert a.tokens == b.tokens, f"{what}: tokens differ"
+    assert a.finish == b.finish, f"{what}: finish reasons differ"
+    for rid, logits in a.logits.items():
+        assert len(logits) == len(b.logits[rid])
+        for i, (x, y) in enumerate(zip(logits, b.logits[rid], strict=True)):
+            assert not x.isnan().any(), f"{what}: {rid} token {i}: NaN in the logits"
+            assert torch.equal(x, y), f"{what}: {rid} logits of token {i} differ by {float((x - y).abs().max()):.3e}"
+
+
 def torch_sync_sources(step) -> list[str]:
     """Where each synchronizing torch operation of `step()` came from (file:line of the Python caller), recorded with
     CUDA's sync debug mode. The mode is switched on outside the recording: the first switch in a process warns about

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import Arrival, RunResult, make_engine, random_prompt, run_script
+from harness import Arrival, RunResult, assert_same_run, make_engine, random_prompt, run_script
 
 pytestmark = pytest.mark.gpu
 
@@ -27,16 +27,6 @@ def _workload(top_k: int) -> list[Arrival]:
     gen = torch.Generator().manual_seed(13)
     return [Arrival(i // 2, f"r{i}", random_prompt(gen, top_k // 2 + 37 * i if i % 3 else top_k + 50 + 11 * i),
                     18 + (5 * i) % 13) for i in range(10)]
-
-
-def _compare(what: str, a: RunResult, b: RunResult) -> None:
-    assert a.tokens == b.tokens, f"{what}: tokens differ"
-    assert a.finish == b.finish, f"{what}: finish reasons differ"
-    for rid, logits in a.logits.items():
-        assert len(logits) == len(b.logits[rid])
-        for i, (x, y) in enumerate(zip(logits, b.logits[rid], strict=True)):
-            assert not x.isnan().any(), f"{what}: {rid} token {i}: NaN in the logits"
-            assert torch.equal(x, y), f"{what}: {rid} logits of token {i} differ by {float((x - y).abs().max()):.3e}"
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graph"])
@@ -58,8 +48,8 @@ def test_early_swap_in_is_bit_identical_on_cuda(request, model: str, kv_dtype: s
             engine.kv.buffers.kv.fill_(0xFF)
         results[name] = run_script(engine, arrivals, replay=results["dense"].schedule if hisparse else None)
         engines[name] = engine
-    _compare("HiSparse, late swap-in, vs dense", results["dense"], results["late"])
-    _compare("HiSparse, early swap-in, vs dense", results["dense"], results["early"])
+    assert_same_run("HiSparse, late swap-in, vs dense", results["dense"], results["late"])
+    assert_same_run("HiSparse, early swap-in, vs dense", results["dense"], results["early"])
     counters = [(s.hits, s.misses) for s in engines["early"].stats().hisparse_layers]
     assert counters == [(s.hits, s.misses) for s in engines["late"].stats().hisparse_layers]
     assert all(misses > 0 for _, misses in counters), counters

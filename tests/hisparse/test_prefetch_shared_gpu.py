@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import Arrival, RunResult, make_engine, random_prompt, run_script
+from harness import Arrival, RunResult, assert_same_run, make_engine, random_prompt, run_script
 
 from decode_server.model import Tokenizer, build_random_model, load_config, resolve_model_path
 
@@ -49,16 +49,6 @@ def _workload(top_k: int) -> list[Arrival]:
                     18 + (5 * i) % 13) for i in range(10)]
 
 
-def _compare(what: str, a: RunResult, b: RunResult) -> None:
-    assert a.tokens == b.tokens, f"{what}: tokens differ"
-    assert a.finish == b.finish, f"{what}: finish reasons differ"
-    for rid, logits in a.logits.items():
-        assert len(logits) == len(b.logits[rid])
-        for i, (x, y) in enumerate(zip(logits, b.logits[rid], strict=True)):
-            assert not x.isnan().any(), f"{what}: {rid} token {i}: NaN in the logits"
-            assert torch.equal(x, y), f"{what}: {rid} logits of token {i} differ by {float((x - y).abs().max()):.3e}"
-
-
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graph"])
 def test_prefetch_is_bit_identical_on_cuda(glm5_shared_cuda, graphs: bool) -> None:
     """(a)."""
@@ -77,8 +67,8 @@ def test_prefetch_is_bit_identical_on_cuda(glm5_shared_cuda, graphs: bool) -> No
             engine.kv.buffers.kv.fill_(0xFF)
         results[name] = run_script(engine, arrivals, replay=results["dense"].schedule if hisparse else None)
         engines[name] = engine
-    _compare("HiSparse without prefetch vs dense", results["dense"], results["off"])
-    _compare("HiSparse with prefetch vs dense", results["dense"], results["on"])
+    assert_same_run("HiSparse without prefetch vs dense", results["dense"], results["off"])
+    assert_same_run("HiSparse with prefetch vs dense", results["dense"], results["on"])
     counters = [(s.hits, s.misses) for s in engines["on"].stats().hisparse_layers]
     assert counters == [(s.hits, s.misses) for s in engines["off"].stats().hisparse_layers]
     assert all(counters[layer][1] > 0 for layer in SHARED_LAYERS), counters
