@@ -73,8 +73,8 @@ class HiSparseBackend(AttentionBackend):
     def __init__(self, coordinator: HiSparseMemory, prefetch_shared_layers: bool = False,
                  early_swap_in: bool = False) -> None:
         """`prefetch_shared_layers`: start GLM-5 shared layers' swap-ins at their full layer (a no-op for models
-        without shared layers); `early_swap_in`: start a layer's own swap-in in `index_topk` rather than in its
-        attention (decode_server/hisparse/prefetch.py)."""
+        without shared layers); `early_swap_in`: start a layer's own swap-in in `prepare_attention` rather than in
+        its attention (decode_server/hisparse/prefetch.py)."""
         self.co = coordinator
         self._batch: ForwardBatch | None = None
         self._query_rows: torch.Tensor | None = None
@@ -256,7 +256,7 @@ class HiSparseBackend(AttentionBackend):
         batch = self._current()
         co = self.co
         source = topk_positions
-        # Started early: by this layer's index_topk (early_swap_in) or by its full layer (a GLM-5 shared layer).
+        # Started early: by this layer's prepare_attention (early_swap_in) or by its full layer (a GLM-5 shared layer).
         slots = self.prefetch.take(layer_id, source)
         if slots is None:
             topk_positions = self._swap_in_topk(topk_positions)

@@ -105,10 +105,11 @@ class SwapInPrefetch:
         self.device = device
         self.early = early
         # One side stream for all launches: the swap-ins run one after another in layer order, like the forward
-        # would have run them; created only where there is something to launch. High priority: the attention waits
-        # for it, so its blocks go first when the projections beside it free an SM.
+        # would have run them; created only where there is something to launch. With `early`, high priority: the
+        # attention right after the projections waits for it, so its blocks go first when those free an SM (the
+        # followers alone keep the default priority they were measured with).
         wanted = device.type == "cuda" and (early or bool(followers))
-        self.stream = torch.cuda.Stream(device, priority=-1) if wanted else None
+        self.stream = torch.cuda.Stream(device, priority=-1 if early else 0) if wanted else None
         self._pending: dict[int, _Prefetched] = {}
         self.launched = 0  # follower swap-ins launched at their full layer (tests and stats)
         self.early_launched = 0  # layers' own swap-ins launched from their prepare_attention
