@@ -6,8 +6,8 @@ the top-k kernel against torch.topk, and the whole call, new path against the pr
   B ∈ {1, 16, 64}, L ∈ {8K, 32K, 64K, 128K}. Keys in the engine's paged layout: each request's positions map
   through token_rows to random pages of 64 consecutive rows of one shared FP8 pool (`--layout rows`: every
   position a random row). Kernels: "previous" (kernels/indexer_triton.py: q as fp16 hi + lo, synchronous scale
-  gathers) and the new kernel (kernels/indexer_fast.py) in each precision (fp16 = the engine's default, fp16x2,
-  fp8). Bytes = B·L·(128 key + 4 scale + 4 row id + 4 score written); GB/s = bytes / time; `hbm_fraction` =
+  gathers) and the new kernel (kernels/indexer_fast.py) in each precision (fp8 = the engine's default since
+  2026-11-26, fp16, fp16x2). Bytes = B·L·(128 key + 4 scale + 4 row id + 4 score written); GB/s = bytes / time; `hbm_fraction` =
   GB/s / the copy's GB/s. score err = max |score − fp64| / max |fp64| over the first 4 queries.
 - Top-k (`topk` table): the engine's CUDA kernel (kernels/topk_cuda.py) and the Triton kernel
   (kernels/topk_triton.py, its fallback for very wide rows) against torch.topk (sorted, as the previous path ran
@@ -20,7 +20,10 @@ the top-k kernel against torch.topk, and the whole call, new path against the pr
 - `--smoke`: a CPU check of this script (Triton's interpreter, tiny shapes, wall-clock times: meaningless numbers);
   tests/kernels/test_triton_cpu.py runs it.
 Timing: CUDA events around each call, the host enqueueing behind a GPU spin, median of 20 after 3 warm-ups, the L2
-flushed (untimed) before every call (so the top-k reads its scores from HBM). Every case is guarded: a failure is
+flushed (untimed) before every call (so the top-k reads its scores from HBM). The flush reads a 256 MiB buffer
+(`--flush read`, the default since 2026-11-26): the L2 is left holding clean lines, as after the decode step's
+projections. `--flush write` zeroes it instead (the runs before): the L2 is then left holding ~50 MB of dirty
+lines, whose write-back the timed kernel paid for (~12-15 us at H100 speed, most of a 32K batch-16 call). Every case is guarded: a failure is
 logged and recorded, the rest still run; the JSON is rewritten after every case.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_indexer.py [--configs] [--layout paged|rows] [--json out.json]
@@ -130,6 +133,7 @@ class CallResult:
 class Report:
     device: str
     layout: str
+    flush: str
     command: str
     date: str
     hbm_copy_gbps: float = 0.0
@@ -192,9 +196,11 @@ def overlap(a: torch.Tensor, b: torch.Tensor, length: int) -> tuple[float, float
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.report = Report(device=device_name(), layout=args.layout, command=" ".join(sys.argv),
+        self.report = Report(device=device_name(), layout=args.layout, flush=args.flush, command=" ".join(sys.argv),
                              date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-        self.flush = torch.empty(1 << 20 if SMOKE else 256 << 20, dtype=torch.uint8, device=DEVICE)
+        self.flush = torch.zeros(1 << 20 if SMOKE else 256 << 20, dtype=torch.uint8, device=DEVICE)
+        self.flush_words = self.flush.view(torch.int64)
+        self.flush_sink = torch.zeros((), dtype=torch.int64, device=DEVICE)
         self.pool_rows = max(SCORE_BATCHES) * max(SCORE_LENGTHS)
         self.keys, self.scales = make_pool(self.pool_rows)
 
@@ -212,7 +218,11 @@ class Bench:
         self.save()
 
     def time(self, fn: Callable[[], object]) -> float:
-        return time_gpu_us(fn, reset=self.flush.zero_)
+        return time_gpu_us(fn, reset=self.flush.zero_ if self.args.flush == "write" else self.flush_read)
+
+    def flush_read(self) -> None:
+        """Evict the L2 by reading a buffer larger than it (leaves clean lines: nothing to write back)."""
+        torch.sum(self.flush_words, dim=0, out=self.flush_sink)
 
     def inputs(self, batch: int, length: int, seed: int):
         gen = torch.Generator(device=DEVICE).manual_seed(seed)
@@ -313,7 +323,7 @@ class Bench:
     def print_tables(self) -> None:
         r = self.report
         print(f"\nLightning indexer, {r.device}, H={HEADS}, top-k {TOP_K}, {r.layout} keys, times in us "
-              f"(median, L2 flushed); HBM copy {r.hbm_copy_gbps:.0f} GB/s (read + write)")
+              f"(median, L2 flushed by a {self.args.flush}); HBM copy {r.hbm_copy_gbps:.0f} GB/s (read + write)")
         if r.configs:
             print(f"\nscores kernel launch shapes, B {SWEEP_SHAPE[0]}, L {SWEEP_SHAPE[1]}:")
             for c in sorted(r.configs, key=lambda c: c["us"]):
@@ -362,6 +372,8 @@ def main() -> None:
     parser.add_argument("--no-main", action="store_true", help="skip the main cases (with --configs: the sweep only)")
     parser.add_argument("--layout", choices=("paged", "rows"), default="paged",
                         help="token rows: random pages of 64 consecutive rows (engine) or random rows")
+    parser.add_argument("--flush", choices=("read", "write"), default="read",
+                        help="evict the L2 before each timed call by reading (default) or zeroing a 256 MiB buffer")
     parser.add_argument("--json", type=Path, help="write the results here (rewritten after every case)")
     parser.add_argument("--smoke", action="store_true", help="CPU check of the script (interpreter, tiny shapes)")
     args = parser.parse_args()

@@ -5,29 +5,30 @@ select, kernels/topk_cuda.py; the Triton one for rows beyond its width).
 so their selections are bit-identical. Semantics: kernels/indexer_ref.py (scores) and kernels/topk_ref.py (the
 selection rule and output order: ascending positions, ties to the lower position, −1 pads).
 
-Scores kernel (`indexer_scores_fast`), one program per (query, span of position blocks), like the previous kernel
-(kernels/indexer_triton.py, kept for the benchmark's comparison) but built for memory-level parallelism:
-- The main loop issues only the loads the software pipeliner makes asynchronous: the block's row ids and, through
-  them, the 128-byte FP8 key rows (cp.async into shared memory, `num_stages` 5 gives two key tiles in flight per
-  program besides the one being multiplied). The previous kernel also gathered each key's scale and re-read the row
-  ids in the MMA layout inside that loop; those loads were synchronous (a dot loop pipelines only the loads feeding
-  its dot), so every block waited twice for memory, and its key tile was single-buffered.
+Scores kernel (`indexer_scores_fast`), one program per (query, span of position blocks), built for memory-level
+parallelism (docs/kernels.md "Scores kernel"):
+- The main loop's key loads are the ones the software pipeliner makes asynchronous: the block's row ids and,
+  through them, the 128-byte FP8 key rows (cp.async into shared memory, `num_stages` 5 gives two key tiles in
+  flight per program besides the one being multiplied).
 - One tensor-core dot per block of BLOCK_N keys (keys as M, the query's heads as N, K = 128), fp32 accumulation;
   the precision of q's operand is a launch option (`precision`):
+    "fp8"    — the default: q in e4m3 as DeepSeek's own indexer computes it (per-head power-of-two scale, max |q|
+               ∈ [128, 256), round to nearest even, magnitudes below 2^−6 flushed to zero), FP8 × FP8 MMA: half
+               the MMA work of "fp16" and no key conversion, at a score error of ~3e-2 of the query's largest
+               score (top-k sets ~97.5 % equal to the exact ones). At HBM speed an fp16 dot of 64 heads does not
+               fit in an SM's time per block on the H200 (docs/kernels.md).
     "fp16"   — q in one fp16 part (each head scaled by a power of two so that max |q| ∈ [256, 512), the weight
                divided by it: ReLU(2^s·x) = 2^s·ReLU(x), same score); keys e4m3 → fp16 in registers (exact).
-               Score error ≈ 2–3e-4 of the query's largest score (q rounded to 11 bits). The default.
+               Score error ≈ 2–3e-4 of the query's largest score (q rounded to 11 bits).
     "fp16x2" — q = fp16 hi + lo (≈ 22 bits), two dots: the previous kernel's precision (error < 1e-6).
-    "fp8"    — q in e4m3 as DeepSeek's own indexer computes it (per-head power-of-two scale, max |q| ∈ [128, 256),
-               round to nearest even, magnitudes below 2^−6 flushed to zero), FP8 × FP8 MMA: half the MMA work of
-               "fp16" and no key conversion, at a score error of ~3e-2 (top-k sets ~97.5 % equal to the exact ones).
-  ReLU, the weighted head sum and the store of the unscaled block score follow.
-- After the main loop (and a barrier), a second loop without a dot (so all its loads are pipelined) multiplies the
-  span's scores by their keys' scales (row ids read again, from L2).
+  ReLU, the weighted head sum, × the keys' scales and the store of the block's scores follow. The next block's
+  row ids and scales are loaded one iteration ahead: they feed no dot, so those loads stay synchronous, and
+  issued early their latency hides behind the current block.
+- One wave: spans per query = resident programs per SM (from the compiled kernel) × SMs / queries.
 - Positions >= seq_len are neither read nor written (the top-k never reads them); spans wholly beyond seq_len
   return at once, so a CUDA-graph batch padded to a wide token table costs little.
-No host sync; the launch shape depends only on T, L and the SM count; BLOCK_N is fixed, so a query's scores never
-depend on the rest of the batch.
+No host sync; the launch shape depends only on T, L, the SM count and the compiled kernel's occupancy; BLOCK_N is
+fixed, so a query's scores never depend on the rest of the batch or the grid.
 """
 
 from __future__ import annotations
@@ -57,12 +58,12 @@ MAX_CHUNK_BYTES = 512 << 20
 class FastScoresConfig:
     """Launch shape of the scores kernel. block_n must stay fixed across batches (module docstring)."""
 
-    precision: str = "fp16"
+    precision: str = "fp8"
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 5
-    scale_block: int = 256
-    blocks_per_program: int | None = None  # None: chosen from the batch shape and the SM count
+    blocks_per_program: int | None = None  # None: chosen from the batch shape, the SM count and the occupancy
+    programs_per_sm: int | None = None  # resident programs per SM of the span rule; None: the compiled kernel's
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -77,14 +78,33 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def blocks_per_program(num_q: int, max_len: int, block_n: int, device: torch.device) -> int:
-    """Position blocks per program: enough programs to fill the GPU (~16 per SM), as few q reloads as that
-    allows (the previous kernel's rule)."""
+# Programs of one compiled variant that fit on an SM at once, keyed by (config, HEADS_P, device index); filled
+# from the compiled kernel's registers and shared memory after its first launch.
+_RESIDENT: dict[tuple, int] = {}
+_RESIDENT_GUESS = 4  # before the first launch (the measured value of the default on Hopper)
+
+
+def _resident_programs(kernel: object, num_warps: int, device_index: int) -> int:
+    """Occupancy of a compiled Triton kernel: programs per SM allowed by registers, shared memory and warps."""
+    props = torch.cuda.get_device_properties(device_index)
+    regs_per_warp = -(-int(getattr(kernel, "n_regs", 0)) * 32 // 256) * 256  # allocated per warp, 256 at a time
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // max(1, regs_per_warp * num_warps)
+    smem = int(getattr(kernel.metadata, "shared", 0)) + 1024  # + the 1 KB the driver reserves per block
+    by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // smem
+    by_warps = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
+    return max(1, min(by_regs, by_smem, by_warps, 32))
+
+
+def blocks_per_program(num_q: int, max_len: int, block_n: int, device: torch.device,
+                       resident_per_sm: int = _RESIDENT_GUESS) -> int:
+    """Position blocks per program: the fewest programs that still fill every resident slot of the GPU once, so
+    all of them run in one wave (no tail) and each pipeline runs as long as it can."""
     blocks = triton.cdiv(max_len, block_n)
     if device.type != "cuda":  # the Triton interpreter (tests on CPU)
         return max(1, min(4, blocks))
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(64, blocks, (num_q * blocks) // (16 * sms)))
+    spans = max(1, (resident_per_sm * sms) // max(1, num_q))
+    return triton.cdiv(blocks, spans)
 
 
 @triton.jit
@@ -103,7 +123,7 @@ def _scores_kernel(
     q_ptr, w_ptr, keys_ptr, scales_ptr, rows_ptr, req_ptr, lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_wt, stride_keys, stride_rows_b, stride_rows_l, stride_out,
     num_heads, max_len, blocks_per_prog,
-    HEADS_P: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    HEADS_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     span = tl.program_id(1)
@@ -138,12 +158,22 @@ def _scores_kernel(
         row_base = rows_ptr + req * stride_rows_b
         out_base = out_ptr + t * stride_out
         num_blocks = (scored_end - start + BLOCK_N - 1) // BLOCK_N
-        # Main loop: row ids → key rows (both pipelined) → one dot → unscaled block scores.
+        # Main loop: row ids → key rows (both pipelined) → one dot → block scores × the keys' scales. The scales
+        # (and the row ids they need) are loaded one block ahead: those loads feed no dot, so the pipeliner leaves
+        # them synchronous, and loaded in the block that uses them they stalled every iteration on memory.
+        pos_next = start + offs
+        rows_next = tl.load(row_base + pos_next * stride_rows_l, mask=pos_next < scored_end, other=-1).to(tl.int64)
+        scale_next = tl.load(scales_ptr + rows_next, mask=(pos_next < scored_end) & (rows_next >= 0), other=0.0)
         for i in range(0, num_blocks):
             pos = start + i * BLOCK_N + offs
             visible = pos < scored_end
             rows = tl.load(row_base + pos * stride_rows_l, mask=visible, other=-1).to(tl.int64)
             valid = visible & (rows >= 0)
+            key_scale = scale_next  # 0 where the row id is < 0 or the position is not visible
+            pos_next = pos + BLOCK_N
+            ahead = pos_next < scored_end
+            rows_next = tl.load(row_base + pos_next * stride_rows_l, mask=ahead, other=-1).to(tl.int64)
+            scale_next = tl.load(scales_ptr + rows_next, mask=ahead & (rows_next >= 0), other=0.0)
             raw = tl.load(keys_ptr + rows[:, None] * stride_keys + dims[None, :], mask=valid[:, None], other=0)
             if PRECISION == 2:
                 logits = tl.dot(raw.to(tl.float8e4nv, bitcast=True), q_op)  # [BLOCK_N, HEADS_P]
@@ -152,18 +182,8 @@ def _scores_kernel(
                 logits = tl.dot(keys, q_op)
                 if PRECISION == 1:
                     logits = tl.dot(keys, q_lo, logits)
-            score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
+            score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1) * key_scale
             tl.store(out_base + pos, score, mask=visible)
-        tl.debug_barrier()  # the scale loop reads scores other threads of this program wrote
-        # Scale loop (no dot: its loads are pipelined): score × the key's scale; 0 for a row id < 0.
-        span_offs = tl.arange(0, SCALE_BLOCK)
-        for first in tl.range(start, scored_end, SCALE_BLOCK, num_stages=3):
-            pos = first + span_offs
-            inside = pos < scored_end
-            rows = tl.load(row_base + pos * stride_rows_l, mask=inside, other=-1).to(tl.int64)
-            key_scale = tl.load(scales_ptr + rows, mask=inside & (rows >= 0), other=0.0)
-            score = tl.load(out_base + pos, mask=inside, other=0.0, cache_modifier=".cg")
-            tl.store(out_base + pos, score * key_scale, mask=inside)
 
 
 def indexer_scores_fast(
@@ -194,17 +214,22 @@ def indexer_scores_fast(
         q = q.contiguous()
     weights = weights if weights.stride(1) == 1 else weights.contiguous()
     scales = scales.contiguous()
-    per_prog = cfg.blocks_per_program or blocks_per_program(num_q, max_len, cfg.block_n, q.device)
+    heads_p = max(16, triton.next_power_of_2(heads))
+    device_index = q.device.index if q.device.index is not None else 0
+    resident_key = (cfg, heads_p, device_index)
+    resident = cfg.programs_per_sm or _RESIDENT.get(resident_key, _RESIDENT_GUESS)
+    per_prog = cfg.blocks_per_program or blocks_per_program(num_q, max_len, cfg.block_n, q.device, resident)
     grid = (num_q, triton.cdiv(max_len, per_prog * cfg.block_n))
-    _scores_kernel[grid](
+    kernel = _scores_kernel[grid](
         q, weights, keys_fp8.view(torch.uint8), scales, token_rows, token_req, seq_lens, out,
         q.stride(0), q.stride(1), weights.stride(0), keys_fp8.stride(0), token_rows.stride(0),
         token_rows.stride(1), out.stride(0),
         heads, max_len, per_prog,
-        HEADS_P=max(16, triton.next_power_of_2(heads)), BLOCK_N=cfg.block_n, SCALE_BLOCK=cfg.scale_block,
-        PRECISION=_PRECISION_CODE[cfg.precision],
+        HEADS_P=heads_p, BLOCK_N=cfg.block_n, PRECISION=_PRECISION_CODE[cfg.precision],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if q.is_cuda and resident_key not in _RESIDENT and hasattr(kernel, "metadata"):
+        _RESIDENT[resident_key] = _resident_programs(kernel, cfg.num_warps, device_index)
     return out
 
 

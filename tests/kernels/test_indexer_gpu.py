@@ -1,8 +1,8 @@
 """The lightning indexer on the GPU against the PyTorch reference.
 
 The engine's path (kernels/indexer_fast.py: scores kernel + top-k kernel, reached through `kernels.indexer_topk`)
-rounds q to the precision of its dot (default fp16, error ≈ 3e-4 of the query's largest score;
-`SCORE_ERROR_BOUND`), so near-ties may select differently from the fp32 reference; away from ties the sets are
+rounds q to the precision of its dot (default fp8 as DeepSeek's indexer, error ≈ 3e-2 of the query's largest
+score; fp16 ≈ 3e-4; `SCORE_ERROR_BOUND`), so near-ties may select differently from the fp32 reference; away from ties the sets are
 equal, and the output follows the reference's rule exactly (ascending positions, the rule applied to the kernel's
 own scores). The previous kernel (kernels/indexer_triton.py: q as fp16 hi + lo, torch.topk), kept for the
 benchmark's comparison, is tested too. Measured here: score error bounds, selection against the exact scores,
@@ -99,7 +99,10 @@ def test_indexer_matches_reference(heads: int) -> None:
         exact = _exact_scores(q[t], w[t], keys, scales, token_rows, int(token_req[t]), n)
         _assert_selection_within_error(got[t], exact, n, top_k, SCORE_ERROR_BOUND[DEFAULT_CONFIG.precision])
         overlaps.append(len(set(got[t].tolist()) & set(ref[t].tolist())) / top_k)
-    assert min(overlaps) >= 0.98 and sum(overlaps) / len(overlaps) >= 0.99, overlaps
+    # Beyond the error bound, how much of the exact set survives the rounding of q: e4m3 (the default, as
+    # DeepSeek's indexer) keeps less of it than fp16.
+    low, mean = (0.9, 0.95) if DEFAULT_CONFIG.precision == "fp8" else (0.98, 0.99)
+    assert min(overlaps) >= low and sum(overlaps) / len(overlaps) >= mean, overlaps
 
 
 @pytest.mark.gpu

@@ -46,4 +46,6 @@ def test_bench_indexer_smoke(tmp_path: Path) -> None:
     assert all(s["hbm_fraction"] > 0 for s in report["scores"])
     assert {t["source"] for t in report["topk"]} == {"randn", "indexer scores"} and report["calls"]
     assert all(t["same"] and t["triton_us"] > 0 and t["kernel_us"] > 0 for t in report["topk"])
-    assert report["calls"][0]["overlap_min"] > 0.99
+    # The default scores round q to e4m3 as DeepSeek's indexer does (the previous path: ~22-bit q): ~97.5 % of a
+    # query's set agrees with the exact one (kernels/indexer_fast.py).
+    assert report["calls"][0]["overlap_min"] > 0.95
