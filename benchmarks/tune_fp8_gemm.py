@@ -8,6 +8,8 @@ weights drawn on the GPU, for each parallel layout (TP×EP: one rank's shard), a
 table of this GPU model.
 
 GPU:  python benchmarks/tune_fp8_gemm.py --configs deepseek-v3.2 glm-5 --parallel 1x1 8x8 8x1 [--max-tokens 512]
+      python benchmarks/tune_fp8_gemm.py --shapes 2240:7168 --out kernels/fp8_gemm_tables/<gpu>.json
+          (only the weights of these N:K, merged into the table: its other entries are kept as measured)
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=512, help="largest token count (M) to tune, a power of two")
     parser.add_argument("--out", type=Path, default=None, help="table file (default: this GPU model's)")
     parser.add_argument("--dry-run", action="store_true", help="measure and print, write nothing")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="N:K",
+                        help="tune only the weights of these shapes (N out, K in features); the table's other "
+                             "entries are kept")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = torch.device("cuda")
@@ -65,7 +70,8 @@ def main() -> None:
             fp8_gemm.reset_tuner("measure")
             model = build_random_model(cfg, device, torch.bfloat16, parallel=parallel, quantization="fp8")
             t0 = time.perf_counter()
-            records = warm_up(model, counts, int(cfg.num_experts_per_tok))
+            shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes] if args.shapes else None
+            records = warm_up(model, counts, int(cfg.num_experts_per_tok), shapes=shapes)
             logger.info("%s TP%d EP%d: %d decisions in %.1f s", config_name, tp, ep, len(records),
                         time.perf_counter() - t0)
             for r in records:

@@ -24,6 +24,7 @@ from decode_server.engine.forward_context import get_forward_context
 from decode_server.model.batch_invariant import Linear, batched_matmul
 from decode_server.model.config import ModelConfig
 from decode_server.model.fp8 import dequantize_block_fp8
+from decode_server.model.fused_linear import FusedLinear, can_fuse
 from decode_server.model.indexer import Indexer
 from decode_server.model.layers import RMSNorm
 from decode_server.model.rope import apply_rope_interleaved
@@ -64,6 +65,37 @@ class MLAAttention(nn.Module):
         # Absorbed up-projections, [H, nope, 512] and [H, v, 512]: filled from kv_b_proj by `absorb_weights`.
         self.register_buffer("w_uk", torch.empty(0), persistent=False)
         self.register_buffer("w_uv", torch.empty(0), persistent=False)
+        # q_a, the indexer's wk and kv_a as one GEMM (`fuse_input_projections`); None: three GEMMs.
+        self.fused_inputs: FusedLinear | None = None
+
+    def input_projections(self) -> list[Linear]:
+        """The projections of the layer's input x, in the order they are stacked when fused: q_a, the indexer's
+        wk (layers that run the indexer), kv_a last (its 576 rows end in a partial FP8 block)."""
+        projections = [self.q_a_proj]
+        if self.indexer is not None:
+            projections.append(self.indexer.wk)
+        projections.append(self.kv_a_proj_with_mqa)
+        return projections
+
+    @torch.no_grad()
+    def fuse_input_projections(self, copy: bool = True) -> None:
+        """Give q_a, wk and kv_a one stacked weight (decode_server/model/fused_linear.py) so that they run as one
+        GEMM. copy False: at construction, before loading (the loader fills the stack through the projections);
+        True: restack the current values, unless they already are stacked. Projections that cannot share a
+        stack (mixed dtypes, FP8 blocks that do not line up) stay separate."""
+        projections = self.input_projections()
+        if self.fused_inputs is not None and self.fused_inputs.current():
+            return
+        self.fused_inputs = FusedLinear(projections, copy) if can_fuse(projections) else None
+
+    def project_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(q_a(x), wk(x) or None without an indexer, kv_a(x)): one GEMM when fused, else three."""
+        fused = self.fused_inputs
+        if fused is not None and not fused.current():  # a parameter was replaced since (device move, reload)
+            self.fuse_input_projections(copy=True)
+            fused = self.fused_inputs
+        outs = fused(x) if fused is not None else [proj(x) for proj in self.input_projections()]
+        return outs[0], (outs[1] if self.indexer is not None else None), outs[-1]
 
     @torch.no_grad()
     def absorb_weights(self) -> None:
@@ -78,9 +110,8 @@ class MLAAttention(nn.Module):
         self.w_uk = w[:, : self.nope_dim].contiguous()
         self.w_uv = w[:, self.nope_dim :].contiguous()
 
-    def latent_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The cache rows [T, 576] = [RMSNorm(c_kv) ; RoPE(k_pe)] of the new tokens."""
-        kv_a = self.kv_a_proj_with_mqa(x)
+    def latent_rows(self, kv_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The cache rows [T, 576] = [RMSNorm(c_kv) ; RoPE(k_pe)] of the new tokens, from kv_a_proj_with_mqa(x)."""
         c_kv = self.kv_a_layernorm(kv_a[:, : self.kv_lora_rank])
         k_pe = apply_rope_interleaved(kv_a[:, self.kv_lora_rank :], cos, sin)
         return torch.cat((c_kv, k_pe.to(c_kv.dtype)), dim=-1)
@@ -116,11 +147,13 @@ class MLAAttention(nn.Module):
         backend = get_forward_context().backend
         num_tokens = x.shape[0]
 
-        q_latent = self.q_a_layernorm(self.q_a_proj(x))
+        q_a, index_k, kv_a = self.project_inputs(x)
+        q_latent = self.q_a_layernorm(q_a)
+        del q_a
         # The selection first: the backend starts fetching what it selected (HiSparse: this layer's swap-in) while
         # the query and KV-row projections below run (docs/engine.md "The HiSparse step").
         if self.indexer is not None:
-            index = self.indexer(x, q_latent, cos32, sin32)
+            index = self.indexer(x, q_latent, cos32, sin32, index_k)
             backend.write_index_keys(self.layer_id, index.keys_fp8, index.key_scales)
             positions = backend.index_topk(self.layer_id, index.q, index.weights, self.index_topk)
             del index
@@ -131,7 +164,8 @@ class MLAAttention(nn.Module):
         backend.prepare_attention(self.layer_id, positions)
         query = self.absorbed_query(q_latent, cos, sin)
         del q_latent
-        backend.write_kv(self.layer_id, self.latent_rows(x, cos, sin))
+        backend.write_kv(self.layer_id, self.latent_rows(kv_a, cos, sin))
+        del kv_a
         latent_out = backend.sparse_attention(self.layer_id, query, positions, self.softmax_scale)  # [T, H, 512]
         del query
         # [H, T, 512] @ [H, 512, v] → [H, T, v] → [T, H·v]

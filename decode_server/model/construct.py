@@ -12,7 +12,9 @@ Block-FP8 storage (decode_server/model/quantization.py): the chosen projections 
 scales on the meta device, before storage exists, so an FP8 model never holds a wider copy of its weights;
 `build_random_model(..., quantization="fp8")` draws FP8 values and block scales directly on the device. The MoE's
 routed experts get one stacked storage per projection at build time (`MoE.stack_experts`): the loader and the
-random fill write through the experts' views, so the grouped GEMM's stacked weights never need a second copy.
+random fill write through the experts' views, so the grouped GEMM's stacked weights never need a second copy. Each
+attention layer's input projections (q_a, the indexer's wk, kv_a) get one stacked storage the same way
+(`MLAAttention.fuse_input_projections`), so they run as one GEMM.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Collection
 
 import torch
 
+from decode_server.model.attention import MLAAttention
 from decode_server.model.config import ModelConfig
 from decode_server.model.fp8 import dequantize_block_fp8
 from decode_server.model.indexer import Indexer, hadamard_matrix
@@ -107,6 +110,8 @@ def build_empty_model(
             module.hadamard = hadamard_matrix(module.head_dim).to(device)
         elif isinstance(module, MoE):
             module.stack_experts()
+        elif isinstance(module, MLAAttention):
+            module.fuse_input_projections(copy=False)
     model.quantization = model_quantization(model)
     model.eval()
     return model

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import nn
 
+from decode_server.model.attention import MLAAttention
 from decode_server.model.batch_invariant import Linear
 from decode_server.model.moe import MoE
 from kernels.fp8_gemm import TuningRecord, m_bucket, tune, tuner
@@ -28,9 +29,16 @@ Workload = tuple[str, list[tuple[torch.Tensor, torch.Tensor]], tuple[int, int]]
 def fp8_workloads(model: nn.Module) -> list[Workload]:
     """(kind, every (weight, scales) of one shape, block) per FP8 GEMM shape of the model."""
     groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    fused: set[int] = set()  # projections that run only as part of a stacked GEMM
+    for module in model.modules():
+        stack = module.fused_inputs if isinstance(module, MLAAttention) else None
+        if stack is not None and "weight_scale_inv" in stack.stacked:
+            weight, scale = stack.stacked["weight"], stack.stacked["weight_scale_inv"]
+            groups.setdefault(("dense", tuple(weight.shape), stack.block), []).append((weight, scale))
+            fused.update(id(lin) for lin in stack.linears)
     for name, module in model.named_modules():
-        if name.endswith("kv_b_proj"):
-            continue  # never multiplied as stored: absorbed into W_UK / W_UV (bf16) after loading
+        if name.endswith("kv_b_proj") or id(module) in fused:
+            continue  # kv_b_proj: never multiplied as stored (absorbed into W_UK / W_UV, bf16, after loading)
         if isinstance(module, Linear) and module.fp8_scale is not None:
             key = ("dense", tuple(module.weight.shape), module.weight_block)
             groups.setdefault(key, []).append((module.weight, module.fp8_scale))
@@ -42,11 +50,14 @@ def fp8_workloads(model: nn.Module) -> list[Workload]:
 
 
 def warm_up(model: nn.Module, token_counts: Iterable[int], experts_per_token: int,
-            grouped: bool = True) -> list[TuningRecord]:
+            grouped: bool = True, shapes: Collection[tuple[int, int]] | None = None) -> list[TuningRecord]:
     """Decide the backend of every FP8 GEMM shape for every M bucket of `token_counts`; returns the decisions
     made now (already cached keys are skipped). `grouped` False: the routed experts run per expert (batch-invariant
-    mode), so only dense shapes are tuned."""
+    mode), so only dense shapes are tuned. `shapes`: only the weights of these (N, K) (a table's new shapes)."""
     workloads = fp8_workloads(model)
+    if shapes is not None:
+        wanted = {(int(n), int(k)) for n, k in shapes}
+        workloads = [w for w in workloads if tuple(w[1][0][0].shape[-2:]) in wanted]
     if not workloads:
         return []
     dtype = model.dtype

@@ -78,13 +78,15 @@ class Indexer(nn.Module):
         rotated = self.apply_rope(x[..., : self.rope_dim], cos, sin)
         return torch.cat((rotated, x[..., self.rope_dim :]), dim=-1)
 
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> IndexerOutput:
-        """x [T, hidden], q_latent [T, q_lora_rank]; cos/sin [T, rope_dim/2] float32."""
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_proj: torch.Tensor | None = None) -> IndexerOutput:
+        """x [T, hidden], q_latent [T, q_lora_rank]; cos/sin [T, rope_dim/2] float32. k_proj: wk(x) when the
+        caller computed it (MLA's fused input projections), else computed here."""
         num_tokens = x.shape[0]
         q = self.wq_b(q_latent).float().view(num_tokens, self.n_heads, self.head_dim)
         q = batch_invariant.matmul_rows(self._rope(q, cos, sin).view(num_tokens, -1), self.hadamard, self.n_heads)
         q = q.view(num_tokens, self.n_heads, self.head_dim)
-        k = batch_invariant.layer_norm(self.wk(x).float(), self.k_norm)
+        k = batch_invariant.layer_norm((self.wk(x) if k_proj is None else k_proj).float(), self.k_norm)
         k = batch_invariant.matmul_rows(self._rope(k, cos, sin), self.hadamard)
         keys_fp8, key_scales = quantize_index_keys(k)
         if batch_invariant.enabled():
