@@ -452,6 +452,19 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _triton().quantize_activations(x)
 
 
+def dense_shape_tuned(n: int, k: int, device: torch.device) -> bool:
+    """Whether a dense FP8 GEMM of N × K runs a measured choice on `device`: always off CUDA (the reference path)
+    and in "measure" mode (the process times it); in "table" mode when this GPU model's table has the shape. Callers
+    that choose which GEMM to run (stacking projections: decode_server/model/fused_linear.py) use it so as not to
+    trade tuned GEMMs for an untimed default."""
+    if device.type != "cuda" or tuner().mode == "measure":
+        return True
+    from kernels.fp8_gemm_table import device_table
+
+    table = device_table(torch.cuda.get_device_name(_index(device)))
+    return any(key[:4] == ("dense", n, k, 0) for key in table)
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """x [..., K] @ dequant(w [N, K])ᵀ (+ bias) → [..., N] in x's dtype."""

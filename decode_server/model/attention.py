@@ -24,7 +24,7 @@ from decode_server.engine.forward_context import get_forward_context
 from decode_server.model.batch_invariant import Linear, batched_matmul
 from decode_server.model.config import ModelConfig
 from decode_server.model.fp8 import dequantize_block_fp8
-from decode_server.model.fused_linear import FusedLinear, can_fuse
+from decode_server.model.fused_linear import FusedLinear, worth_stacking
 from decode_server.model.indexer import Indexer
 from decode_server.model.layers import RMSNorm
 from decode_server.model.rope import apply_rope_interleaved
@@ -86,7 +86,7 @@ class MLAAttention(nn.Module):
         projections = self.input_projections()
         if self.fused_inputs is not None and self.fused_inputs.current():
             return
-        self.fused_inputs = FusedLinear(projections, copy) if can_fuse(projections) else None
+        self.fused_inputs = FusedLinear(projections, copy) if worth_stacking(projections) else None
 
     def project_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(q_a(x), wk(x) or None without an indexer, kv_a(x)): one GEMM when fused, else three."""

@@ -18,6 +18,7 @@ from torch import nn
 
 from decode_server.model.attention import MLAAttention
 from decode_server.model.batch_invariant import Linear
+from decode_server.model.layers import MLP
 from decode_server.model.moe import MoE
 from kernels.fp8_gemm import TuningRecord, m_bucket, tune, tuner
 
@@ -31,7 +32,8 @@ def fp8_workloads(model: nn.Module) -> list[Workload]:
     groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     fused: set[int] = set()  # projections that run only as part of a stacked GEMM
     for module in model.modules():
-        stack = module.fused_inputs if isinstance(module, MLAAttention) else None
+        stack = (module.fused_inputs if isinstance(module, MLAAttention)
+                 else module.fused_gate_up if isinstance(module, MLP) else None)
         if stack is not None and "weight_scale_inv" in stack.stacked:
             weight, scale = stack.stacked["weight"], stack.stacked["weight_scale_inv"]
             groups.setdefault(("dense", tuple(weight.shape), stack.block), []).append((weight, scale))

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decode_server.model import batch_invariant
+from decode_server.model.fused_linear import FusedLinear, worth_stacking
 from decode_server.parallel.layers import column_linear, row_linear
 from decode_server.parallel.state import ParallelState, resolve
 
@@ -65,15 +66,36 @@ class MLP(nn.Module):
 
     With tensor parallelism the intermediate dimension is split: gate/up column-parallel, down row-parallel,
     whose partial sums are all-reduced here, or by the caller when `reduce` is False (the MoE reduces its
-    routed and shared experts' partials at once)."""
+    routed and shared experts' partials at once).
+
+    gate and up read the same x, so a dense or shared-expert MLP runs them as one GEMM over one stacked weight
+    (`fuse_gate_up`, decode_server/model/fused_linear.py: the parameters become views of [gate ; up]). Routed
+    experts (`stack_gate_up` False) do not: their weights are views of the MoE's per-projection expert stacks."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, parallel: ParallelState | None = None,
-                 reduce: bool = True, what: str = "intermediate_size") -> None:
+                 reduce: bool = True, what: str = "intermediate_size", stack_gate_up: bool = True) -> None:
         super().__init__()
         parallel = resolve(parallel)
         self.gate_proj = column_linear(hidden_size, intermediate_size, False, parallel, what)
         self.up_proj = column_linear(hidden_size, intermediate_size, False, parallel, what)
         self.down_proj = row_linear(intermediate_size, hidden_size, False, parallel, reduce, what)
+        self.stack_gate_up = stack_gate_up
+        self.fused_gate_up: FusedLinear | None = None
+
+    @torch.no_grad()
+    def fuse_gate_up(self, copy: bool = True) -> None:
+        """Give gate and up one stacked weight (copy False: at construction, before loading; True: restack the
+        current values unless they already are stacked). A no-op for routed experts and for projections that
+        cannot share a stack (fused_linear.can_fuse)."""
+        if not self.stack_gate_up or (self.fused_gate_up is not None and self.fused_gate_up.current()):
+            return
+        pair = [self.gate_proj, self.up_proj]
+        self.fused_gate_up = FusedLinear(pair, copy) if worth_stacking(pair) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        fused = self.fused_gate_up
+        if fused is not None and not fused.current():  # a parameter was replaced since (device move, reload)
+            self.fuse_gate_up(copy=True)
+            fused = self.fused_gate_up
+        gate, up = fused(x) if fused is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)

@@ -138,12 +138,15 @@ class DSAForCausalLM(nn.Module):
     @torch.no_grad()
     def finalize_weights(self) -> None:
         """Derived tensors that loading must refresh: tied head, absorbed MLA up-projections, the stacked input
-        projections (restacked only if a parameter was replaced since construction)."""
+        and gate/up projections (restacked only if a parameter was replaced since construction)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for attn in self.attention_layers():
             attn.absorb_weights()
             attn.fuse_input_projections()
+        for module in self.modules():
+            if isinstance(module, MLP):
+                module.fuse_gate_up()
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,7 @@ class MoE(nn.Module):
             self.first_expert = parallel.ep_rank * per_rank
             self.num_local_experts = per_rank
             self.experts = nn.ModuleDict(
-                (str(e), MLP(config.hidden_size, config.moe_intermediate_size))
+                (str(e), MLP(config.hidden_size, config.moe_intermediate_size, stack_gate_up=False))
                 for e in range(self.first_expert, self.first_expert + per_rank)
             )
         else:
@@ -127,7 +127,7 @@ class MoE(nn.Module):
             self.num_local_experts = config.n_routed_experts
             self.experts = nn.ModuleList(
                 MLP(config.hidden_size, config.moe_intermediate_size, parallel, reduce=False,
-                    what="moe_intermediate_size")
+                    what="moe_intermediate_size", stack_gate_up=False)
                 for _ in range(config.n_routed_experts)
             )
         self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,

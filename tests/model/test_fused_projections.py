@@ -1,5 +1,6 @@
-"""MLA's input projections as one GEMM (decode_server/model/fused_linear.py): q_a, the indexer's wk and kv_a share
-one stacked weight that their parameters are views of, built at construction and filled by the loader in place."""
+"""Projections of one input as one GEMM (decode_server/model/fused_linear.py): MLA's q_a, the indexer's wk and kv_a,
+and the gate and up projections of the dense and shared-expert MLPs, each group sharing one stacked weight that
+their parameters are views of, built at construction and filled by the loader in place."""
 
 from __future__ import annotations
 
@@ -111,16 +112,68 @@ def test_fp8_stack_equals_the_separate_fp8_projections() -> None:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
 
 
-def test_fp8_warm_up_tunes_the_stacked_shape_not_its_parts() -> None:
-    """The FP8 tuner (decode_server/model/fp8_warmup.py) times the GEMM the layer runs: the stack, 128 + 128 + 576
-    rows, not q_a, wk and kv_a on their own."""
+def test_fp8_warm_up_tunes_the_stacked_shapes_not_their_parts() -> None:
+    """The FP8 tuner (decode_server/model/fp8_warmup.py) times the GEMMs the layers run: the stacks (128 + 128 + 576
+    rows; gate + up of the dense MLP and of the shared expert), not q_a, wk and kv_a on their own."""
     from decode_server.model import ModelConfig, build_random_model
     from decode_server.model.fp8_warmup import fp8_workloads
 
-    config = ModelConfig.from_dict(small_config_dict(q_lora_rank=128))
+    config = ModelConfig.from_dict(small_config_dict(q_lora_rank=128, intermediate_size=384,
+                                                     moe_intermediate_size=128))
     model = build_random_model(config, "cpu", torch.float32, seed=0, quantization="fp8")
     attn = model.attention_layers()[0]
     assert attn.fused_inputs is not None and "weight_scale_inv" in attn.fused_inputs.stacked
     dense = {tuple(weights[0][0].shape) for kind, weights, _ in fp8_workloads(model) if kind == "dense"}
-    assert (128 + 128 + 576, 64) in dense
-    assert not dense & {(128, 64), (576, 64)}, dense
+    assert {(128 + 128 + 576, 64), (2 * 384, 64), (2 * 128, 64)} <= dense, dense
+    assert not dense & {(576, 64), (384, 64)}, dense  # kv_a and the dense MLP's gate/up never run alone
+
+
+def test_dense_and_shared_expert_mlps_stack_gate_and_up_routed_experts_do_not() -> None:
+    model = small_model(torch.float64, seed=6)
+    dense_mlp = model.model.layers[0].mlp
+    moe = model.model.layers[1].mlp
+    for mlp in (dense_mlp, moe.shared_experts):
+        fused = mlp.fused_gate_up
+        assert fused is not None and fused.current() and fused.sizes == [mlp.gate_proj.out_features] * 2
+    for expert in moe.local_experts():
+        assert expert.fused_gate_up is None  # views of the MoE's expert stacks instead
+        assert expert.gate_proj.weight.untyped_storage().data_ptr() == (
+            moe.stacked()[0][0].untyped_storage().data_ptr())
+    x = torch.randn(6, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    for mlp in (dense_mlp, moe.shared_experts):
+        want = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        torch.testing.assert_close(mlp(x), want, rtol=1e-12, atol=1e-12)
+
+
+def test_fp8_projections_stack_only_where_the_stacked_shape_is_tuned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU in table mode an FP8 stack whose shape the GPU's table lacks would run an untimed default, which
+    can be slower than the tuned separate GEMMs: such projections stay separate (bf16 ones always stack)."""
+    from decode_server.model import fused_linear
+
+    fp8 = [_fp8_linear(256, 256, 20), _fp8_linear(256, 128, 21)]
+    bf16 = [Linear(256, 64, bias=False), Linear(256, 32, bias=False)]
+    assert fused_linear.worth_stacking(fp8) and fused_linear.worth_stacking(bf16)  # CPU: always
+    asked: list[tuple] = []
+    monkeypatch.setattr(fused_linear, "dense_shape_tuned", lambda n, k, device: asked.append((n, k)) or False)
+    assert not fused_linear.worth_stacking(fp8) and asked == [(384, 256)]
+    assert fused_linear.worth_stacking(bf16)
+
+
+def test_dense_shape_tuned_reads_this_gpu_models_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels.fp8_gemm_table as table_module
+    from kernels import fp8_gemm
+
+    table = {("dense", 2240, 7168, 0, 1, "bfloat16"): ("triton", None),
+             ("grouped", 4096, 7168, 32, 8, "bfloat16"): ("triton", None)}
+    monkeypatch.setattr(table_module, "device_table", lambda name: table if name == "GPU X" else {})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "GPU X")
+    gpu = torch.device("cuda", 0)
+    fp8_gemm.reset_tuner("table")
+    try:
+        assert fp8_gemm.dense_shape_tuned(2240, 7168, gpu)
+        assert not fp8_gemm.dense_shape_tuned(4096, 7168, gpu)  # only a grouped entry of that shape
+        assert fp8_gemm.dense_shape_tuned(4096, 7168, torch.device("cpu"))
+        fp8_gemm.reset_tuner("measure")
+        assert fp8_gemm.dense_shape_tuned(4096, 7168, gpu)  # the tuner times whatever it meets
+    finally:
+        fp8_gemm.reset_tuner()
