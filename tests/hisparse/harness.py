@@ -192,6 +192,37 @@ def assert_same_run(what: str, a: RunResult, b: RunResult) -> None:
             assert torch.equal(x, y), f"{what}: {rid} logits of token {i} differ by {float((x - y).abs().max()):.3e}"
 
 
+def buffer_sized_workload(top_k: int, seed: int) -> list[Arrival]:
+    """Ten requests for engines whose buffer holds top_k slots (D = top_k): prompts shorter and longer than the
+    buffer (fast path, ring hits and misses), arrivals two a step so the batch size changes."""
+    gen = torch.Generator().manual_seed(seed)
+    return [Arrival(i // 2, f"r{i}", random_prompt(gen, top_k // 2 + 37 * i if i % 3 else top_k + 50 + 11 * i),
+                    18 + (5 * i) % 13) for i in range(10)]
+
+
+def run_poisoned_modes(tiny, arrivals: list[Arrival], modes: list[tuple[str, dict]], graphs: bool,
+                       **common) -> tuple[dict[str, RunResult], dict[str, Engine]]:
+    """One engine per (name, make_engine keywords) over the same arrivals; the first mode is dense and records the
+    schedule, which every HiSparse mode replays. HiSparse pools are NaN-poisoned (0xFF is NaN in every row format:
+    a row read before its copy landed shows in the logits). `graphs`: each engine must have captured its graphs."""
+    results: dict[str, RunResult] = {}
+    engines: dict[str, Engine] = {}
+    for name, keywords in modes:
+        engine = make_engine(tiny, **keywords, **common)
+        if graphs:
+            assert engine.graph_runner is not None, f"{name}: graphs were not captured: {engine.cuda_graph_error}"
+        hisparse = engine.config.enable_hisparse
+        if hisparse:
+            engine.kv.host.kv.fill_(0xFF)
+            engine.kv.buffers.kv.fill_(0xFF)
+        first = next(iter(results.values()), None)
+        if hisparse and first is None:
+            raise ValueError("the first mode must be dense: it records the schedule the others replay")
+        results[name] = run_script(engine, arrivals, replay=first.schedule if hisparse else None)
+        engines[name] = engine
+    return results, engines
+
+
 def torch_sync_sources(step) -> list[str]:
     """Where each synchronizing torch operation of `step()` came from (file:line of the Python caller), recorded with
     CUDA's sync debug mode. The mode is switched on outside the recording: the first switch in a process warns about

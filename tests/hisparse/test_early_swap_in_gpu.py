@@ -13,20 +13,11 @@ Run: pytest -m gpu tests/hisparse/test_early_swap_in_gpu.py -v
 from __future__ import annotations
 
 import pytest
-import torch
-from harness import Arrival, RunResult, assert_same_run, make_engine, random_prompt, run_script
+from harness import assert_same_run, buffer_sized_workload, run_poisoned_modes
 
 pytestmark = pytest.mark.gpu
 
 BUCKETS = [1, 2, 4, 8]
-
-
-def _workload(top_k: int) -> list[Arrival]:
-    """Prompts shorter and longer than the buffer (D = top_k): fast path, ring hits and misses; arrivals spread
-    so the batch size changes."""
-    gen = torch.Generator().manual_seed(13)
-    return [Arrival(i // 2, f"r{i}", random_prompt(gen, top_k // 2 + 37 * i if i % 3 else top_k + 50 + 11 * i),
-                    18 + (5 * i) % 13) for i in range(10)]
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graph"])
@@ -34,20 +25,11 @@ def _workload(top_k: int) -> list[Arrival]:
 def test_early_swap_in_is_bit_identical_on_cuda(request, model: str, kv_dtype: str, graphs: bool) -> None:
     tiny = request.getfixturevalue(model)
     top_k = int(tiny[1].index_topk)
-    arrivals = _workload(top_k)
     common = {"device": "cuda", "buffer_size": top_k, "max_running": 12, "chunk": 512, "kv_cache_dtype": kv_dtype}
     common.update({"cuda_graph_bs": BUCKETS} if graphs else {"disable_cuda_graph": True})
-    results: dict[str, RunResult] = {}
-    engines = {}
-    for name, hisparse, early in (("dense", False, True), ("late", True, False), ("early", True, True)):
-        engine = make_engine(tiny, hisparse=hisparse, early_swap_in=early, **common)
-        if graphs:
-            assert engine.graph_runner is not None, f"graphs were not captured: {engine.cuda_graph_error}"
-        if hisparse:
-            engine.kv.host.kv.fill_(0xFF)  # NaN in every row format: a stale or early read shows in the logits
-            engine.kv.buffers.kv.fill_(0xFF)
-        results[name] = run_script(engine, arrivals, replay=results["dense"].schedule if hisparse else None)
-        engines[name] = engine
+    modes = [("dense", {"hisparse": False, "early_swap_in": True}),
+             ("late", {"hisparse": True, "early_swap_in": False}), ("early", {"hisparse": True, "early_swap_in": True})]
+    results, engines = run_poisoned_modes(tiny, buffer_sized_workload(top_k, seed=13), modes, graphs, **common)
     assert_same_run("HiSparse, late swap-in, vs dense", results["dense"], results["late"])
     assert_same_run("HiSparse, early swap-in, vs dense", results["dense"], results["early"])
     counters = [(s.hits, s.misses) for s in engines["early"].stats().hisparse_layers]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import Arrival, RunResult, assert_same_run, make_engine, random_prompt, run_script
+from harness import assert_same_run, buffer_sized_workload, run_poisoned_modes
 
 from decode_server.model import Tokenizer, build_random_model, load_config, resolve_model_path
 
@@ -41,32 +41,16 @@ def glm5_shared_cuda():
     return model, config, Tokenizer.from_dir(resolve_model_path("tiny-glm5"))
 
 
-def _workload(top_k: int) -> list[Arrival]:
-    """Prompts shorter and longer than the buffer (D = top_k): fast path, ring hits and misses; arrivals spread
-    so the batch size changes."""
-    gen = torch.Generator().manual_seed(11)
-    return [Arrival(i // 2, f"r{i}", random_prompt(gen, top_k // 2 + 37 * i if i % 3 else top_k + 50 + 11 * i),
-                    18 + (5 * i) % 13) for i in range(10)]
-
-
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graph"])
 def test_prefetch_is_bit_identical_on_cuda(glm5_shared_cuda, graphs: bool) -> None:
     """(a)."""
     top_k = int(glm5_shared_cuda[1].index_topk)
-    arrivals = _workload(top_k)
     common = {"device": "cuda", "buffer_size": top_k, "max_running": 12, "chunk": 512}
     common.update({"cuda_graph_bs": BUCKETS} if graphs else {"disable_cuda_graph": True})
-    results: dict[str, RunResult] = {}
-    engines = {}
-    for name, hisparse, prefetch in (("dense", False, False), ("off", True, False), ("on", True, True)):
-        engine = make_engine(glm5_shared_cuda, hisparse=hisparse, prefetch_shared_layers=prefetch, **common)
-        if graphs:
-            assert engine.graph_runner is not None, f"graphs were not captured: {engine.cuda_graph_error}"
-        if hisparse:
-            engine.kv.host.kv.fill_(0xFF)  # NaN in every row format: a stale or early read shows in the logits
-            engine.kv.buffers.kv.fill_(0xFF)
-        results[name] = run_script(engine, arrivals, replay=results["dense"].schedule if hisparse else None)
-        engines[name] = engine
+    modes = [("dense", {"hisparse": False}), ("off", {"hisparse": True, "prefetch_shared_layers": False}),
+             ("on", {"hisparse": True, "prefetch_shared_layers": True})]
+    results, engines = run_poisoned_modes(glm5_shared_cuda, buffer_sized_workload(top_k, seed=11), modes, graphs,
+                                          **common)
     assert_same_run("HiSparse without prefetch vs dense", results["dense"], results["off"])
     assert_same_run("HiSparse with prefetch vs dense", results["dense"], results["on"])
     counters = [(s.hits, s.misses) for s in engines["on"].stats().hisparse_layers]
