@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 from decode_server.config import EngineConfig, HiSparseConfig
@@ -221,6 +222,29 @@ def run_poisoned_modes(tiny, arrivals: list[Arrival], modes: list[tuple[str, dic
         results[name] = run_script(engine, arrivals, replay=first.schedule if hisparse else None)
         engines[name] = engine
     return results, engines
+
+
+def assert_failed_attention_leaves_nothing_pending(engine: Engine, layer: int, message: str) -> None:
+    """One request's first decode step fails in the attention of `layer` (raising `message`), after checking that
+    exactly that layer's swap-in is pending on the side stream; end_forward must still join it (nothing pending)
+    and close the forward (no batch left). Prefill steps do not call the decode attention."""
+    backend = engine.kv.backend
+    decode_attention = backend._decode_attention
+
+    def failing(layer_id, q, topk, scale):
+        if layer_id == layer:
+            assert backend.prefetch.pending_layers == (layer,)
+            raise RuntimeError(message)
+        return decode_attention(layer_id, q, topk, scale)
+
+    gen = torch.Generator().manual_seed(2)
+    engine.add_request("x", random_prompt(gen, 100), SamplingParams(max_tokens=4, temperature=0.0))
+    backend._decode_attention = failing
+    with pytest.raises(RuntimeError, match=message):
+        for _ in range(4):
+            engine.step()
+    assert backend.prefetch.pending_layers == ()
+    assert backend._batch is None
 
 
 def torch_sync_sources(step) -> list[str]:

@@ -17,7 +17,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import Arrival, RunResult, assert_identical, make_engine, random_prompt, run_script
+from harness import (
+    Arrival,
+    RunResult,
+    assert_failed_attention_leaves_nothing_pending,
+    assert_identical,
+    make_engine,
+    random_prompt,
+    run_script,
+)
 
 from decode_server.engine.forward_context import get_forward_context
 from decode_server.engine.sampling_params import SamplingParams
@@ -214,24 +222,8 @@ def test_a_replaced_selection_is_the_one_swapped_in(tiny_cpu) -> None:
 
 
 def test_an_aborted_forward_leaves_nothing_pending(tiny_cpu) -> None:
-    engine = _engine(tiny_cpu, hisparse=True)
-    backend = engine.kv.backend
-    decode_attention = backend._decode_attention
-
-    def failing(layer_id, q, topk, scale):
-        if layer_id == 0:
-            assert backend.prefetch.pending_layers == (0,)
-            raise RuntimeError("injected failure in an attention")
-        return decode_attention(layer_id, q, topk, scale)
-
-    gen = torch.Generator().manual_seed(2)
-    engine.add_request("x", random_prompt(gen, 100), _greedy(4))
-    backend._decode_attention = failing  # prefill steps do not call it: the first decode step fails
-    with pytest.raises(RuntimeError, match="injected failure"):
-        for _ in range(4):
-            engine.step()
-    assert backend.prefetch.pending_layers == ()
-    assert backend._batch is None
+    assert_failed_attention_leaves_nothing_pending(_engine(tiny_cpu, hisparse=True), 0,
+                                                   "injected failure in an attention")
 
 
 def test_attention_refuses_a_different_top_k(tiny_cpu) -> None:

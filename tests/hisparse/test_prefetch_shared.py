@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import Arrival, RunResult, assert_identical, make_engine, random_prompt, run_script
+from harness import (
+    Arrival,
+    RunResult,
+    assert_failed_attention_leaves_nothing_pending,
+    assert_identical,
+    make_engine,
+    random_prompt,
+    run_script,
+)
 
 from decode_server.engine.kv_rows import CacheGeometry
 from decode_server.hisparse.prefetch import shared_followers
@@ -153,24 +161,8 @@ def test_followers_swap_in_during_the_full_layers_attention(tiny_glm5) -> None:
 def test_an_aborted_forward_leaves_nothing_pending(tiny_glm5) -> None:
     """A forward that fails between a full layer and its follower: end_forward still joins the prefetched
     swap-in, so nothing leaks into the next forward (which begin_forward would refuse)."""
-    engine = _engine(tiny_glm5, hisparse=True, prefetch=True)
-    backend = engine.kv.backend
-    decode_attention = backend._decode_attention
-
-    def failing(layer_id, q, topk, scale):
-        if layer_id == 1:
-            assert backend.prefetch.pending_layers == (1,)
-            raise RuntimeError("injected failure in a shared layer")
-        return decode_attention(layer_id, q, topk, scale)
-
-    gen = torch.Generator().manual_seed(2)
-    engine.add_request("x", random_prompt(gen, 100), _greedy(4))
-    backend._decode_attention = failing  # prefill steps do not call it: the first decode step fails
-    with pytest.raises(RuntimeError, match="injected failure"):
-        for _ in range(4):
-            engine.step()
-    assert backend.prefetch.pending_layers == ()
-    assert backend._batch is None
+    assert_failed_attention_leaves_nothing_pending(_engine(tiny_glm5, hisparse=True, prefetch=True), 1,
+                                                   "injected failure in a shared layer")
 
 
 def test_a_leftover_prefetch_is_refused_and_dropped(tiny_glm5, monkeypatch) -> None:
