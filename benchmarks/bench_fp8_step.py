@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _timing import device_name, hbm_copy_gbps, time_graph_us  # noqa: E402
 
-from decode_server.model import build_random_model, load_config  # noqa: E402
+from decode_server.model import build_random_model, fused_ops, load_config  # noqa: E402
 from decode_server.model.construct import dequantized_copy  # noqa: E402
 from decode_server.model.weights import weight_bytes  # noqa: E402
 from kernels import fp8_gemm  # noqa: E402
@@ -57,6 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=4096, help="tokens of synthetic KV per request")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--eager-ops", action="store_true",
+                   help="run RMSNorm, residual add + norm and rotary embeddings as eager PyTorch ops instead of "
+                        "their one-kernel Triton versions (decode_server/model/fused_ops.py), for a same-call A/B")
+    p.add_argument("--top-kernels", type=int, default=25,
+                   help="kernels (by device time) listed per run, each with its µs and launches per step")
     p.add_argument("--device-kv-budget-gib", type=float, default=8.0)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e4m3"])
     p.add_argument("--seed", type=int, default=0)
@@ -64,15 +69,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def kernel_times(prof) -> list[tuple[str, float]]:
-    """(kernel name, total device µs) of every CUDA kernel the profiler saw."""
+def kernel_times(prof) -> list[tuple[str, float, int]]:
+    """(kernel name, total device µs, launches) of every CUDA kernel the profiler saw, slowest first."""
     out = []
     for evt in prof.key_averages():
         total = getattr(evt, "device_time_total", None)
         if total is None:
             total = getattr(evt, "cuda_time_total", 0.0)
         if total and getattr(evt, "device_type", None) is not None and str(evt.device_type).endswith("CUDA"):
-            out.append((evt.key, float(total)))
+            out.append((evt.key, float(total), int(evt.count)))
     return sorted(out, key=lambda kv: -kv[1])
 
 
@@ -106,13 +111,17 @@ def run_model(bd, label: str, model, config, batch: int, args) -> dict:
         torch.cuda.synchronize()
     kernels = kernel_times(prof)
     per_step = args.profile_steps
-    gemm_us = sum(t for name, t in kernels if GEMM_RE.search(name)) / per_step
-    fp8_us = sum(t for name, t in kernels if GEMM_RE.search(name) and FP8_RE.search(name)) / per_step
-    all_us = sum(t for _, t in kernels) / per_step
+    gemm_us = sum(t for name, t, _ in kernels if GEMM_RE.search(name)) / per_step
+    fp8_us = sum(t for name, t, _ in kernels if GEMM_RE.search(name) and FP8_RE.search(name)) / per_step
+    all_us = sum(t for _, t, _ in kernels) / per_step
+    launches = sum(c for _, _, c in kernels) / per_step
+    gemm_launches = sum(c for name, _, c in kernels if GEMM_RE.search(name)) / per_step
     result = {"weights": label, "batch": n, "step_ms": step_ms, "gemm_ms": gemm_us / 1000,
-              "fp8_gemm_ms": fp8_us / 1000, "kernels_ms": all_us / 1000, "quantization": engine.quantization,
+              "fp8_gemm_ms": fp8_us / 1000, "kernels_ms": all_us / 1000, "kernels_per_step": launches,
+              "gemm_kernels_per_step": gemm_launches, "quantization": engine.quantization,
               "weights_bytes": engine.weight_bytes, "graph_replays": getattr(engine.graph_runner, "num_replays", 0),
-              "top_kernels": [(name[:120], t / per_step) for name, t in kernels[:25]], **graphs}
+              "top_kernels": [(name[:120], t / per_step, c / per_step) for name, t, c in kernels[:args.top_kernels]],
+              **graphs}
     del engine, synthetic
     gc.collect()
     torch.cuda.empty_cache()
@@ -126,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_fp8_step needs a CUDA GPU")
         return 1
+    fused_ops.set_enabled(not args.eager_ops)
     bd = _bench_decode()
     config = load_config(args.config)
     t0 = time.perf_counter()
@@ -137,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_name(),
             "config": args.config, "context": args.context, "fp8_build_s": build_s, "hbm_copy_gbps": hbm,
             "weights_bytes": {"fp8": weight_bytes(model8), "bf16": weight_bytes(model16)},
-            "command": " ".join(sys.argv), "torch": torch.__version__}
+            "command": " ".join(sys.argv), "torch": torch.__version__, "fused_ops": fused_ops.enabled()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -169,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {meta['device']}; config {args.config}; context {args.context}; dense, CUDA graphs; weights "
           f"FP8 {wb8 / 2**30:.2f} GiB vs bf16 {wb16 / 2**30:.2f} GiB; FP8 model built in {build_s:.1f} s")
     print(f"{'batch':>5}{'step fp8':>10}{'step bf16':>10}{'ratio':>7}{'GEMM fp8':>10}{'GEMM bf16':>10}{'ratio':>7}"
-          f"{'lm_head':>9}{'ratio w/o head':>16}")
+          f"{'lm_head':>9}{'ratio w/o head':>16}{'kernels fp8':>13}{'other ms':>10}")
     for r in rows:
         f8, b16 = r.get("fp8_run", {}), r.get("bf16_run", {})
         if "step_ratio" not in r:
@@ -177,9 +187,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"{r['batch']:>5}{f8['step_ms']:>10.3f}{b16['step_ms']:>10.3f}{r['step_ratio']:>7.2f}"
               f"{f8['gemm_ms']:>10.3f}{b16['gemm_ms']:>10.3f}{r['gemm_ratio']:>7.2f}{r['lm_head_ms']:>9.3f}"
-              f"{r['gemm_ratio_without_lm_head']:>16.2f}")
-    print(f"(ms per step; GEMM = matmul-like kernels from the profiler; targets at batch 1: GEMM ratio ≤ 0.6, step "
-          f"ratio ≤ 0.7) wrote {out}")
+              f"{r['gemm_ratio_without_lm_head']:>16.2f}{f8['kernels_per_step']:>13.0f}"
+              f"{f8['kernels_ms'] - f8['gemm_ms']:>10.3f}")
+    print(f"(ms per step; GEMM = matmul-like kernels from the profiler; kernels fp8 = launches per FP8 step; other "
+          f"ms = the FP8 step's non-GEMM kernel time; targets at batch 1: GEMM ratio ≤ 0.6, step ratio ≤ 0.7) "
+          f"wrote {out}")
     return 0 if any("step_ratio" in r for r in rows) else 1
 
 

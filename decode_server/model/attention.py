@@ -21,13 +21,13 @@ import torch
 from torch import nn
 
 from decode_server.engine.forward_context import get_forward_context
+from decode_server.model import fused_ops
 from decode_server.model.batch_invariant import Linear, batched_matmul
 from decode_server.model.config import ModelConfig
 from decode_server.model.fp8 import dequantize_block_fp8
 from decode_server.model.fused_linear import FusedLinear, worth_stacking
 from decode_server.model.indexer import Indexer
 from decode_server.model.layers import RMSNorm
-from decode_server.model.rope import apply_rope_interleaved
 from decode_server.parallel.layers import column_linear, row_linear, split_size
 from decode_server.parallel.state import ParallelState, resolve
 
@@ -112,9 +112,12 @@ class MLAAttention(nn.Module):
 
     def latent_rows(self, kv_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The cache rows [T, 576] = [RMSNorm(c_kv) ; RoPE(k_pe)] of the new tokens, from kv_a_proj_with_mqa(x)."""
-        c_kv = self.kv_a_layernorm(kv_a[:, : self.kv_lora_rank])
-        k_pe = apply_rope_interleaved(kv_a[:, self.kv_lora_rank :], cos, sin)
-        return torch.cat((c_kv, k_pe.to(c_kv.dtype)), dim=-1)
+        rank = self.kv_lora_rank
+        rows = torch.empty(kv_a.shape[0], rank + self.rope_dim,
+                           dtype=torch.result_type(self.kv_a_layernorm.weight, kv_a), device=kv_a.device)
+        self.kv_a_layernorm(kv_a[:, :rank], out=rows[:, :rank])
+        fused_ops.rope(kv_a[:, rank:], cos, sin, interleaved=True, out=rows[:, rank:])
+        return rows
 
     def absorbed_query(self, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """[T, H, 576] = [W_UKᵀ q_nope ; RoPE(q_pe)] per head (its intermediates die on return)."""
@@ -127,7 +130,7 @@ class MLAAttention(nn.Module):
             rows = slice(start, start + _ABSORB_CHUNK_TOKENS)
             latent = batched_matmul(q[rows, :, : self.nope_dim].transpose(0, 1), self.w_uk)  # [H, t, 512]
             query[rows, :, : self.kv_lora_rank] = latent.transpose(0, 1)
-        query[..., self.kv_lora_rank :] = apply_rope_interleaved(q[..., self.nope_dim :], cos, sin)
+        fused_ops.rope(q[..., self.nope_dim :], cos, sin, interleaved=True, out=query[..., self.kv_lora_rank :])
         return query
 
     def forward(

@@ -26,11 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from decode_server.model import batch_invariant
+from decode_server.model import batch_invariant, fused_ops
 from decode_server.model.batch_invariant import Linear
 from decode_server.model.config import ModelConfig
 from decode_server.model.layers import narrow_linear
-from decode_server.model.rope import apply_rope_half_split, apply_rope_interleaved
 from kernels.indexer_ref import quantize_index_keys
 
 
@@ -65,7 +64,7 @@ class Indexer(nn.Module):
         self.n_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
-        self.apply_rope = apply_rope_interleaved if config.indexer_rope_interleave else apply_rope_half_split
+        self.rope_interleaved = bool(config.indexer_rope_interleave)
         self.weight_scale = config.index_weight_scale
         self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wk = Linear(config.hidden_size, self.head_dim, bias=False)
@@ -75,8 +74,9 @@ class Indexer(nn.Module):
         self.register_buffer("hadamard", hadamard_matrix(self.head_dim), persistent=False)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rotated = self.apply_rope(x[..., : self.rope_dim], cos, sin)
-        return torch.cat((rotated, x[..., self.rope_dim :]), dim=-1)
+        """x with its first rope_dim dims rotated, in place (x is this forward's own temporary)."""
+        fused_ops.rope(x[..., : self.rope_dim], cos, sin, self.rope_interleaved, out=x[..., : self.rope_dim])
+        return x
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_proj: torch.Tensor | None = None) -> IndexerOutput:

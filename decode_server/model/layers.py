@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decode_server.model import batch_invariant
+from decode_server.model import fused_ops
 from decode_server.model.fused_linear import FusedLinear, worth_stacking
 from decode_server.parallel.layers import column_linear, row_linear
 from decode_server.parallel.state import ParallelState, resolve
@@ -43,22 +43,20 @@ def narrow_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) · weight, normalized in float32 then cast back to the input dtype before the weight."""
+    """x / rms(x) · weight, normalized in float32 then cast back to the input dtype before the weight (one kernel
+    on CUDA: decode_server/model/fused_ops.py)."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if batch_invariant.enabled():
-            return batch_invariant.on_row_tiles(self._normalize, x)
-        return self._normalize(x)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return fused_ops.rms_norm(x, self.weight, self.eps, out=out)
 
-    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, self(x + delta)): the residual add before this norm, fused with it on CUDA."""
+        return fused_ops.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class MLP(nn.Module):

@@ -54,8 +54,8 @@ class DecoderLayer(nn.Module):
         if not self.dp_attention:
             attn_out, topk = self.self_attn.forward_with_topk(self.input_layernorm(x), *rope,
                                                               shared_topk=shared_topk)  # fmt: skip
-            x = x + attn_out
-            return x + self.mlp(self.post_attention_layernorm(x)), topk
+            x, normed = self.post_attention_layernorm.add_forward(x, attn_out)
+            return x + self.mlp(normed), topk
         topk = shared_topk
         if x.shape[0]:  # an idle rank has nothing to attend (and no batch installed)
             attn_out, topk = self.self_attn.forward_with_topk(self.input_layernorm(x), *rope,

@@ -1,4 +1,4 @@
-"""Checks of the indexer's Triton kernels that run without a GPU (used by tests/kernels/test_triton_cpu.py, each in
+"""Checks of the Triton kernels (the indexer's, the norm and rope kernels) that run without a GPU (used by tests/kernels/test_triton_cpu.py, each in
 its own process; also a tool: `python tests/kernels/triton_cpu_checks.py <check>`).
 
 - `interpret-*`: the kernels run under Triton's interpreter (TRITON_INTERPRET=1, numpy on CPU tensors) against
@@ -279,8 +279,54 @@ def compile_topk() -> None:
     print(f"top-k: compiled for sm_90 in {time.time() - t0:.0f} s, {_resources(kernel)}; scan loops pipelined")
 
 
+def interpret_norm_rope() -> None:
+    """The one-kernel RMSNorm and rotary embedding (kernels/norm_rope_triton.py) in float32, where the
+    interpreter's arithmetic is the GPU's (its bfloat16 casts are not: the GPU tests check bf16): rope equals the
+    eager reference bit for bit (both layouts, strided input, into a slice, in place); the residual sum equals
+    x + delta; the norm is within 2 ulps of eager (only the sum's order differs)."""
+    from decode_server.model.fused_ops import rms_norm_eager
+    from decode_server.model.rope import apply_rope_half_split, apply_rope_interleaved
+    from kernels import norm_rope_triton as k
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 5, 192, generator=gen) * 4
+    angles = torch.rand(3, 32, generator=gen, dtype=torch.float64) * 100
+    cos, sin = torch.cos(angles).float(), torch.sin(angles).float()
+    for interleaved, ref in ((True, apply_rope_interleaved), (False, apply_rope_half_split)):
+        want = ref(q[..., 128:], cos, sin)
+        if not torch.equal(k.rope(q[..., 128:], cos, sin, interleaved), want):
+            _fail(f"rope (interleaved={interleaved}) differs from eager")
+        big = torch.zeros(3, 5, 576)
+        k.rope(q[..., 128:], cos, sin, interleaved, out=big[..., 512:])
+        if not torch.equal(big[..., 512:], want) or bool(big[..., :512].any()):
+            _fail(f"rope into a slice (interleaved={interleaved}) is wrong")
+        rows = q[:, 0, :].clone()  # [T, d] rows, rotated in place on their first 64 columns
+        want_rows = ref(rows[:, :64], cos, sin)
+        k.rope(rows[:, :64], cos, sin, interleaved, out=rows[:, :64])
+        if not torch.equal(rows[:, :64], want_rows) or not torch.equal(rows[:, 64:], q[:, 0, 64:]):
+            _fail(f"rope in place (interleaved={interleaved}) is wrong")
+    for n in (100, 512, 1536):
+        x = torch.randn(4, n, generator=gen) * 3
+        delta = torch.randn(4, n, generator=gen)
+        w = 1 + 0.1 * torch.randn(n, generator=gen)
+        want = rms_norm_eager(x, w, 1e-6)
+        got = k.rms_norm(x, w, 1e-6)
+        tol = 2 * torch.finfo(torch.float32).eps * want.abs()
+        if not bool(((got - want).abs() <= tol + 1e-30).all()):
+            _fail(f"rms_norm (n={n}) off by {(got - want).abs().max().item()}")
+        summed, normed = k.add_rms_norm(x, delta, w, 1e-6)
+        if not torch.equal(summed, x + delta) or not torch.equal(normed, k.rms_norm(x + delta, w, 1e-6)):
+            _fail(f"add_rms_norm (n={n}) is wrong")
+        out = torch.zeros(4, n + 64)
+        k.rms_norm(x, w, 1e-6, out=out[:, :n])
+        if not torch.equal(out[:, :n], got) or bool(out[:, n:].any()):
+            _fail(f"rms_norm into a slice (n={n}) is wrong")
+    print("norm and rope kernels: rope exact, residual sums exact, norms within 2 ulps of eager")
+
+
 CHECKS = {
     "interpret-kth-key": interpret_kth_key,
+    "interpret-norm-rope": interpret_norm_rope,
     "interpret-topk": interpret_topk,
     "interpret-scores": interpret_scores,
     "compile-topk": compile_topk,

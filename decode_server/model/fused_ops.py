@@ -1,0 +1,79 @@
+"""The model's elementwise steps — RMSNorm, the residual add before a norm, rotary embeddings — as one Triton
+kernel each on CUDA (kernels/norm_rope_triton.py), eager PyTorch elsewhere.
+
+Why a dispatcher: eager runs each of these as 8-9 small kernels, and at decode batch sizes a step is bound by
+how many kernels it launches as much as by the bytes it reads (docs/model.md "Computation"). The eager versions
+here are the references and the CPU path. The rotary kernel gives eager's bits; the norm kernel differs from eager
+only in its sum's order (kernels/norm_rope_triton.py), and both are row-local, so batch invariant.
+
+`set_enabled(False)` makes every call eager (benchmarks compare the two in one process; tests use it as the
+oracle)."""
+
+from __future__ import annotations
+
+import torch
+
+from decode_server.model import batch_invariant
+from decode_server.model.rope import apply_rope_half_split, apply_rope_interleaved
+
+_enabled = True
+
+
+def set_enabled(flag: bool) -> None:
+    global _enabled
+    _enabled = bool(flag)
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def _triton():
+    """kernels.norm_rope_triton, imported on first CUDA use (it imports triton)."""
+    from kernels import norm_rope_triton
+
+    return norm_rope_triton
+
+
+def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) · weight: normalized in float32, cast back to x's dtype before the weight."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim; into `out` (a [rows, n] view, e.g. columns of a cache row) if given."""
+    if _enabled and x.is_cuda and _triton().supports_norm(x, weight) and (out is None or out.stride(-1) == 1):
+        return _triton().rms_norm(x, weight, eps, out=out)
+    if batch_invariant.enabled():
+        y = batch_invariant.on_row_tiles(lambda rows: rms_norm_eager(rows, weight, eps), x)
+    else:
+        y = rms_norm_eager(x, weight, eps)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta)): a residual add and the norm after it, in one kernel on CUDA."""
+    if (_enabled and x.is_cuda and delta.shape == x.shape and delta.dtype == x.dtype and delta.stride(-1) == 1
+            and _triton().supports_norm(x, weight)):
+        return _triton().add_rms_norm(x, delta, weight, eps)
+    summed = x + delta
+    return summed, rms_norm(summed, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, d] or [T, H, d] rotated by cos/sin [T, d/2]; pairs (2j, 2j+1) if `interleaved`, else (j, j + d/2).
+    Into `out` if given (same shape; x itself, or a slice of a larger tensor)."""
+    if _enabled and x.is_cuda and _triton().supports_rope(x, cos, sin, out):
+        return _triton().rope(x, cos, sin, interleaved, out=out)
+    y = (apply_rope_interleaved if interleaved else apply_rope_half_split)(x, cos, sin)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out

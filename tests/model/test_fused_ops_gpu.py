@@ -1,0 +1,167 @@
+"""The one-kernel RMSNorm, residual add + RMSNorm and rotary embedding (decode_server/model/fused_ops.py,
+kernels/norm_rope_triton.py) on the GPU against the eager references they replace:
+- rotary embedding: the same bits as eager, both pair layouts, bf16 and float32, strided inputs (a slice of a
+  projection's output), written into a slice of a larger tensor and in place;
+- RMSNorm: eager's result within one rounding of the output dtype (only the float32 sum's order differs), equal
+  on most elements; the residual sum of `add_rms_norm` bit for bit `x + delta`;
+- every row depends only on itself (a row alone gives the same bits as inside a batch), and a CUDA-graph replay
+  gives the same bits as the eager launch;
+- the whole model: the fused path against eager (`fused_ops.set_enabled(False)`) on the same random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decode_server.model import fused_ops
+from decode_server.model.rope import apply_rope_half_split, apply_rope_interleaved
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _eager_rope(x, cos, sin, interleaved: bool) -> torch.Tensor:
+    return (apply_rope_interleaved if interleaved else apply_rope_half_split)(x, cos, sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize(("tokens", "heads"), [(1, 128), (7, 64), (33, 1), (2, 3)])
+def test_rope_gives_eagers_bits(dtype: torch.dtype, interleaved: bool, tokens: int, heads: int) -> None:
+    gen = _gen(tokens * 131 + heads)
+    q = torch.randn(tokens, heads, 192, device="cuda", generator=gen).to(dtype) * 4
+    angles = torch.rand(tokens, 32, device="cuda", generator=gen, dtype=torch.float64) * 1000
+    cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+    x = q[..., 128:]  # strided: the rope part of each head
+    want = _eager_rope(x, cos, sin, interleaved)
+    got = fused_ops.rope(x, cos, sin, interleaved)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    # Into a slice of a larger tensor (the absorbed query's last 64 columns), the rest untouched.
+    big = torch.full((tokens, heads, 576), 7.0, device="cuda", dtype=dtype)
+    fused_ops.rope(x, cos, sin, interleaved, out=big[..., 512:])
+    assert torch.equal(big[..., 512:], want) and bool((big[..., :512] == 7.0).all())
+    # In place on the first half of a float32 indexer head (the indexer's use).
+    head = torch.randn(tokens, heads, 128, device="cuda", generator=gen).to(dtype)
+    first = head[..., :64]
+    want_first, rest = _eager_rope(first, cos, sin, interleaved), head[..., 64:].clone()
+    fused_ops.rope(first, cos, sin, interleaved, out=first)
+    assert torch.equal(head[..., :64], want_first) and torch.equal(head[..., 64:], rest)
+
+
+def test_rope_on_two_dim_rows_and_float32_angles_with_bf16_x() -> None:
+    gen = _gen(5)
+    kv_a = torch.randn(9, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    angles = torch.rand(9, 32, device="cuda", generator=gen, dtype=torch.float64) * 50
+    for cos, sin in ((torch.cos(angles).to(torch.bfloat16), torch.sin(angles).to(torch.bfloat16)),
+                     (torch.cos(angles).float(), torch.sin(angles).float())):
+        want = apply_rope_interleaved(kv_a[:, 512:], cos, sin)
+        got = fused_ops.rope(kv_a[:, 512:], cos, sin, True)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def _ulp(t: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of each element of t, in t's dtype's precision (as float32)."""
+    mantissa = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[t.dtype]
+    a = t.float().abs().clamp_min(torch.finfo(t.dtype).tiny)
+    return torch.exp2(torch.floor(torch.log2(a)) - mantissa)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "n"), [(1, 7168), (16, 7168), (64, 6144), (5, 1536), (3, 512), (2, 100)])
+def test_rms_norm_within_one_rounding_of_eager(dtype: torch.dtype, rows: int, n: int) -> None:
+    gen = _gen(rows * n)
+    x = (torch.randn(rows, n, device="cuda", generator=gen) * 3).to(dtype)
+    weight = (1 + 0.1 * torch.randn(n, device="cuda", generator=gen)).to(dtype)
+    want = fused_ops.rms_norm_eager(x, weight, 1e-6)
+    got = fused_ops.rms_norm(x, weight, 1e-6)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # The float32 mean of squares differs by its summation order (a few ulps of float32 over n <= 2^13 terms:
+    # 2^-19 relative bounds it), then two roundings to the output dtype (the normalized value, the weight
+    # product) can each move by one ulp.
+    diff = (got.float() - want.float()).abs()
+    bound = 2 * _ulp(want) + 2.0**-19 * want.float().abs() + 1e-30
+    assert bool((diff <= bound).all()), f"max diff {diff.max().item()}"
+    assert (got == want).float().mean().item() > 0.9
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_sum_is_exact_and_norm_matches(dtype: torch.dtype) -> None:
+    gen = _gen(11)
+    x = torch.randn(16, 7168, device="cuda", generator=gen).to(dtype)
+    delta = torch.randn(16, 7168, device="cuda", generator=gen).to(dtype)
+    weight = torch.rand(7168, device="cuda", generator=gen).to(dtype)
+    summed, normed = fused_ops.add_rms_norm(x, delta, weight, 1e-6)
+    assert torch.equal(summed, x + delta)
+    assert torch.equal(normed, fused_ops.rms_norm(x + delta, weight, 1e-6))
+
+
+def test_norm_rows_are_batch_invariant_and_graph_replay_is_exact() -> None:
+    gen = _gen(3)
+    x = torch.randn(64, 7168, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = torch.rand(7168, device="cuda", generator=gen).to(torch.bfloat16)
+    whole = fused_ops.rms_norm(x, weight, 1e-6)
+    for r in (0, 17, 63):
+        assert torch.equal(fused_ops.rms_norm(x[r : r + 1], weight, 1e-6), whole[r : r + 1])
+    # The columns of a cache row: a strided input and output.
+    rows = torch.zeros(64, 576, device="cuda", dtype=torch.bfloat16)
+    kv_a = torch.randn(64, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    w512 = weight[:512].contiguous()
+    fused_ops.rms_norm(kv_a[:, :512], w512, 1e-6, out=rows[:, :512])
+    assert torch.equal(rows[:, :512], fused_ops.rms_norm(kv_a[:, :512].contiguous(), w512, 1e-6))
+    assert bool((rows[:, 512:] == 0).all())
+    static_in = x.clone()
+    static_out = torch.empty_like(whole)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        static_out.copy_(fused_ops.rms_norm(static_in, weight, 1e-6))  # warm-up (compiles) off the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out.copy_(fused_ops.rms_norm(static_in, weight, 1e-6))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, whole)
+
+
+def test_disabled_runs_eager() -> None:
+    x = torch.randn(4, 512, device="cuda").to(torch.bfloat16)
+    weight = torch.rand(512, device="cuda").to(torch.bfloat16)
+    fused_ops.set_enabled(False)
+    try:
+        assert torch.equal(fused_ops.rms_norm(x, weight, 1e-6), fused_ops.rms_norm_eager(x, weight, 1e-6))
+    finally:
+        fused_ops.set_enabled(True)
+    assert fused_ops.enabled()
+
+
+def test_model_with_fused_ops_matches_eager() -> None:
+    """tiny-dsa in bf16 on the GPU, the same weights and prompt, fused against eager: the prompt's logits stay
+    within bf16 noise of each other (rope and the residual sums are exact, the norms' last bits differ) and their
+    argmax agrees at almost every position (random weights leave near-ties, so not at all of them)."""
+    from dsa_test_helpers import dense_backend, prefill_logits
+
+    from decode_server.model import build_random_model, load_config
+
+    config = load_config("tiny-dsa")
+    model = build_random_model(config, "cuda", torch.bfloat16, seed=0)
+    prompt = torch.randint(2, config.vocab_size, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    results = {}
+    for fused in (True, False):
+        fused_ops.set_enabled(fused)
+        try:
+            backend = dense_backend(config, num_slots=1024, max_requests=2, max_context=512, kv_dtype=torch.bfloat16,
+                                    device="cuda")
+            backend.reserve(0, len(prompt))
+            results[fused] = prefill_logits(model, backend, prompt).float()
+        finally:
+            fused_ops.set_enabled(True)
+    fused_logits, eager_logits = results[True], results[False]
+    scale = eager_logits.abs().max().item()
+    assert (fused_logits - eager_logits).abs().max().item() <= 0.05 * scale
+    agree = (fused_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item()
+    assert agree >= 0.95, agree
