@@ -86,7 +86,8 @@ def test_rms_norm_within_one_rounding_of_eager(dtype: torch.dtype, rows: int, n:
     diff = (got.float() - want.float()).abs()
     bound = 2 * _ulp(want) + 2.0**-19 * want.float().abs() + 1e-30
     assert bool((diff <= bound).all()), f"max diff {diff.max().item()}"
-    assert (got == want).float().mean().item() > 0.9
+    if dtype == torch.bfloat16:  # the scale's float32 ulps vanish in the cast on most elements (not in float32)
+        assert (got == want).float().mean().item() > 0.9
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
