@@ -1,8 +1,11 @@
 """Hit-only swap-in calls (B 64, D 4096, K 2048) for ncu to profile the plan kernel."""
 import sys
+
 import torch
+
 sys.path.insert(0, "benchmarks")
 from bench_swap_in import NUM_RECENT, make_workload, random_pinned  # noqa: E402
+
 from kernels.swap_in_cuda import swap_in_cuda  # noqa: E402
 from kernels.swap_in_tables import SwapInTables  # noqa: E402
 
