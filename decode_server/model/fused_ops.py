@@ -1,13 +1,14 @@
 """The model's elementwise steps — RMSNorm, the residual add before a norm, rotary embeddings — as one Triton
-kernel each on CUDA (kernels/norm_rope_triton.py), eager PyTorch elsewhere.
+kernel each on CUDA (kernels/norm_rope_triton.py), eager PyTorch elsewhere. The MoE router's selection follows the
+same switch (`MoEGate`, kernels/moe_route_triton.py).
 
 Why a dispatcher: eager runs each of these as 8-9 small kernels, and at decode batch sizes a step is bound by
 how many kernels it launches as much as by the bytes it reads (docs/model.md "Computation"). The eager versions
 here are the references and the CPU path. The rotary kernel gives eager's bits; the norm kernel differs from eager
 only in its sum's order (kernels/norm_rope_triton.py), and both are row-local, so batch invariant.
 
-`set_enabled(False)` makes every call eager (benchmarks compare the two in one process; tests use it as the
-oracle)."""
+`set_enabled(False)` makes every call eager, the router's too (benchmarks compare the two in one process; tests
+use it as the oracle)."""
 
 from __future__ import annotations
 

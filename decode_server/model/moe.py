@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decode_server.model import batch_invariant
+from decode_server.model import batch_invariant, fused_ops
 from decode_server.model.config import ModelConfig
 from decode_server.model.layers import MLP, narrow_linear
 from decode_server.parallel.comm import all_reduce
@@ -84,10 +84,15 @@ class MoEGate(nn.Module):
         c = self.config
 
         def route(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return route_tokens(
-                narrow_linear(rows, self.weight.float()), self.e_score_correction_bias, c.n_group, c.topk_group,
-                c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor,
-            )
+            logits = narrow_linear(rows, self.weight.float())
+            args = (self.e_score_correction_bias, c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob,
+                    c.routed_scaling_factor)
+            if fused_ops.enabled() and logits.is_cuda:
+                from kernels import moe_route_triton  # imports triton: CUDA only
+
+                if moe_route_triton.supports(logits, c.n_group, c.topk_group, c.num_experts_per_tok):
+                    return moe_route_triton.route(logits, *args)  # one kernel instead of ~15 (its docstring)
+            return route_tokens(logits, *args)
 
         if batch_invariant.enabled():
             return batch_invariant.on_row_tiles_pair(route, x.float())  # the routing, not only its GEMM, on tiles

@@ -1,4 +1,4 @@
-"""Checks of the Triton kernels (the indexer's, the norm and rope kernels) that run without a GPU (used by tests/kernels/test_triton_cpu.py, each in
+"""Checks of the Triton kernels (the indexer's, the norm, rope and router kernels) that run without a GPU (used by tests/kernels/test_triton_cpu.py, each in
 its own process; also a tool: `python tests/kernels/triton_cpu_checks.py <check>`).
 
 - `interpret-*`: the kernels run under Triton's interpreter (TRITON_INTERPRET=1, numpy on CPU tensors) against
@@ -324,8 +324,69 @@ def interpret_norm_rope() -> None:
     print("norm and rope kernels: rope exact, residual sums exact, norms within 2 ulps of eager")
 
 
+def interpret_moe_route() -> None:
+    """The router's selection kernel (kernels/moe_route_triton.py) against `route_tokens` on random logits: the
+    same expert ids in the same order, weights within float32 rounding; the tie rule (lower index first) where
+    every score is equal or groups tie."""
+    from decode_server.model.moe import route_tokens
+    from kernels import moe_route_triton as k
+
+    gen = torch.Generator().manual_seed(0)
+    for experts, groups, kept, top_k, normalize in ((256, 8, 4, 8, True), (8, 4, 2, 2, True), (64, 1, 1, 6, False),
+                                                     (32, 4, 2, 8, True), (16, 16, 4, 3, False)):
+        logits = torch.randn(5, experts, generator=gen) * 2
+        bias = torch.randn(experts, generator=gen) * 0.1
+        want_w, want_ids = route_tokens(logits, bias, groups, kept, top_k, normalize, 2.5)
+        got_w, got_ids = k.route(logits, bias, groups, kept, top_k, normalize, 2.5)
+        if not torch.equal(got_ids, want_ids):
+            _fail(f"expert ids differ from route_tokens ({experts} experts, {groups} groups)")
+        if not torch.allclose(got_w, want_w, rtol=1e-6, atol=1e-7):
+            _fail(f"weights off by {(got_w - want_w).abs().max().item()} ({experts} experts, {groups} groups)")
+    logits, bias = torch.zeros(2, 256), torch.zeros(256)
+    _, ids = k.route(logits, bias, 8, 4, 8, True, 1.0)
+    if ids.tolist() != [list(range(8))] * 2:
+        _fail(f"ties: expected experts 0-7, got {ids[0].tolist()}")
+    logits[:, 40] = 3.0
+    logits[:, 200] = 3.0
+    _, ids = k.route(logits, bias, 8, 4, 8, True, 1.0)
+    if ids[0, :2].tolist() != [40, 200] or set(ids[0, 2:].tolist()) != {0, 1, 2, 3, 4, 5}:
+        _fail(f"group ties: got {ids[0].tolist()}")
+    print("router kernel: ids equal to route_tokens, weights within float32 rounding, ties to the lower index")
+
+
+def compile_small_kernels() -> None:
+    """The norm, rotation and router kernels compile for sm_90 at the shapes the model launches, without spills."""
+    from kernels.moe_route_triton import _route_kernel
+    from kernels.norm_rope_triton import _rms_norm_kernel, _rope_kernel
+
+    t0 = time.time()
+    route_types = {"logits_ptr": "*fp32", "logits_stride": "i32", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
+                   "ids_ptr": "*i64", "num_experts": "i32", "scaling": "fp32"}
+    norm_types = {"x_ptr": "*bf16", "x_stride": "i32", "d_ptr": "*bf16", "d_stride": "i32", "sum_ptr": "*bf16",
+                  "sum_stride": "i32", "w_ptr": "*bf16", "out_ptr": "*bf16", "out_stride": "i32", "n": "i32",
+                  "eps": "fp32"}
+    rope_types = {"x_ptr": "*bf16", "x_tok_stride": "i32", "x_head_stride": "i32", "cos_ptr": "*bf16",
+                  "sin_ptr": "*bf16", "cs_stride": "i32", "out_ptr": "*bf16", "out_tok_stride": "i32",
+                  "out_head_stride": "i32", "heads": "i32"}
+    builds = {
+        "router 256 experts": (_route_kernel, route_types, {"N_GROUP": 8, "GROUP_SIZE": 32, "TOPK_GROUP": 4,
+                                                            "TOP_K": 8, "TOP_K_BLOCK": 8, "NORMALIZE": True}, 4),
+        "residual add + norm 7168": (_rms_norm_kernel, norm_types, {"HAS_DELTA": True, "BLOCK": 8192}, 16),
+        "rope 128 heads": (_rope_kernel, rope_types, {"INTERLEAVED": True, "HALF": 32, "HEADS_BLOCK": 16}, 4),
+    }
+    for name, (fn, types, constexprs, warps) in builds.items():
+        kernel = _compile_sm90(fn, types, constexprs, [n for n in types if n.endswith("_ptr")], warps, 3)
+        resources = _resources(kernel)
+        if " 0 B spilled" not in resources and "spilled" in resources:
+            _fail(f"{name} spills: {resources}")
+        print(f"{name}: {resources}")
+    print(f"compiled for sm_90 in {time.time() - t0:.0f} s")
+
+
 CHECKS = {
     "interpret-kth-key": interpret_kth_key,
+    "interpret-moe-route": interpret_moe_route,
+    "compile-small-kernels": compile_small_kernels,
     "interpret-norm-rope": interpret_norm_rope,
     "interpret-topk": interpret_topk,
     "interpret-scores": interpret_scores,
