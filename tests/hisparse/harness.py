@@ -224,6 +224,25 @@ def run_poisoned_modes(tiny, arrivals: list[Arrival], modes: list[tuple[str, dic
     return results, engines
 
 
+# Engines whose device buffer holds 64 slots (tiny-dsa's and tiny-glm5's index_topk: D = top_k) in a small budget.
+SMALL_BUFFER_ENGINE = {"buffer_size": 64, "num_recent": 2, "device_budget": 32 << 20}
+
+
+def long_prompt_workload(seed: int, long_lengths: tuple[int, int, int]) -> list[Arrival]:
+    """For SMALL_BUFFER_ENGINE: three prompts longer than the buffer decode on the long path and miss in every
+    layer; a short one stays on the fast path in the same batches; the last arrives at step 3 and changes the
+    batch."""
+    gen = torch.Generator().manual_seed(seed)
+    first, second, late = long_lengths
+    return [Arrival(0, "a", random_prompt(gen, first), 12), Arrival(0, "b", random_prompt(gen, second), 10),
+            Arrival(0, "c", random_prompt(gen, 30), 8), Arrival(3, "d", random_prompt(gen, late), 9)]
+
+
+def swap_counters(engine: Engine) -> list[tuple[int, int]]:
+    """Per layer (hits, misses) of a HiSparse engine's swap-ins so far."""
+    return [(s.hits, s.misses) for s in engine.kv.layer_stats()]
+
+
 def assert_failed_attention_leaves_nothing_pending(engine: Engine, layer: int, message: str) -> None:
     """One request's first decode step fails in the attention of `layer` (raising `message`), after checking that
     exactly that layer's swap-in is pending on the side stream; end_forward must still join it (nothing pending)

@@ -18,45 +18,31 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import (
+    SMALL_BUFFER_ENGINE,
     Arrival,
-    RunResult,
     assert_failed_attention_leaves_nothing_pending,
     assert_identical,
+    long_prompt_workload,
     make_engine,
     random_prompt,
+    run_poisoned_modes,
     run_script,
+    swap_counters,
 )
 
 from decode_server.engine.forward_context import get_forward_context
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.model import Tokenizer, load_model, resolve_model_path
 
-TOP_K = 64  # tiny-dsa's and tiny-glm5's index_topk
-
 
 def _workload() -> list[Arrival]:
-    """Prompts longer than the buffer (D = top_k = 64) decode on the long path and miss in every layer; a short
-    one stays on the fast path in the same batches; a late arrival changes the batch."""
-    gen = torch.Generator().manual_seed(9)
-    return [Arrival(0, "a", random_prompt(gen, 140), 12), Arrival(0, "b", random_prompt(gen, 95), 10),
-            Arrival(0, "c", random_prompt(gen, 30), 8), Arrival(3, "d", random_prompt(gen, 125), 9)]
+    return long_prompt_workload(9, (140, 95, 125))
 
 
 def _engine(tiny, hisparse: bool, early: bool = True, prefetch: bool = False):
     """`early` on unless told: the switch under test (the server's default is off)."""
-    return make_engine(tiny, hisparse=hisparse, buffer_size=TOP_K, num_recent=2, device_budget=32 << 20,
-                       early_swap_in=early, prefetch_shared_layers=prefetch)
-
-
-def _run_hisparse(tiny, early: bool, replay: list) -> tuple[RunResult, object]:
-    engine = _engine(tiny, hisparse=True, early=early)
-    engine.kv.host.kv.fill_(0xFF)  # NaN rows (float32): a row read before it was copied shows in the logits
-    engine.kv.buffers.kv.fill_(0xFF)
-    return run_script(engine, _workload(), replay=replay), engine
-
-
-def _swap_counters(engine) -> list[tuple[int, int]]:
-    return [(s.hits, s.misses) for s in engine.kv.layer_stats()]
+    return make_engine(tiny, hisparse=hisparse, **SMALL_BUFFER_ENGINE, early_swap_in=early,
+                       prefetch_shared_layers=prefetch)
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -71,15 +57,16 @@ def test_default_is_off_and_the_key_switches_it() -> None:
 
 
 def test_early_swap_in_is_bit_identical_to_dense_and_to_late(tiny_cpu) -> None:
-    dense_engine = _engine(tiny_cpu, hisparse=False)
-    dense = run_script(dense_engine, _workload())
-    late, late_engine = _run_hisparse(tiny_cpu, early=False, replay=dense.schedule)
-    early, early_engine = _run_hisparse(tiny_cpu, early=True, replay=dense.schedule)
+    modes = [("dense", {"hisparse": False}), ("late", {"hisparse": True, "early_swap_in": False}),
+             ("early", {"hisparse": True, "early_swap_in": True})]
+    runs, engines = run_poisoned_modes(tiny_cpu, _workload(), modes, graphs=False, **SMALL_BUFFER_ENGINE)
+    dense, late, early = runs["dense"], runs["late"], runs["early"]
+    dense_engine, late_engine, early_engine = engines["dense"], engines["late"], engines["early"]
     assert_identical(dense, late)
     assert_identical(dense, early)
     assert len({tuple(t) for t in dense.tokens.values()}) == 4  # prompt-dependent outputs
-    counters = _swap_counters(early_engine)
-    assert counters == _swap_counters(late_engine), "the early swap-in changed the swap-in counters"
+    counters = swap_counters(early_engine)
+    assert counters == swap_counters(late_engine), "the early swap-in changed the swap-in counters"
     assert all(misses > 0 for _, misses in counters), f"a layer never missed: nothing was copied early {counters}"
     decode_steps = sum(1 for s in dense.schedule if s is not None and s[3])
     layers = len(counters)

@@ -14,20 +14,22 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import (
+    SMALL_BUFFER_ENGINE,
     Arrival,
-    RunResult,
     assert_failed_attention_leaves_nothing_pending,
     assert_identical,
+    long_prompt_workload,
     make_engine,
     random_prompt,
+    run_poisoned_modes,
     run_script,
+    swap_counters,
 )
 
 from decode_server.engine.kv_rows import CacheGeometry
 from decode_server.hisparse.prefetch import shared_followers
 from decode_server.model import Tokenizer, load_model, resolve_model_path
 
-TOP_K = 64  # tiny-glm5's index_topk
 SHARED_LAYERS = (1, 3)  # tiny-glm5: full, shared, full, shared
 
 
@@ -58,41 +60,28 @@ def test_every_layer_full_by_default() -> None:
 
 
 def _workload() -> list[Arrival]:
-    """Prompts longer than the buffer (D = top_k = 64) decode on the long path and miss in every layer; a short
-    one stays on the fast path in the same batches; a late arrival changes the batch."""
-    gen = torch.Generator().manual_seed(5)
-    return [Arrival(0, "a", random_prompt(gen, 150), 12), Arrival(0, "b", random_prompt(gen, 90), 10),
-            Arrival(0, "c", random_prompt(gen, 30), 8), Arrival(3, "d", random_prompt(gen, 120), 9)]
+    return long_prompt_workload(5, (150, 90, 120))
 
 
 def _engine(tiny, hisparse: bool, prefetch: bool = False, early: bool = False):
     """`early` off by default: these tests follow the followers' launch from the full layer's attention (the
     early swap-in, which launches them from its index_topk, is tests/hisparse/test_early_swap_in.py)."""
-    return make_engine(tiny, hisparse=hisparse, buffer_size=TOP_K, num_recent=2, device_budget=32 << 20,
-                       prefetch_shared_layers=prefetch, early_swap_in=early)
-
-
-def _run_hisparse(tiny, prefetch: bool, replay: list) -> tuple[RunResult, object]:
-    engine = _engine(tiny, hisparse=True, prefetch=prefetch)
-    engine.kv.host.kv.fill_(0xFF)  # NaN rows (float32): a row read before it was written shows in the logits
-    engine.kv.buffers.kv.fill_(0xFF)
-    return run_script(engine, _workload(), replay=replay), engine
-
-
-def _swap_counters(engine) -> list[tuple[int, int]]:
-    return [(s.hits, s.misses) for s in engine.kv.layer_stats()]
+    return make_engine(tiny, hisparse=hisparse, **SMALL_BUFFER_ENGINE, prefetch_shared_layers=prefetch,
+                       early_swap_in=early)
 
 
 def test_prefetch_is_bit_identical_to_dense_and_to_no_prefetch(tiny_glm5) -> None:
-    dense_engine = _engine(tiny_glm5, hisparse=False)
-    dense = run_script(dense_engine, _workload())
-    off, off_engine = _run_hisparse(tiny_glm5, prefetch=False, replay=dense.schedule)
-    on, on_engine = _run_hisparse(tiny_glm5, prefetch=True, replay=dense.schedule)
+    modes = [("dense", {"hisparse": False}), ("off", {"hisparse": True, "prefetch_shared_layers": False}),
+             ("on", {"hisparse": True, "prefetch_shared_layers": True})]
+    runs, engines = run_poisoned_modes(tiny_glm5, _workload(), modes, graphs=False,
+                                       **SMALL_BUFFER_ENGINE)
+    dense, off, on = runs["dense"], runs["off"], runs["on"]
+    dense_engine, off_engine, on_engine = engines["dense"], engines["off"], engines["on"]
     assert_identical(dense, off)
     assert_identical(dense, on)
     assert len({tuple(t) for t in dense.tokens.values()}) == 4  # prompt-dependent outputs
-    counters = _swap_counters(on_engine)
-    assert counters == _swap_counters(off_engine), "the prefetch changed the swap-in counters"
+    counters = swap_counters(on_engine)
+    assert counters == swap_counters(off_engine), "the prefetch changed the swap-in counters"
     for layer in SHARED_LAYERS:
         assert counters[layer][1] > 0, f"shared layer {layer} never missed: the prefetch copied nothing"
     backend = on_engine.kv.backend
