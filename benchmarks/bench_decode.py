@@ -13,6 +13,8 @@ timed over N decode steps of the real engine loop (schedule → forward → samp
                    synthetic trace replaces full layers' top-k only, so shared layers miss like their full layer.
   ...+early        HiSparse with `early_swap_in` (--hisparse-early-swap-in on|both): each layer's swap-in starts
                    right after its selection, on a side stream, instead of at its attention (issue 23 item 4).
+  ...+cbN          those side-stream swap-ins with their copy kernel capped at N blocks
+                   (--hisparse-side-copy-blocks N ...; HiSparseConfig side_stream_copy_blocks).
 Reports batch, tokens/s, step time, hit rate and PCIe bytes per step; writes JSON and a PNG plot.
 
 GPU:   python benchmarks/bench_decode.py --contexts 8192 32768 65536 --device-kv-budget-gib 8
@@ -133,6 +135,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hisparse-early-swap-in", default="off", choices=["on", "off", "both"],
                    help="HiSparse runs with the early swap-in (HiSparseConfig early_swap_in): off (the server's "
                         "default), on (modes named ...+early), or both, each HiSparse run twice (issue 23 item 4)")
+    p.add_argument("--dense-synthetic-topk", action="store_true",
+                   help="also run dense over the synthetic selection of each --miss-rates rate (and, at the fixed "
+                        "batches, each --batch-miss-rates rate; modes dense-mX): the fair baseline for hisparse-mX, "
+                        "which pays the synthetic selection's own kernels (SyntheticTopK)")
+    p.add_argument("--hisparse-side-copy-blocks", type=int, nargs="+", default=None, metavar="N",
+                   help="HiSparse runs whose swap-ins run on a side stream (+pf, +early) once per N, with the copy "
+                        "kernel's grid capped at N blocks (HiSparseConfig side_stream_copy_blocks; 0: no cap; modes "
+                        "named ...+cbN); default: the config's default, no suffix")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bfloat16", "fp8_e4m3"],
                    help="KV rows: the model dtype (bf16, 1152 B) or FlashMLA's FP8 rows (656 B); default auto, "
                         "fp8_e4m3 for the rank configs")
@@ -193,7 +203,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class SyntheticTopK:
     """Replaces the indexer's decode top-k with a window over a per-(request, layer) random permutation of the
     context, advancing by `miss_rate * K` positions per step: every entering position was last selected long
-    ago, so it misses, and the rest were selected one step earlier, so they hit."""
+    ago, so it misses, and the rest were selected one step earlier, so they hit.
+
+    Making the window costs ~8 small kernels a layer (~17 µs at batch 1 on an H200, ~1 ms a step of the 61-layer
+    rank), which the real selection does not run: a HiSparse-against-dense comparison at a small batch gives dense
+    the same window (--dense-synthetic-topk, `dense-mX`), so both steps carry it and differ only in HiSparse's own
+    work."""
 
     def __init__(self, engine: Engine, context: int, miss_rate: float, seed: int) -> None:
         self.engine = engine
@@ -214,7 +229,8 @@ class SyntheticTopK:
 
     def index_topk(self, layer_id: int, q: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
         real = self.original(layer_id, q, weights, top_k)  # keep the indexer's cost in the step
-        batch = self.engine.kv.backend._current()
+        current = self.engine.kv.backend._current()
+        batch = current[0] if isinstance(current, tuple) else current  # DenseBackend: (batch, slots, rows)
         if not batch.is_decode:
             return real
         cols = (self.start[layer_id] + torch.arange(top_k, device=q.device)) % self.context
@@ -311,7 +327,8 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
         max_running_requests=batch_cap,
         max_queued_requests=batch_cap + 1, chunked_prefill_size=max(2048, args.page_size),
         hisparse=HiSparseConfig(device_buffer_size=args.buffer_size, num_recent_slots=args.num_recent,
-                                prefetch_shared_layers=prefetch, early_swap_in=early),
+                                prefetch_shared_layers=prefetch, early_swap_in=early,
+                                side_stream_copy_blocks=side_copy_blocks(mode)),
         enable_deterministic_inference=args.enable_deterministic_inference, tp_size=args.tp_size,
         disable_cuda_graph=True,  # captured by run_one once the requests are in (capture_graphs)
         disable_overlap_schedule=args.disable_overlap_schedule,
@@ -322,7 +339,8 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
         kv_dtype = resolve_kv_dtype(cfg, resolve_model_dtype(cfg, device))
         layout, sizing = hisparse_layout(args, model_config, kv_dtype, context, max_len, batch_cap, device_budget)
         kv = HiSparseCoordinator(layout, kv_dtype, device, parallel=parallel,  # shared host pool with TP
-                                 prefetch_shared_layers=prefetch, early_swap_in=early)
+                                 prefetch_shared_layers=prefetch, early_swap_in=early,
+                                 side_stream_copy_blocks=side_copy_blocks(mode))
         cfg = cfg.model_copy(update={"max_running_requests": layout.max_reqs})
     engine = Engine(cfg, model=model, model_config=model_config, tokenizer=None, kv_manager=kv, parallel=parallel)
     return engine, sizing
@@ -580,6 +598,7 @@ def host_mem_total() -> int | None:
 
 PREFETCH_SUFFIX = "+pf"  # HiSparse modes run with prefetch_shared_layers
 EARLY_SUFFIX = "+early"  # HiSparse modes run with early_swap_in
+COPY_BLOCKS_SUFFIX = "+cb"  # +cbN: side-stream swap-ins' copy kernel capped at N blocks
 
 
 def hisparse_variants(args, mode: str, has_shared_layers: bool) -> list[str]:
@@ -591,14 +610,30 @@ def hisparse_variants(args, mode: str, has_shared_layers: bool) -> list[str]:
         return [mode]
     pf = {"off": [""], "on": [PREFETCH_SUFFIX], "both": ["", PREFETCH_SUFFIX]}[args.hisparse_prefetch_shared_layers]
     early = {"off": [""], "on": [EARLY_SUFFIX], "both": ["", EARLY_SUFFIX]}[args.hisparse_early_swap_in]
-    return [mode + p + e for p in (pf if has_shared_layers else [""]) for e in early]
+    variants = [mode + p + e for p in (pf if has_shared_layers else [""]) for e in early]
+    caps = getattr(args, "hisparse_side_copy_blocks", None)
+    if not caps:
+        return variants
+    # Only variants with side-stream swap-ins have a copy grid to cap.
+    on_side = [EARLY_SUFFIX in v or PREFETCH_SUFFIX in v for v in variants]
+    return [v + f"{COPY_BLOCKS_SUFFIX}{n}" if side else v
+            for v, side in zip(variants, on_side, strict=True) for n in (caps if side else [None])]
+
+
+def side_copy_blocks(mode: str) -> int:
+    """The side-stream copy cap of a mode (its `+cbN` suffix), else the config's default."""
+    if COPY_BLOCKS_SUFFIX in mode:
+        return int(mode.rsplit(COPY_BLOCKS_SUFFIX, 1)[1])
+    return HiSparseConfig().side_stream_copy_blocks
 
 
 def run_name(mode: str, miss_rate: float | None) -> str:
-    """The result's mode: `hisparse-mX` for a synthetic miss rate, the variant suffixes kept."""
+    """The result's mode: `hisparse-mX` (or `dense-mX`, --dense-synthetic-topk) for a synthetic selection of miss
+    rate X, the variant suffixes kept."""
     if miss_rate is None:
         return mode
-    return f"hisparse-m{round(miss_rate * 100)}" + mode.removeprefix("hisparse")
+    base = "dense" if mode == "dense" else "hisparse"
+    return f"{base}-m{round(miss_rate * 100)}" + mode.removeprefix(base)
 
 
 def prefetch_launched(engine: Engine) -> int | None:
@@ -690,7 +725,7 @@ def _timed_run(args, model, model_config, mode: str, context: int, miss_rate: fl
         "host_pool_shmem_bytes": shmem_used if parallel is not None and host_pool else None,
         "kv_budget_bytes": device_budget, "kv_budget_gib": device_budget / GIB, "kv_cache_dtype": str(kv_dtype),
         "sweep_kv_gib_per_layer": sweep, "prefetch_shared_layers": PREFETCH_SUFFIX in mode,
-        "early_swap_in": EARLY_SUFFIX in mode,
+        "early_swap_in": EARLY_SUFFIX in mode, "side_stream_copy_blocks": side_copy_blocks(mode),
         "prefetch_launched": prefetch_launched(engine), **sizing, **spans, **graphs,
     }
     if roof is not None:
@@ -885,12 +920,16 @@ def run_rank(args, parallel=None) -> int:
         (m, None, None) for m in args.modes if not (m == "hisparse" and args.skip_model_indexer_run)]
     if "hisparse" in args.modes:
         runs += [("hisparse", r, None) for r in args.miss_rates]
+    if "dense" in args.modes and args.dense_synthetic_topk:
+        runs += [("dense", r, None) for r in args.miss_rates]
     # With --batch-miss-rates the fixed batches run HiSparse on those synthetic rates only (not on the model's own
     # random-weight indexer, whose ~87 % misses say nothing about a fixed miss rate).
     runs += [(m, None, b) for b in args.batch_sizes for m in args.modes
              if not (m == "hisparse" and args.batch_miss_rates)]
     if "hisparse" in args.modes:
         runs += [("hisparse", r, b) for b in args.batch_sizes for r in args.batch_miss_rates]
+    if "dense" in args.modes and args.dense_synthetic_topk:  # dense over the same synthetic selection
+        runs += [("dense", r, b) for b in args.batch_sizes for r in args.batch_miss_rates]
     has_shared_layers = bool(shared_followers(CacheGeometry.from_model_config(model_config)))
     plan: list[tuple[int, str, float | None, int | None, int, float | None]] = [
         (context, mode, miss, fixed, budget, None) for context in args.contexts for mode, miss, fixed in runs]

@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eager-ops", action="store_true",
                    help="run RMSNorm, residual add + norm and rotary embeddings as eager PyTorch ops instead of "
                         "their one-kernel Triton versions (decode_server/model/fused_ops.py), for a same-call A/B")
+    p.add_argument("--eager-router", action="store_true",
+                   help="only the MoE router's selection as eager PyTorch ops (kernels/moe_route_triton.py off), "
+                        "the other fused ops as configured")
     p.add_argument("--top-kernels", type=int, default=25,
                    help="kernels (by device time) listed per run, each with its µs and launches per step")
     p.add_argument("--device-kv-budget-gib", type=float, default=8.0)
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_fp8_step needs a CUDA GPU")
         return 1
     fused_ops.set_enabled(not args.eager_ops)
+    fused_ops.set_router_enabled(not args.eager_router)
     bd = _bench_decode()
     config = load_config(args.config)
     t0 = time.perf_counter()
@@ -147,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_name(),
             "config": args.config, "context": args.context, "fp8_build_s": build_s, "hbm_copy_gbps": hbm,
             "weights_bytes": {"fp8": weight_bytes(model8), "bf16": weight_bytes(model16)},
-            "command": " ".join(sys.argv), "torch": torch.__version__, "fused_ops": fused_ops.enabled()}
+            "command": " ".join(sys.argv), "torch": torch.__version__, "fused_ops": fused_ops.enabled(),
+            "fused_router": fused_ops.router_enabled()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []

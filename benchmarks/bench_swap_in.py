@@ -12,7 +12,11 @@ and without its Python argument checks, the wrapper before checks were skipped, 
 HiSparse backend calls (`kernels.BoundSwapIn`, tables bound once, checks on a shape's first call), next to the
 call's GPU time. All columns come from one process, so before (unbound) and after (bound) compare directly.
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_swap_in.py [--quick] [--host-overhead] [--json out.json]
+`--copy-blocks N ...` instead sweeps the copy kernel's grid cap (HiSparseConfig side_stream_copy_blocks): the
+swap-in alone and beside a weight-bound GEMM on another stream, as the early swap-in and GLM-5's prefetch run it.
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_swap_in.py [--quick] [--host-overhead] [--copy-blocks N ...]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -80,8 +84,11 @@ def make_workload(batch: int, buffer_size: int, top_k: int, miss_rate: float, se
     return topk, held.contiguous(), lru, n_miss
 
 
-def run_case(host_pool: torch.Tensor, device_pool: torch.Tensor, batch: int, buffer_size: int, top_k: int,
-             miss_rate: float, peak_gbps: float, rotations: int = 4, breakdown: bool = False) -> Result:
+def setup_case(host_pool: torch.Tensor, device_pool: torch.Tensor, batch: int, buffer_size: int, top_k: int,
+               miss_rate: float, rotations: int = 4, max_copy_blocks: int = 0):
+    """(call, reset, misses per request) of one case: `call()` swaps in the current workload, `reset()` (untimed)
+    restores the tables and moves to the next of `rotations` workloads. The first call is checked to move exactly
+    the planned hits and misses."""
     dev = "cuda"
     seq_len = 4 * buffer_size
     n_dev_rows = device_pool.shape[0]
@@ -105,7 +112,7 @@ def run_case(host_pool: torch.Tensor, device_pool: torch.Tensor, batch: int, buf
 
     def call() -> None:
         topk = workloads[state["i"]][0]
-        swap_in_cuda(topk, seq_lens, req_rows, tables)
+        swap_in_cuda(topk, seq_lens, req_rows, tables, max_copy_blocks=max_copy_blocks)
 
     reset()
     counters.zero_()
@@ -115,6 +122,13 @@ def run_case(host_pool: torch.Tensor, device_pool: torch.Tensor, batch: int, buf
     got = counters.tolist()
     if got != [batch * (top_k - n_miss), batch * n_miss]:
         raise RuntimeError(f"unexpected hit/miss counts {got} for {batch}x{top_k} at {miss_rate:.0%} misses")
+    return call, reset, n_miss
+
+
+def run_case(host_pool: torch.Tensor, device_pool: torch.Tensor, batch: int, buffer_size: int, top_k: int,
+             miss_rate: float, peak_gbps: float, rotations: int = 4, breakdown: bool = False) -> Result:
+    dev = "cuda"
+    call, reset, n_miss = setup_case(host_pool, device_pool, batch, buffer_size, top_k, miss_rate, rotations)
     us = time_gpu_us(call, reset=reset)
     if breakdown:
         kernels = kernel_times_us(call, reset, name_filter="swap_in")
@@ -132,6 +146,53 @@ def run_case(host_pool: torch.Tensor, device_pool: torch.Tensor, batch: int, buf
         memcpy_us = time_gpu_us(lambda: dst.copy_(src, non_blocking=True), iters=10)
     return Result(row_bytes, buffer_size, top_k, batch, miss_rate, us, missed / 1e6, gbps, memcpy_us,
                   gbps / peak_gbps if missed else 0.0)
+
+
+def copy_cap_sweep(caps: list[int], batches: list[int], miss_rates: list[float], row_bytes: int = 656,
+                   buffer_size: int = 4096, top_k: int = 2048) -> list[dict]:
+    """The copy kernel's grid cap (`max_copy_blocks`, 0 = the default two blocks an SM) against the swap-in's time
+    alone and beside a weight-bound GEMM on another stream, as a side-stream swap-in runs (early swap-in, GLM-5
+    prefetch): `together` is the fork (swap-in on a high-priority side stream) to the join. The GEMM, x [16, 7168]
+    · W [7168, 4096] bf16 twice (~59 MB of weights a call), stands in for the projections an early swap-in runs
+    beside. A cap that keeps `alone` and shortens `together` leaves the GEMM its SMs."""
+    dev = "cuda"
+    host_pool = random_pinned(HOST_ROWS, row_bytes)
+    device_pool = torch.empty((max(batches) * (buffer_size + NUM_RECENT) + 64, row_bytes), dtype=torch.uint8,
+                              device=dev)
+    x = torch.randn(16, 7168, dtype=torch.bfloat16, device=dev)
+    w = torch.randn(4096, 7168, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(16, 4096, dtype=torch.bfloat16, device=dev)
+
+    def gemm() -> None:
+        for _ in range(2):
+            torch.mm(x, w.t(), out=y)
+
+    gemm_us = time_gpu_us(gemm)
+    side = torch.cuda.Stream(priority=-1)
+    rows = []
+    for batch in batches:
+        for miss in miss_rates:
+            for cap in caps:
+                call, reset, n_miss = setup_case(host_pool, device_pool, batch, buffer_size, top_k, miss,
+                                                 max_copy_blocks=cap)
+
+                def together(call=call) -> None:
+                    main = torch.cuda.current_stream()
+                    side.wait_stream(main)
+                    with torch.cuda.stream(side):
+                        call()
+                    gemm()
+                    main.wait_stream(side)
+
+                alone = time_gpu_us(call, reset=reset)
+                both = time_gpu_us(together, reset=reset)
+                row = {"row_bytes": row_bytes, "batch": batch, "miss_rate": miss, "max_copy_blocks": cap,
+                       "missed_mb": batch * n_miss * row_bytes / 1e6, "swap_alone_us": alone, "gemm_alone_us": gemm_us,
+                       "together_us": both, "hidden_us": alone + gemm_us - both}
+                rows.append(row)
+                logger.info("cap %3d  B %3d  miss %3.0f%%: swap-in %7.1f us, GEMM %6.1f us, together %7.1f us",
+                            cap, batch, 100 * miss, alone, gemm_us, both)
+    return rows
 
 
 def host_overhead(batches: list[int], buffer_size: int = 4096, top_k: int = 2048) -> list[dict]:
@@ -185,9 +246,24 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer cases (smoke run)")
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     parser.add_argument("--host-overhead", action="store_true", help="only the host cost per call (hit-only)")
+    parser.add_argument("--copy-blocks", type=int, nargs="+", default=None, metavar="N",
+                        help="only the copy-grid cap sweep: each cap N (0 = the default grid) alone and beside a "
+                             "GEMM on another stream (FP8 rows, D 4096, batches 1 / 16 / 64, 5 / 20 %% misses)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
+    if args.copy_blocks:
+        rows = copy_cap_sweep(args.copy_blocks, [1, 16, 64], [0.05, 0.2])
+        if args.json:
+            args.json.write_text(json.dumps({"device": device_name(), "copy_cap_sweep": rows}, indent=1))
+        print(f"\ncopy-grid cap, FP8 rows, D 4096, K 2048, {device_name()}: swap-in alone / beside a GEMM "
+              f"({rows[0]['gemm_alone_us']:.1f} us alone)")
+        print("| batch | misses | cap | MB | alone us | together us | hidden us |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['batch']} | {r['miss_rate']:.0%} | {r['max_copy_blocks'] or 'default'} | "
+                  f"{r['missed_mb']:.2f} | {r['swap_alone_us']:.1f} | {r['together_us']:.1f} | {r['hidden_us']:.1f} |")
+        return
     if args.host_overhead:
         rows = host_overhead([1, 16, 64, 128])
         if args.json:

@@ -44,6 +44,8 @@ class BoundSwapIn:
 
     def __init__(self, tables: SwapInTables) -> None:
         self.tables = tables
+        self._max_copy_blocks = 0
+        self._context = None
         self._checked_shapes: set[tuple] = set()
         self._check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
         self._run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -51,10 +53,27 @@ class BoundSwapIn:
             from kernels.swap_in_cuda import bind_swap_in_cuda, check_swap_in_cuda_args
 
             self._check = partial(check_swap_in_cuda_args, tables=tables)
-            self._run = bind_swap_in_cuda(tables)
+            self._context = bind_swap_in_cuda(tables)  # the extension's SwapInContext
+            self._run = self._context
         else:
             self._check = tables.check
             self._run = partial(swap_in_ref, tables=tables)
+
+    @property
+    def max_copy_blocks(self) -> int:
+        """Cap on the CUDA copy kernel's blocks, 0 for its default grid. A swap-in that runs on a side stream beside
+        other kernels takes a cap: its copy waits on PCIe, so a few dozen blocks keep the link as busy as the full
+        grid while leaving the other SMs to its neighbours. Results never depend on it; the CPU reference has no
+        grid and ignores it."""
+        return self._max_copy_blocks
+
+    @max_copy_blocks.setter
+    def max_copy_blocks(self, blocks: int) -> None:
+        if blocks < 0:
+            raise ValueError(f"max_copy_blocks must be >= 0, got {blocks}")
+        self._max_copy_blocks = int(blocks)
+        if self._context is not None:
+            self._context.max_copy_blocks = self._max_copy_blocks
 
     def __call__(self, top_k_tokens: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor) -> torch.Tensor:
         # Checked once per signature (shape, dtype and device of each argument), not just per top-k shape: every

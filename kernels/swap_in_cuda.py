@@ -19,17 +19,20 @@ from kernels.swap_in_tables import SwapInTables
 
 def swap_in_cuda(
     top_k_tokens: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor, tables: SwapInTables,
-    check: bool = True,
+    check: bool = True, max_copy_blocks: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """See kernels/swap_in_ref.py. All tensors on the device pool's GPU except the host pool, which must be
     pinned (or on that GPU). Asynchronous on the current stream.
 
     `check=False` skips the Python argument checks (ValueErrors with clear messages; ~5 µs of host time per call,
     measured in docs/benchmarks-history.md) for a caller that already passed the same tables and pools with checks, as
-    `kernels.BoundSwapIn` does for every top-k shape after its first; the extension keeps its own checks."""
+    `kernels.BoundSwapIn` does for every top-k shape after its first; the extension keeps its own checks.
+
+    `max_copy_blocks` caps the copy kernel's grid (0: its default, two blocks an SM); the result is the same, only
+    how many SMs the copy occupies changes (a swap-in on a side stream: `SwapInContext.max_copy_blocks`)."""
     if check:
         check_swap_in_cuda_args(top_k_tokens, seq_lens, req_rows, tables)
-    return load_extension().swap_in(top_k_tokens, seq_lens, req_rows, *tables.extension_args())
+    return load_extension().swap_in(top_k_tokens, seq_lens, req_rows, *tables.extension_args(), max_copy_blocks)
 
 
 def bind_swap_in_cuda(tables: SwapInTables) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -71,10 +71,11 @@ class HiSparseMemory(Protocol):
 
 class HiSparseBackend(AttentionBackend):
     def __init__(self, coordinator: HiSparseMemory, prefetch_shared_layers: bool = False,
-                 early_swap_in: bool = False) -> None:
+                 early_swap_in: bool = False, side_stream_copy_blocks: int = 0) -> None:
         """`prefetch_shared_layers`: start GLM-5 shared layers' swap-ins at their full layer (a no-op for models
         without shared layers); `early_swap_in`: start a layer's own swap-in in `prepare_attention` rather than in
-        its attention (decode_server/hisparse/prefetch.py)."""
+        its attention (decode_server/hisparse/prefetch.py); `side_stream_copy_blocks`: cap the copy kernel's grid
+        of the swap-ins that those two run on the side stream (0: no cap)."""
         self.co = coordinator
         self._batch: ForwardBatch | None = None
         self._query_rows: torch.Tensor | None = None
@@ -101,6 +102,11 @@ class HiSparseBackend(AttentionBackend):
         ]
         followers = shared_followers(coordinator.cache_geometry) if prefetch_shared_layers else {}
         self.prefetch = SwapInPrefetch(followers, self.swaps, coordinator.device, early=early_swap_in)
+        # The layers whose decode swap-ins run on the side stream, beside the forward's kernels: all of them with
+        # the early swap-in, else the shared followers. Their copies take only a capped share of the SMs.
+        side_layers = range(bufs.num_layers) if early_swap_in else [f for fs in followers.values() for f in fs]
+        for layer in side_layers:
+            self.swaps[layer].max_copy_blocks = side_stream_copy_blocks
         self._attention_rows = [attention_rows(bufs.kv[layer], coordinator.kv_dtype)
                                 for layer in range(bufs.num_layers)]
         # Static decode batches (CUDA graphs): the new tokens' slots and host rows, written inside the forward

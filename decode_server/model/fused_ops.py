@@ -8,7 +8,7 @@ here are the references and the CPU path. The rotary kernel gives eager's bits; 
 only in its sum's order (kernels/norm_rope_triton.py), and both are row-local, so batch invariant.
 
 `set_enabled(False)` makes every call eager, the router's too (benchmarks compare the two in one process; tests
-use it as the oracle)."""
+use it as the oracle); `set_router_enabled(False)` makes only the router eager (its own A/B)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from decode_server.model import batch_invariant
 from decode_server.model.rope import apply_rope_half_split, apply_rope_interleaved
 
 _enabled = True
+_router_enabled = True
 
 
 def set_enabled(flag: bool) -> None:
@@ -27,6 +28,17 @@ def set_enabled(flag: bool) -> None:
 
 def enabled() -> bool:
     return _enabled
+
+
+def set_router_enabled(flag: bool) -> None:
+    """The MoE router's kernel alone on or off (the other fused ops follow `set_enabled` only)."""
+    global _router_enabled
+    _router_enabled = bool(flag)
+
+
+def router_enabled() -> bool:
+    """Whether `MoEGate` may use its one-kernel router: both switches on."""
+    return _enabled and _router_enabled
 
 
 def _triton():

@@ -87,7 +87,7 @@ class MoEGate(nn.Module):
             logits = narrow_linear(rows, self.weight.float())
             args = (self.e_score_correction_bias, c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob,
                     c.routed_scaling_factor)
-            if fused_ops.enabled() and logits.is_cuda:
+            if fused_ops.router_enabled() and logits.is_cuda:
                 from kernels import moe_route_triton  # imports triton: CUDA only
 
                 if moe_route_triton.supports(logits, c.n_group, c.topk_group, c.num_experts_per_tok):

@@ -685,7 +685,8 @@ class SwapInContext {
     HS_CUDA_CHECK(cudaGetLastError());
 
     const int max_rows = batch * K;
-    const int blocks = std::max(1, std::min(2 * sm_count(), (max_rows + 7) / 8));
+    int blocks = std::max(1, std::min(2 * sm_count(), (max_rows + 7) / 8));
+    if (max_copy_blocks_ > 0) blocks = std::min(blocks, max_copy_blocks_);  // a side stream's share (see setter)
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(blocks);
     cfg.blockDim = dim3(kCopyThreads);
@@ -718,16 +719,28 @@ class SwapInContext {
   uint8_t* dev_base_ = nullptr;
   int64_t host_pitch_ = 0, dev_pitch_ = 0, row_bytes_ = 0;
   bool vec16_ = false, pdl_ = false;
+  int max_copy_blocks_ = 0;  // 0: the default grid (two blocks an SM, fewer for few rows)
+
+ public:
+  // Caps the copy kernel's grid. For a swap-in launched on a side stream beside other kernels: the copy's warps
+  // wait on PCIe reads, so a few dozen blocks keep the link busy (bench_swap_in.py --copy-blocks) while the full
+  // grid, resident from the plan kernel's start (programmatic launch), would take every SM from the neighbours.
+  void set_max_copy_blocks(int64_t blocks) {
+    TORCH_CHECK(blocks >= 0 && blocks <= (1 << 20), "max_copy_blocks must be in [0, 2^20], got ", blocks);
+    max_copy_blocks_ = static_cast<int>(blocks);
+  }
+  int64_t max_copy_blocks() const { return max_copy_blocks_; }
 };
 
 // The unbound entry point (tests, references, one-off calls): binds a context for this call only.
 torch::Tensor swap_in(torch::Tensor top_k, torch::Tensor seq_lens, torch::Tensor req_rows,
                       torch::Tensor buffer_slots, torch::Tensor buffer_tokens, torch::Tensor lru_order,
                       torch::Tensor host_rows, torch::Tensor host_pool, torch::Tensor device_pool, int64_t num_recent,
-                      std::optional<torch::Tensor> counters) {
+                      std::optional<torch::Tensor> counters, int64_t max_copy_blocks) {
   SwapInContext context(std::move(buffer_slots), std::move(buffer_tokens), std::move(lru_order),
                         std::move(host_rows), std::move(host_pool), std::move(device_pool), num_recent,
                         std::move(counters));
+  context.set_max_copy_blocks(max_copy_blocks);
   return context(std::move(top_k), std::move(seq_lens), std::move(req_rows));
 }
 
@@ -799,7 +812,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("host_rows"), pybind11::arg("host_pool"), pybind11::arg("device_pool"),
            pybind11::arg("num_recent"), pybind11::arg("counters"))
       .def("__call__", &SwapInContext::operator(), "slots [B, K] for (top_k, seq_lens, req_rows)",
-           pybind11::arg("top_k"), pybind11::arg("seq_lens"), pybind11::arg("req_rows"));
+           pybind11::arg("top_k"), pybind11::arg("seq_lens"), pybind11::arg("req_rows"))
+      .def_property("max_copy_blocks", &SwapInContext::max_copy_blocks, &SwapInContext::set_max_copy_blocks,
+                    "cap on the copy kernel's blocks (0: the default grid)");
   m.def("backup", &backup, "Copy rows of all layers device -> pinned host in one launch");
   m.def("copy_rows", &copy_rows, "Copy rows of all layers between device / pinned host pools in one launch");
   m.def("topk_rows", &topk_rows, "Top-k positions of each row's visible scores (radix select, ascending order)",

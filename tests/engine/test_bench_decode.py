@@ -90,6 +90,36 @@ def test_bench_decode_fill_is_checked(tmp_path, monkeypatch):
     assert "error" not in results["dense"] and results["dense"]["fill_s"] >= 0
 
 
+def test_dense_synthetic_topk_baseline(tmp_path, monkeypatch):
+    """--dense-synthetic-topk adds dense runs over the same synthetic selection as hisparse-mX (named dense-mX),
+    so a small-batch comparison charges both modes the selection's own kernels; the window really replaces
+    dense's top-k (its selection calls are counted)."""
+    spec = importlib.util.spec_from_file_location("bench_decode_dense_syn", ROOT / "benchmarks" / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls: dict[str, int] = {}
+
+    class Counting(bench.SyntheticTopK):
+        def index_topk(self, layer_id, q, weights, top_k):
+            mode = "hisparse" if self.engine.config.enable_hisparse else "dense"
+            calls[mode] = calls.get(mode, 0) + 1
+            return super().index_topk(layer_id, q, weights, top_k)
+
+    monkeypatch.setattr(bench, "SyntheticTopK", Counting)
+    out = tmp_path / "r.json"
+    assert bench.main(["--smoke", "--contexts", "192", "--miss-rates", "0.2", "--skip-model-indexer-run",
+                       "--batch-sizes", "--max-batch", "1", "--dense-synthetic-topk", "--steps", "2",
+                       "--out", str(out), "--plot", str(tmp_path / "r.png")]) == 0
+    runs = json.loads(out.read_text())["results"]
+    by_run = {(r["mode"], r["fixed_batch"]): r for r in runs}
+    assert {"dense-m20", "hisparse-m20"} <= {mode for mode, _ in by_run}, sorted(by_run)
+    assert all("error" not in r for r in runs), runs
+    # Dense over the window holds as many requests as plain dense (same memory; only the selection differs).
+    assert by_run[("dense-m20", None)]["batch"] == by_run[("dense", None)]["batch"]
+    assert calls.get("dense", 0) > 0 and calls.get("hisparse", 0) > 0, calls
+    assert bench.run_name("dense", 0.05) == "dense-m5"
+
+
 @pytest.mark.slow
 def test_bench_decode_prefetch_switch(tmp_path):
     """`--hisparse-prefetch-shared-layers both` on tiny-glm5 (full, shared, full, shared): each HiSparse run twice,
@@ -132,3 +162,17 @@ def test_hisparse_variants_and_their_names(prefetch, early, shared, expected):
     assert bench.hisparse_variants(args, "dense", shared) == ["dense"]
     assert [bench.run_name(v, 0.05) for v in expected] == [v.replace("hisparse", "hisparse-m5") for v in expected]
     assert bench.run_name("dense", None) == "dense"
+
+
+def test_side_copy_block_variants_expand_only_side_stream_runs():
+    """--hisparse-side-copy-blocks N ... runs each variant with side-stream swap-ins once per cap (+cbN), and the
+    cap a mode name carries is the one its engine gets; variants without a side stream stay single."""
+    spec = importlib.util.spec_from_file_location("bench_decode_caps", ROOT / "benchmarks" / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(hisparse_prefetch_shared_layers="on", hisparse_early_swap_in="both",
+                              hisparse_side_copy_blocks=[0, 24])
+    assert bench.hisparse_variants(args, "hisparse", False) == ["hisparse", "hisparse+early+cb0", "hisparse+early+cb24"]
+    assert bench.side_copy_blocks("hisparse-m5+early+cb24") == 24
+    assert bench.side_copy_blocks("hisparse+early") == bench.HiSparseConfig().side_stream_copy_blocks
+    assert bench.run_name("hisparse+early+cb24", 0.05) == "hisparse-m5+early+cb24"

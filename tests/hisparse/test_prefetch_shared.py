@@ -63,6 +63,20 @@ def _workload() -> list[Arrival]:
     return long_prompt_workload(5, (150, 90, 120))
 
 
+@pytest.mark.parametrize(("prefetch", "early", "capped"), [
+    (True, False, {1, 3}),  # the followers run on the side stream; the full layers' own swap-ins do not
+    (True, True, {0, 1, 2, 3}),  # every layer's swap-in is launched early, on the side stream
+    (False, True, {0, 1, 2, 3}),
+    (False, False, set()),
+])
+def test_side_stream_swap_ins_take_the_copy_cap(tiny_glm5, prefetch: bool, early: bool, capped: set[int]) -> None:
+    """`side_stream_copy_blocks` caps the copy grid of exactly the swap-ins that run beside other kernels."""
+    engine = make_engine(tiny_glm5, hisparse=True, **SMALL_BUFFER_ENGINE, prefetch_shared_layers=prefetch,
+                         early_swap_in=early, side_stream_copy_blocks=24)
+    caps = [swap.max_copy_blocks for swap in engine.kv.backend.swaps]
+    assert caps == [24 if layer in capped else 0 for layer in range(len(caps))]
+
+
 def _engine(tiny, hisparse: bool, prefetch: bool = False, early: bool = False):
     """`early` off by default: these tests follow the followers' launch from the full layer's attention (the
     early swap-in, which launches them from its index_topk, is tests/hisparse/test_early_swap_in.py)."""

@@ -108,12 +108,14 @@ def test_swap_in_cuda_rejects_small_buffer() -> None:
 
 
 @pytest.mark.parametrize("row_bytes", [656, 1152])
-@pytest.mark.parametrize(("buffer_size", "top_k", "num_recent"), [(256, 128, 4), (4096, 2048, 8)])
+@pytest.mark.parametrize(("buffer_size", "top_k", "num_recent", "max_copy_blocks"),
+                         [(256, 128, 4, 0), (4096, 2048, 8, 0), (256, 128, 4, 1), (4096, 2048, 8, 3)])
 def test_bound_swap_in_matches_unbound_and_reference(row_bytes: int, buffer_size: int, top_k: int,
-                                                     num_recent: int) -> None:
+                                                     num_recent: int, max_copy_blocks: int) -> None:
     """The backend's path (`BoundSwapIn`: tables bound once, checks on the first call of a signature) against the
     unbound call and the reference over a multi-step trace with misses: identical slots, device pool contents,
-    buffer tokens, LRU order and counters after every step, while the batch shape changes between steps."""
+    buffer tokens, LRU order and counters after every step, while the batch shape changes between steps. With a
+    copy-grid cap (a side stream's swap-in) the few blocks stride over every miss: the same results."""
     rng = random.Random(row_bytes + buffer_size)
     d = buffer_size
     lens = [d - 2, d, d + 1, 2 * d + 3, 3 * d, 5 * d + 1, 100]
@@ -124,6 +126,10 @@ def test_bound_swap_in_matches_unbound_and_reference(row_bytes: int, buffer_size
     counters_unbound = torch.zeros(2, dtype=torch.int64, device=DEV)
     counters_bound = torch.zeros(2, dtype=torch.int64, device=DEV)
     bound = BoundSwapIn(_gpu_tables(bound_state, num_recent, counters_bound))
+    bound.max_copy_blocks = max_copy_blocks
+    assert bound._context.max_copy_blocks == max_copy_blocks
+    with pytest.raises(ValueError, match="max_copy_blocks"):
+        bound.max_copy_blocks = -1
     all_rows, all_lens, all_prev = state.req_rows.clone(), state.seq_lens.clone(), state.prev_topk
     for step in range(steps):
         # Every other step a sub-batch (a new shape: checked once, then bound calls only).
