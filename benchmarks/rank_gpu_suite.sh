@@ -13,7 +13,8 @@
 #   64k     dense, HiSparse at 5/15/20 % misses, batch 1
 #   128k    the same at 128K
 #   sweep   32K, the first SWEEP_LAYERS (16) layers, device KV of 0.25 0.5 1 2 GiB per layer: dense and 5 % misses
-# BENCH_ARGS adds bench_decode.py flags to every stage (e.g. "--hisparse-early-swap-in both").
+# BENCH_ARGS adds bench_decode.py flags to every stage (e.g. "--hisparse-early-swap-in both"; "--dense-synthetic-topk"
+# adds dense runs over HiSparse's synthetic selection, the fair batch-1 baseline: docs/benchmarks.md).
 # Usage on the GPU machine, from the project root (wheels for pydantic etc. in .whl/, as for gpu_suite.sh):
 #   bash benchmarks/rank_gpu_suite.sh [tests] [32k] [64k] [128k] [sweep]       (default: all; timeouts sum to 570 s)
 # Outputs under $OUT (default ./gpu-out): rank_<stage>.json / .log / .png, rank_sweep_sweep.png; the short table of

@@ -8,7 +8,10 @@ batches above the largest bucket run eagerly) and grow pages and swap-in misses 
 (c) graphs on == `--disable-cuda-graph` in greedy tokens up to near-ties (logits are not promised equal there:
     padding changes the GEMM shapes and FlashMLA's split plan; a request may take another token where its two
     runs' logits are within their measured difference of a tie, and is compared up to there; see
-    `compare_up_to_near_ties`). (c) runs the indexer with fp16 queries: with the default e4m3 queries
+    `compare_up_to_near_ties`). A divergence by a larger logits margin must follow a routing decision that
+    flipped at a near-tie (tests/hisparse/routing_ties.py): on an H200 with the one-kernel router, dense r6 took
+    another token by a margin of 0.156 against a measured logits difference of 0.082, after one flipped expert.
+    (c) runs the indexer with fp16 queries: with the default e4m3 queries
     (DeepSeek's rounding, kernels/indexer_fast.py) that last-bit noise flips q's roundings by a whole e4m3 step
     and so the selected sets, which a logits margin cannot tell from a bug (on the H100 one request diverged
     by a margin of 2.4 against a measured difference of 0.14).
@@ -18,9 +21,12 @@ Run: pytest -m gpu tests/hisparse/test_cuda_graph_gpu.py -v
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from harness import Arrival, RunResult, make_engine, random_prompt, run_script
+from routing_ties import explain_divergences, record_routing
 
 import kernels.sparse_mla_flashmla as flashmla
 
@@ -64,14 +70,18 @@ def compare(what: str, a: RunResult, b: RunResult, exact: bool = True) -> float:
     return worst
 
 
-def compare_up_to_near_ties(what: str, a: RunResult, b: RunResult) -> tuple[float, list[str]]:
+def compare_up_to_near_ties(what: str, a: RunResult, b: RunResult,
+                            explain: Callable[[list[tuple[str, int]]], list[str]] | None = None,
+                            ) -> tuple[float, list[str]]:
     """(c)'s contract. Graphs pad the batch to a bucket, so GEMM shapes and FlashMLA's split plan differ from the
     eager step and the logits differ in rounding, which a random model's MoE routing amplifies. Tokens must agree
     except where a request's two runs take different tokens at a near-tie: at the first differing token (the
     histories are identical up to there), the chosen token's margin over the other's, in either run, must not
     exceed the largest logits difference measured at the steps where the runs agreed (the bound, measured
     independently of the divergence). After a divergence the request's histories differ and are not compared.
-    Returns (the bound, one line per divergence)."""
+    A divergence by a larger margin goes to `explain`, which must show it follows a routing decision that flipped
+    at a near-tie (tests/hisparse/routing_ties.py: one flipped expert moves the logits far more than rounding),
+    or fail. Returns (the bound, one line per divergence)."""
     assert a.tokens.keys() == b.tokens.keys(), f"{what}: different requests"
     bound, divergences = 0.0, []
     for rid in a.tokens:
@@ -83,13 +93,18 @@ def compare_up_to_near_ties(what: str, a: RunResult, b: RunResult) -> tuple[floa
             break
         else:
             assert a.tokens[rid] == b.tokens[rid] and a.finish[rid] == b.finish[rid], f"{what}: {rid} ends differ"
-    lines = []
+    lines, wide = [], []
     for rid, i, x, y in divergences:
         la, lb = a.logits[rid][i], b.logits[rid][i]
         margin = max(float(la[x] - la[y]), float(lb[y] - lb[x]))
-        lines.append(f"{rid} token {i}: {x} vs {y}, margin {margin:.3e} (bound {bound:.3e})")
-        assert margin <= bound, f"{what}: {rid} tokens differ from token {i} ({x} vs {y}) by a margin of " \
-                                f"{margin:.3e}, more than the largest logits difference {bound:.3e}: not a near-tie"
+        if margin <= bound:
+            lines.append(f"{rid} token {i}: {x} vs {y}, margin {margin:.3e} (bound {bound:.3e})")
+            continue
+        assert explain is not None, f"{what}: {rid} tokens differ from token {i} ({x} vs {y}) by a margin of " \
+                                    f"{margin:.3e}, more than the largest logits difference {bound:.3e}: not a near-tie"
+        wide.append((rid, i))
+    if wide:
+        lines += [f"{what}: {line}" for line in explain(wide)]
     assert len(divergences) <= len(a.tokens) // 3, f"{what}: {len(divergences)} of {len(a.tokens)} requests diverge"
     return bound, lines
 
@@ -195,8 +210,26 @@ def test_graphs_on_and_off_give_the_same_tokens(request, monkeypatch: pytest.Mon
         assert off.graph_runner is None
         with_graphs, without = run_script(on, arrivals), run_script(off, arrivals)
         assert on.graph_runner.num_replays > 20
+
+        def explain(divergences: list[tuple[str, int]], hisparse=hisparse, on=on, with_graphs=with_graphs,
+                    without=without) -> list[str]:
+            """Rerun both sides eagerly with the router recorded: the padded steps through the graph runner's eager
+            path (bit-identical to the replays: (a)) and the unpadded ones; each must reproduce its run's tokens."""
+            traces = []
+            for keywords, reference in (({"eager_graph_buckets": on.graph_runner.captured}, with_graphs),
+                                        ({"disable_cuda_graph": True}, without)):
+                engine = make_engine(tiny, hisparse=hisparse, **keywords, **common)
+                trace, remove = record_routing(engine, tiny[0])
+                try:
+                    rerun = run_script(engine, arrivals)
+                finally:
+                    remove()
+                assert rerun.tokens == reference.tokens, f"the eager rerun ({keywords}) changed the tokens"
+                traces.append(trace)
+            return explain_divergences(traces[0], traces[1], divergences)
+
         bound, divergences = compare_up_to_near_ties(f"(c) hisparse={hisparse}: graphs on vs --disable-cuda-graph",
-                                                     with_graphs, without)
+                                                     with_graphs, without, explain)
         print(f"(c) {model} {backend} {kv_cache_dtype} hisparse={hisparse}: largest logits difference {bound:.3e}; "
               + (f"near-tie divergences: {'; '.join(divergences)}" if divergences else "tokens equal"))
 
