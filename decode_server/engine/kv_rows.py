@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from kernels.fp8_rows import FP8_ROW_BYTES, NOPE_DIM, ROPE_DIM, pack_fp8_rows
+from decode_server.model import fused_ops
+from kernels.fp8_rows import FP8_ROW_BYTES, NOPE_DIM, ROPE_DIM
 from kernels.indexer_ref import INDEX_HEAD_DIM
 from kernels.sparse_mla_ref import D_QK, D_V
 
@@ -114,7 +115,7 @@ def storage_layout(kv_dtype: torch.dtype, row_dim: int = D_QK) -> tuple[int, tor
 def encode_rows(rows: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
     """[T, row_dim] float rows from the model → rows as a pool stores them ([T, 656] uint8, or kv_dtype)."""
     if is_fp8(kv_dtype):
-        return pack_fp8_rows(rows)
+        return fused_ops.pack_fp8_rows(rows)  # one kernel on CUDA, the same bits
     return rows.to(kv_dtype)
 
 

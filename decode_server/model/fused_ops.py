@@ -1,10 +1,11 @@
-"""The model's elementwise steps — RMSNorm, the residual add before a norm, rotary embeddings — as one Triton
-kernel each on CUDA (kernels/norm_rope_triton.py), eager PyTorch elsewhere. The MoE router's selection follows the
-same switch (`MoEGate`, kernels/moe_route_triton.py).
+"""The model's elementwise steps — RMSNorm, the residual add before a norm, rotary embeddings, the FP8
+quantization of indexer keys and of FP8 KV rows — as one Triton kernel each on CUDA (kernels/norm_rope_triton.py,
+kernels/fp8_quant_triton.py), eager PyTorch elsewhere. The MoE router's selection follows the same switch
+(`MoEGate`, kernels/moe_route_triton.py).
 
 Why a dispatcher: eager runs each of these as 8-9 small kernels, and at decode batch sizes a step is bound by
 how many kernels it launches as much as by the bytes it reads (docs/model.md "Computation"). The eager versions
-here are the references and the CPU path. The rotary kernel gives eager's bits; the norm kernel differs from eager
+here are the references and the CPU path. The rotary and quantization kernels give eager's bits; the norm kernel differs from eager
 only in its sum's order (kernels/norm_rope_triton.py), and both are row-local, so batch invariant.
 
 `set_enabled(False)` makes every call eager, the router's too (benchmarks compare the two in one process; tests
@@ -16,6 +17,8 @@ import torch
 
 from decode_server.model import batch_invariant
 from decode_server.model.rope import apply_rope_half_split, apply_rope_interleaved
+from kernels.fp8_rows import pack_fp8_rows as pack_fp8_rows_eager
+from kernels.indexer_ref import quantize_index_keys as quantize_index_keys_eager
 
 _enabled = True
 _router_enabled = True
@@ -90,3 +93,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
         return y
     out.copy_(y)
     return out
+
+
+def _quant():
+    """kernels.fp8_quant_triton, imported on first CUDA use (it imports triton)."""
+    from kernels import fp8_quant_triton
+
+    return fp8_quant_triton
+
+
+def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, 128] float → (e4m3 keys, [T] float32 power-of-two scales): one kernel on CUDA, eager's bits."""
+    if _enabled and keys.is_cuda and _quant().supports_index_keys(keys):
+        return _quant().quantize_index_keys(keys)
+    return quantize_index_keys_eager(keys)
+
+
+def pack_fp8_rows(rows: torch.Tensor) -> torch.Tensor:
+    """[N, 576] float rows → [N, 656] uint8 FP8 KV rows: one kernel on CUDA, eager's bits."""
+    if _enabled and rows.is_cuda and _quant().supports_pack_rows(rows):
+        return _quant().pack_fp8_rows(rows)
+    return pack_fp8_rows_eager(rows)

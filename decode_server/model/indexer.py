@@ -30,7 +30,6 @@ from decode_server.model import batch_invariant, fused_ops
 from decode_server.model.batch_invariant import Linear
 from decode_server.model.config import ModelConfig
 from decode_server.model.layers import narrow_linear
-from kernels.indexer_ref import quantize_index_keys
 
 
 def hadamard_matrix(dim: int) -> torch.Tensor:
@@ -88,7 +87,7 @@ class Indexer(nn.Module):
         q = q.view(num_tokens, self.n_heads, self.head_dim)
         k = batch_invariant.layer_norm((self.wk(x) if k_proj is None else k_proj).float(), self.k_norm)
         k = batch_invariant.matmul_rows(self._rope(k, cos, sin), self.hadamard)
-        keys_fp8, key_scales = quantize_index_keys(k)
+        keys_fp8, key_scales = fused_ops.quantize_index_keys(k)
         if batch_invariant.enabled():
             weights = batch_invariant.linear(x.float(), self.weights_proj.weight.float())
         else:

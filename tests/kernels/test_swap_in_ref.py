@@ -144,8 +144,9 @@ def test_bound_swap_in_checks_each_shape_once() -> None:
 
 
 def test_tables_unpack_in_the_extension_argument_order() -> None:
-    """The CUDA path passes `SwapInTables.extension_args()` to the extension's `swap_in` (after the batch) and to
-    `SwapInContext`: their parameters in kernels/csrc/hisparse_kernels.cu must be the tables' fields, in order."""
+    """The CUDA path passes `SwapInTables.extension_args()` to the extension's `swap_in` (after the batch, before
+    the copy-grid cap) and to `SwapInContext`: their parameters in kernels/csrc/hisparse_kernels.cu must be the
+    tables' fields, in order."""
     source = (Path(kernels.__file__).parent / "csrc" / "hisparse_kernels.cu").read_text()
     fields = [f.name for f in dataclasses.fields(SwapInTables)]
     context = re.search(r'class_<SwapInContext>.*?pybind11::init<.*?>>\(\),(.*?)\)\s*\.def\("__call__"', source, re.S)
@@ -154,7 +155,7 @@ def test_tables_unpack_in_the_extension_argument_order() -> None:
     unbound = re.search(r"torch::Tensor swap_in\((.*?)\)\s*\{", source, re.S)
     assert unbound is not None
     params = [p.split()[-1] for p in unbound.group(1).split(",")]
-    assert params == ["top_k", "seq_lens", "req_rows", *fields]
+    assert params == ["top_k", "seq_lens", "req_rows", *fields, "max_copy_blocks"]  # the grid cap after the tables
     state = make_state(random.Random(1), [10], buffer_size=16, num_recent=2, row_bytes=8, max_steps=1)
     counters = torch.zeros(2, dtype=torch.int64)
     args = state.tables(counters).extension_args()

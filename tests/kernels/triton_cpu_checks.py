@@ -354,8 +354,41 @@ def interpret_moe_route() -> None:
     print("router kernel: ids equal to route_tokens, weights within float32 rounding, ties to the lower index")
 
 
+def interpret_fp8_quant() -> None:
+    """The one-kernel FP8 quantizations (kernels/fp8_quant_triton.py) under the interpreter: the power-of-two
+    scales equal eager's bit for bit (random rows, away from the powers of two where only CUDA's own log2f — the
+    GPU path, not the interpreter's numpy — decides) at their place in the 656-byte row; a zero tile stays zero.
+    The interpreter's float→e4m3 cast is not the GPU's (it rounds 124.0 to 64.0 and 100.0 to 104.0) and its bf16
+    cast truncates, so the FP8 values and the RoPE bytes are held to eager's on the GPU only
+    (tests/model/test_fused_ops_gpu.py); here the RoPE part must be its input within one bf16 step."""
+    from kernels import fp8_quant_triton as k
+    from kernels.fp8_rows import NOPE_DIM, ROPE_OFFSET, SCALE_OFFSET, pack_fp8_rows, unpack_fp8_rows
+    from kernels.indexer_ref import quantize_index_keys
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(9, 128, generator=gen) * 3
+    keys[3] = 0
+    q, scales = k.quantize_index_keys(keys)
+    _, want_scales = quantize_index_keys(keys)
+    if not torch.equal(scales, want_scales) or q.shape != keys.shape or q.dtype != torch.float8_e4m3fn:
+        _fail("index key scales differ from eager")
+    rows = torch.randn(7, 576, generator=gen) * 2
+    rows[2, :128] = 0  # a zero tile: the 1e-4 floor
+    got, want = k.pack_fp8_rows(rows), pack_fp8_rows(rows)
+    if got.shape != want.shape or not torch.equal(got[:, SCALE_OFFSET:ROPE_OFFSET], want[:, SCALE_OFFSET:ROPE_OFFSET]):
+        _fail("FP8 row scales differ from eager")
+    rope, want_rope = unpack_fp8_rows(got)[:, NOPE_DIM:], unpack_fp8_rows(want)[:, NOPE_DIM:]
+    if not bool(((rope - want_rope).abs() <= 2**-7 * want_rope.abs()).all()):  # the interpreter truncates to bf16
+        _fail("FP8 rows' RoPE part is not the input in bf16")
+    if not torch.equal(unpack_fp8_rows(got)[2, :128], torch.zeros(128)):
+        _fail("a zero tile does not stay zero")
+    print("fp8 quantization kernels: scales equal to eager, the RoPE part within one bf16 step")
+
+
 def compile_small_kernels() -> None:
-    """The norm, rotation and router kernels compile for sm_90 at the shapes the model launches, without spills."""
+    """The norm, rotation, router and FP8 quantization kernels compile for sm_90 at the shapes the model launches,
+    without spills."""
+    from kernels.fp8_quant_triton import _index_keys_kernel, _pack_rows_kernel
     from kernels.moe_route_triton import _route_kernel
     from kernels.norm_rope_triton import _rms_norm_kernel, _rope_kernel
 
@@ -373,6 +406,11 @@ def compile_small_kernels() -> None:
                                                             "TOP_K": 8, "TOP_K_BLOCK": 8, "NORMALIZE": True}, 4),
         "residual add + norm 7168": (_rms_norm_kernel, norm_types, {"HAS_DELTA": True, "BLOCK": 8192}, 16),
         "rope 128 heads": (_rope_kernel, rope_types, {"INTERLEAVED": True, "HALF": 32, "HEADS_BLOCK": 16}, 4),
+        "index key quantization": (_index_keys_kernel, {"x_ptr": "*fp32", "x_stride": "i32", "q_ptr": "*fp8e4nv",
+                                                        "scale_ptr": "*fp32"}, {"DIM": 128, "LIBDEVICE": True}, 1),
+        "FP8 row packing": (_pack_rows_kernel, {"x_ptr": "*bf16", "x_stride": "i32", "out_ptr": "*u8"},
+                            {"TILES": 4, "TILE_": 128, "ROPE": 64, "ROW_BYTES": 656, "SCALE_AT": 512,
+                             "ROPE_AT": 528, "LIBDEVICE": True}, 4),
     }
     for name, (fn, types, constexprs, warps) in builds.items():
         kernel = _compile_sm90(fn, types, constexprs, [n for n in types if n.endswith("_ptr")], warps, 3)
@@ -387,6 +425,7 @@ CHECKS = {
     "interpret-kth-key": interpret_kth_key,
     "interpret-moe-route": interpret_moe_route,
     "compile-small-kernels": compile_small_kernels,
+    "interpret-fp8-quant": interpret_fp8_quant,
     "interpret-norm-rope": interpret_norm_rope,
     "interpret-topk": interpret_topk,
     "interpret-scores": interpret_scores,

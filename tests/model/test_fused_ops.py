@@ -45,3 +45,20 @@ def test_rope_is_eager_on_cpu_with_out_and_in_place() -> None:
         x = q.clone()
         fused_ops.rope(x[..., 128:], cos, sin, interleaved, out=x[..., 128:])
         assert torch.equal(x[..., 128:], want) and torch.equal(x[..., :128], q[..., :128])
+
+
+def test_fp8_quantizations_are_eager_on_cpu() -> None:
+    """The index keys' and the KV rows' FP8 quantization dispatch to the eager references off CUDA (the CPU path
+    and the kernels' oracle); the KV cache's row encoder goes through the dispatcher."""
+    from decode_server.engine.kv_rows import encode_rows
+    from kernels.fp8_rows import pack_fp8_rows
+    from kernels.indexer_ref import quantize_index_keys
+
+    gen = torch.Generator().manual_seed(2)
+    keys = torch.randn(5, 128, generator=gen) * 3
+    got_q, got_s = fused_ops.quantize_index_keys(keys)
+    want_q, want_s = quantize_index_keys(keys)
+    assert torch.equal(got_s, want_s) and torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    rows = torch.randn(6, 576, generator=gen)
+    assert torch.equal(fused_ops.pack_fp8_rows(rows), pack_fp8_rows(rows))
+    assert torch.equal(encode_rows(rows, torch.float8_e4m3fn), pack_fp8_rows(rows))

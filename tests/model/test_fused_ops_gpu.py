@@ -166,3 +166,56 @@ def test_model_with_fused_ops_matches_eager() -> None:
     assert (fused_logits - eager_logits).abs().max().item() <= 0.05 * scale
     agree = (fused_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item()
     assert agree >= 0.95, agree
+
+
+def _near_power_of_two_rows(rows: int, width: int, gen: torch.Generator) -> torch.Tensor:
+    """Random rows whose amax (per 128 columns) sits at, just above and just below 448 · 2^k: where the
+    power-of-two scale's log2 / ceil decide between two exponents."""
+    x = torch.randn(rows, width, device="cuda", generator=gen) * 3
+    tiles = x.view(rows, -1, 128)
+    k = torch.randint(-12, 4, (rows, tiles.shape[1]), device="cuda", generator=gen).float()
+    base = 448.0 * torch.exp2(k)
+    nudge = torch.tensor([1.0, 1 + 2**-23, 1 + 2**-22, 1 - 2**-24, 1 + 2**-20, 1.5], device="cuda")
+    pick = torch.randint(0, nudge.numel(), (rows, tiles.shape[1]), device="cuda", generator=gen)
+    tiles[..., 0] = base * nudge[pick]
+    tiles[..., 1:] = tiles[..., 1:].clamp(-0.9, 0.9) * base.unsqueeze(-1)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_index_key_quantization_gives_eagers_bits(dtype: torch.dtype, rows: int) -> None:
+    from kernels.indexer_ref import quantize_index_keys
+
+    gen = _gen(rows + 5)
+    for keys in (torch.randn(rows, 128, device="cuda", generator=gen) * 7, _near_power_of_two_rows(rows, 128, gen)):
+        keys = keys.to(dtype)
+        if rows > 1:
+            keys[0] = 0  # an all-zero key: the 1e-4 floor
+        want_q, want_s = quantize_index_keys(keys)
+        got_q, got_s = fused_ops.quantize_index_keys(keys)
+        assert got_q.dtype == torch.float8_e4m3fn and got_s.dtype == torch.float32
+        assert torch.equal(got_s, want_s)
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 257])
+def test_fp8_row_packing_gives_eagers_bytes(dtype: torch.dtype, rows: int) -> None:
+    from kernels.fp8_rows import pack_fp8_rows
+
+    gen = _gen(rows + 9)
+    for x in (torch.randn(rows, 576, device="cuda", generator=gen) * 5, _near_power_of_two_rows(rows, 640, gen)):
+        x = x[:, :576].to(dtype)  # a strided view for the second (a slice of wider rows)
+        assert torch.equal(fused_ops.pack_fp8_rows(x), pack_fp8_rows(x))
+    # Rows of one batch do not depend on each other; a graph replay gives the launch's bytes.
+    x = torch.randn(rows, 576, device="cuda", generator=gen).to(dtype)
+    whole = fused_ops.pack_fp8_rows(x)
+    assert torch.equal(fused_ops.pack_fp8_rows(x[-1:]), whole[-1:])
+    out = torch.empty_like(whole)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(fused_ops.pack_fp8_rows(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, whole)
