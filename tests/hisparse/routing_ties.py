@@ -122,8 +122,13 @@ def first_flips(a: RoutingTrace, b: RoutingTrace, until: dict[str, int]) -> tupl
 
 def explain_divergences(a: RoutingTrace, b: RoutingTrace, divergences: list[tuple[str, int]]) -> list[str]:
     """For each (request, first differing token): the routing flip at or before it that explains it, checked to be
-    a near-tie (AssertionError otherwise, or if no flip precedes it). One line per divergence."""
-    bound, flips = first_flips(a, b, dict(divergences))
+    a near-tie (AssertionError otherwise, or if no flip precedes it). The bound comes from every request's
+    decisions (the diverging ones up to their divergence). One line per divergence."""
+    until = {rid: token for rid, token in a.steps}
+    for rid, token in a.steps:
+        until[rid] = max(until[rid], token)
+    until.update(dict(divergences))
+    bound, flips = first_flips(a, b, until)
     by_rid = {f.rid: f for f in flips}
     lines = []
     for rid, token in divergences:
