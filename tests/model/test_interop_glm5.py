@@ -126,7 +126,7 @@ def _exact_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_full_precision_indexer_matches_beyond_index_topk(glm_checkpoints, monkeypatch) -> None:
     """Past index_topk, with keys in full precision: interleaved indexer RoPE and top-k sharing as transformers."""
-    monkeypatch.setattr("decode_server.model.indexer.quantize_index_keys", _exact_index_keys)
+    monkeypatch.setattr("decode_server.model.fused_ops.quantize_index_keys", _exact_index_keys)
     path = glm_checkpoints["sparse"]
     tokens = _prompt(160, seed=10)
     model, _ = load_model(path, "cpu", torch.float32)

@@ -113,7 +113,7 @@ def _exact_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_full_precision_indexer_matches_beyond_index_topk(hf_checkpoints, monkeypatch) -> None:
     """Without FP8 rounding the indexer selects what transformers selects: logits equal on long prompts."""
-    monkeypatch.setattr("decode_server.model.indexer.quantize_index_keys", _exact_index_keys)
+    monkeypatch.setattr("decode_server.model.fused_ops.quantize_index_keys", _exact_index_keys)
     tokens = _prompt(192, seed=10)
     ours, theirs = _ours(hf_checkpoints["sparse"], tokens), _hf_logits(hf_checkpoints["sparse"], tokens)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
