@@ -33,9 +33,9 @@ AMAX_FLOOR = 1e-4  # kernels.indexer_ref.pow2_scale's floor
 
 @triton.jit
 def _pow2_scale(amax, LIBDEVICE: tl.constexpr):
-    """kernels.indexer_ref.pow2_scale, bit for bit with LIBDEVICE (CUDA's log2f rounds a scale just above a power
-    of two down to it, and so does torch: an exact exponent would differ there). Triton's interpreter has no
-    libdevice: it takes tl's log2 / exp2 / ceil (numpy's), equal away from those edges."""
+    """kernels.indexer_ref.pow2_scale, bit for bit with LIBDEVICE (CUDA's log2f / ceilf / exp2f, as torch's
+    kernels call them; the GPU tests cover scales at, just above and just below powers of two). Triton's
+    interpreter has no libdevice: it takes tl's log2 / exp2 / ceil (numpy's), equal away from those edges."""
     # torch divides a tensor by a Python scalar as a product with the scalar's float32 reciprocal (CUDA)
     scale = tl.maximum(amax, 1e-4) * 0.0022321429569274187
     if LIBDEVICE:
