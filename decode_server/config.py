@@ -45,11 +45,13 @@ class HiSparseConfig(BaseModel):
                     "docs/benchmarks.md)",
     )
     side_stream_copy_blocks: int = Field(
-        default=64, ge=0,
+        default=16, ge=0,
         description="cap on the copy kernel's thread blocks for swap-ins that run on a side stream (early_swap_in, "
-                    "prefetch_shared_layers), so they leave the other SMs to the kernels they run beside; 0: no "
-                    "cap (two blocks an SM); outputs are unchanged. 64: on an H200 the GLM-5 prefetch's 20 % miss "
-                    "step fell 15 % at batch 64 and 4.5 % at 128 against no cap (docs/benchmarks.md)",
+                    "prefetch_shared_layers), so they leave the other SMs to the kernels they run beside (a capped "
+                    "grid keeps 4 rows a warp in flight); 0: no cap (two blocks an SM, one row a warp); outputs are "
+                    "unchanged. 16: on an H200 the GLM-5 prefetch's 20 % miss step fell 2-7 % against the previous "
+                    "64 blocks of one row a warp, which had taken it 15 % below no cap at batch 64 "
+                    "(docs/benchmarks.md)",
     )
 
     @classmethod

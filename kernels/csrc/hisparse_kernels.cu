@@ -389,8 +389,37 @@ __device__ __forceinline__ void copy_row(const uint8_t* src, uint8_t* dst, int64
   }
 }
 
+// kRows rows of one warp at once, for rows of at most 96 16-byte chunks: every lane issues all its loads of
+// the kRows rows before its first store, so a warp keeps kRows rows in flight over PCIe instead of one.
+template <int kRows, int kMaxChunksPerLane>
+__device__ __forceinline__ void copy_rows_vec16(const uint8_t* const (&src)[kRows], uint8_t* const (&dst)[kRows],
+                                                int chunks, int lane) {
+  int4 buf[kRows][kMaxChunksPerLane];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int4* s = reinterpret_cast<const int4*>(src[r]);
+#pragma unroll
+    for (int c = 0; c < kMaxChunksPerLane; ++c) {
+      const int idx = lane + c * 32;
+      if (s != nullptr && idx < chunks) buf[r][c] = __ldg(s + idx);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    int4* d = reinterpret_cast<int4*>(dst[r]);
+#pragma unroll
+    for (int c = 0; c < kMaxChunksPerLane; ++c) {
+      const int idx = lane + c * 32;
+      if (d != nullptr && idx < chunks) d[idx] = buf[r][c];
+    }
+  }
+}
+
 // Grid-stride over all misses of the batch. Each block first turns the per-request miss counts into an
-// inclusive prefix (s_prefix, B entries), then each warp finds its request by binary search.
+// inclusive prefix (s_prefix, B entries), then each warp finds its request by binary search. kRows > 1 (a capped
+// grid on a side stream, see SwapInContext::set_max_copy_blocks): each warp takes kRows consecutive misses per
+// iteration and keeps them all in flight, so a few SMs hold as many PCIe reads in flight as the full grid does.
+template <int kRows>
 __global__ void __launch_bounds__(kCopyThreads) swap_in_copy_kernel(
     const int32_t* __restrict__ miss_count, const int32_t* __restrict__ plan_src,
     const int32_t* __restrict__ plan_dst, const uint8_t* host_base, int64_t host_pitch, uint8_t* dev_base,
@@ -417,19 +446,45 @@ __global__ void __launch_bounds__(kCopyThreads) swap_in_copy_kernel(
   __syncthreads();
   const int total = s_prefix[batch - 1];
   const int warps_total = gridDim.x * (kCopyThreads / 32);
-  for (int g = blockIdx.x * (kCopyThreads / 32) + warp; g < total; g += warps_total) {
-    int lo = 0, hi = batch - 1;  // first request whose inclusive prefix exceeds g
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      if (s_prefix[mid] > g) hi = mid; else lo = mid + 1;
+  const int chunks = static_cast<int>(row_bytes / 16);
+  const bool batched = kRows > 1 && vec16 && chunks <= 96;
+  for (int g0 = (blockIdx.x * (kCopyThreads / 32) + warp) * kRows; g0 < total; g0 += warps_total * kRows) {
+    const uint8_t* src[kRows];
+    uint8_t* dst[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int g = g0 + r;
+      src[r] = nullptr;
+      dst[r] = nullptr;
+      if (g < total) {
+        int lo = 0, hi = batch - 1;  // first request whose inclusive prefix exceeds g
+        while (lo < hi) {
+          const int mid = (lo + hi) >> 1;
+          if (s_prefix[mid] > g) hi = mid; else lo = mid + 1;
+        }
+        const int m = g - (lo == 0 ? 0 : s_prefix[lo - 1]);
+        const int64_t e = static_cast<int64_t>(lo) * K + m;
+        src[r] = host_base + static_cast<int64_t>(plan_src[e]) * host_pitch;
+        dst[r] = dev_base + static_cast<int64_t>(plan_dst[e]) * dev_pitch;
+      }
     }
-    const int m = g - (lo == 0 ? 0 : s_prefix[lo - 1]);
-    const int64_t e = static_cast<int64_t>(lo) * K + m;
-    const uint8_t* src = host_base + static_cast<int64_t>(plan_src[e]) * host_pitch;
-    uint8_t* dst = dev_base + static_cast<int64_t>(plan_dst[e]) * dev_pitch;
-    copy_row(src, dst, row_bytes, vec16, lane);
+    if (batched) {
+      if (chunks <= 64) {
+        copy_rows_vec16<kRows, 2>(src, dst, chunks, lane);
+      } else {
+        copy_rows_vec16<kRows, 3>(src, dst, chunks, lane);
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (src[r] != nullptr) copy_row(src[r], dst[r], row_bytes, vec16, lane);
+      }
+    }
   }
 }
+
+// Rows a warp of the capped (side-stream) copy keeps in flight.
+constexpr int kCappedCopyRows = 4;
 
 // rows = n * L; row g: layer g / n, entry g % n.
 __global__ void __launch_bounds__(kCopyThreads) backup_kernel(
@@ -643,8 +698,10 @@ class SwapInContext {
     pdl_ = compute_major() >= 9;
     static bool copy_configured = false;  // same shared-memory carveout as the plan kernel: no reconfiguration
     if (!copy_configured) {
-      HS_CUDA_CHECK(cudaFuncSetAttribute(swap_in_copy_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+      HS_CUDA_CHECK(cudaFuncSetAttribute(swap_in_copy_kernel<1>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                          cudaSharedmemCarveoutMaxShared));
+      HS_CUDA_CHECK(cudaFuncSetAttribute(swap_in_copy_kernel<kCappedCopyRows>,
+                                         cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
       copy_configured = true;
     }
   }
@@ -697,7 +754,9 @@ class SwapInContext {
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = pdl_ ? 1 : 0;
-    HS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, swap_in_copy_kernel, static_cast<const int32_t*>(a.miss_count),
+    const bool capped = max_copy_blocks_ > 0;
+    HS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, capped ? swap_in_copy_kernel<kCappedCopyRows> : swap_in_copy_kernel<1>,
+                                     static_cast<const int32_t*>(a.miss_count),
                                      static_cast<const int32_t*>(a.plan_src), static_cast<const int32_t*>(a.plan_dst),
                                      host_base_, host_pitch_, dev_base_, dev_pitch_, row_bytes_, batch, K, vec16_));
     return out;

@@ -107,7 +107,7 @@ def test_swap_in_cuda_rejects_small_buffer() -> None:
         swap_in(topk, st.seq_lens.to(DEV), st.req_rows.to(DEV), _gpu_tables(gpu, 2, None))
 
 
-@pytest.mark.parametrize("row_bytes", [656, 1152])
+@pytest.mark.parametrize("row_bytes", [100, 656, 1152, 1616])
 @pytest.mark.parametrize(("buffer_size", "top_k", "num_recent", "max_copy_blocks"),
                          [(256, 128, 4, 0), (4096, 2048, 8, 0), (256, 128, 4, 1), (4096, 2048, 8, 3)])
 def test_bound_swap_in_matches_unbound_and_reference(row_bytes: int, buffer_size: int, top_k: int,
@@ -115,7 +115,9 @@ def test_bound_swap_in_matches_unbound_and_reference(row_bytes: int, buffer_size
     """The backend's path (`BoundSwapIn`: tables bound once, checks on the first call of a signature) against the
     unbound call and the reference over a multi-step trace with misses: identical slots, device pool contents,
     buffer tokens, LRU order and counters after every step, while the batch shape changes between steps. With a
-    copy-grid cap (a side stream's swap-in) the few blocks stride over every miss: the same results."""
+    copy-grid cap (a side stream's swap-in) the few blocks stride over every miss, each warp several rows at once
+    (rows of 16-byte chunks, 2 or 3 a lane: 656 and 1152 B; one at a time beyond 96 chunks, 1616 B, and for rows
+    not made of 16-byte chunks, 100 B): the same results."""
     rng = random.Random(row_bytes + buffer_size)
     d = buffer_size
     lens = [d - 2, d, d + 1, 2 * d + 3, 3 * d, 5 * d + 1, 100]
