@@ -15,7 +15,6 @@ GPU:  python benchmarks/tune_fp8_gemm.py --configs deepseek-v3.2 glm-5 --paralle
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import time
@@ -28,21 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from decode_server.model import load_config  # noqa: E402
 from decode_server.model.construct import build_random_model  # noqa: E402
-from decode_server.model.fp8_warmup import warm_up  # noqa: E402
+from decode_server.model.fp8_warmup import tuning_config, warm_up  # noqa: E402
 from decode_server.parallel.state import ParallelState  # noqa: E402
 from kernels import fp8_gemm  # noqa: E402
 from kernels.fp8_gemm_table import config_fields, dtype_name, table_path, write_table  # noqa: E402
 
 logger = logging.getLogger("tune_fp8_gemm")
-
-
-def short_config(name: str):
-    """The config cut to one dense layer and one MoE layer, both running the indexer: every FP8 shape of the
-    model, a fraction of its bytes."""
-    cfg = load_config(name)
-    return dataclasses.replace(cfg, num_hidden_layers=2, first_k_dense_replace=1,
-                               indexer_types=("full", "full") if cfg.indexer_types else (),
-                               mlp_layer_types=("dense", "sparse") if cfg.mlp_layer_types else ())
 
 
 def main() -> None:
@@ -63,7 +53,7 @@ def main() -> None:
     entries: dict[tuple, dict] = {}
     started = time.perf_counter()
     for config_name in args.configs:
-        cfg = short_config(config_name)
+        cfg = tuning_config(load_config(config_name))
         for layout in args.parallel:
             tp, ep = (int(v) for v in layout.lower().split("x"))
             parallel = ParallelState(tp_rank=0, tp_size=tp, ep_size=ep)

@@ -9,6 +9,7 @@ batch-invariant mode runs one by one); grouped shapes the routed experts, at M =
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Collection, Iterable
@@ -18,9 +19,11 @@ from torch import nn
 
 from decode_server.model.attention import MLAAttention
 from decode_server.model.batch_invariant import Linear
+from decode_server.model.config import ModelConfig
 from decode_server.model.layers import MLP
 from decode_server.model.moe import MoE
 from kernels.fp8_gemm import TuningRecord, m_bucket, tune, tuner
+from kernels.fp8_gemm_table import TableKey, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,41 @@ def fp8_workloads(model: nn.Module) -> list[Workload]:
     return [(kind, weights, block) for (kind, _, block), weights in groups.items()]
 
 
+def tuning_config(config: ModelConfig) -> ModelConfig:
+    """The config cut to one dense layer and one MoE layer, both running the indexer: every FP8 GEMM shape of the
+    model at a fraction of its bytes (what benchmarks/tune_fp8_gemm.py builds to measure a GPU's table)."""
+    return dataclasses.replace(config, num_hidden_layers=2, first_k_dense_replace=1,
+                               indexer_types=("full", "full") if config.indexer_types else (),
+                               mlp_layer_types=("dense", "sparse") if config.mlp_layer_types else ())
+
+
+def _planned(workloads: list[Workload], token_counts: Iterable[int], experts_per_token: int,
+             grouped: bool) -> list[tuple[str, list[tuple[torch.Tensor, torch.Tensor]], int, tuple[int, int]]]:
+    """(kind, weights, M, block) of every decision `warm_up` makes: each dense shape at each M bucket of the token
+    counts, each grouped shape at bucket × experts per token (its rows are token-expert pairs)."""
+    planned = []
+    for bucket in sorted({m_bucket(max(1, t)) for t in token_counts}):
+        for kind, weights, block in workloads:
+            if kind != "grouped":
+                planned.append((kind, weights, bucket, block))
+            elif grouped:
+                planned.append((kind, weights, bucket * experts_per_token, block))
+    return planned
+
+
+def table_keys(model: nn.Module, token_counts: Iterable[int], experts_per_token: int,
+               grouped: bool = True) -> set[TableKey]:
+    """The GPU table keys (kernels/fp8_gemm_table.py) of the decisions `warm_up` would make for these token counts,
+    without timing anything (the model may live on the meta device): what a GPU's table must hold for the engine to
+    run only measured choices, since a missing key silently takes the untimed default."""
+    keys: set[TableKey] = set()
+    for kind, weights, m, _ in _planned(fp8_workloads(model), token_counts, experts_per_token, grouped):
+        shape = tuple(int(v) for v in weights[0][0].shape)
+        experts, n, k = shape if kind == "grouped" else (0, *shape)
+        keys.add((kind, n, k, experts, m_bucket(m), dtype_name(model.dtype)))
+    return keys
+
+
 def warm_up(model: nn.Module, token_counts: Iterable[int], experts_per_token: int,
             grouped: bool = True, shapes: Collection[tuple[int, int]] | None = None) -> list[TuningRecord]:
     """Decide the backend of every FP8 GEMM shape for every M bucket of `token_counts`; returns the decisions
@@ -65,13 +103,8 @@ def warm_up(model: nn.Module, token_counts: Iterable[int], experts_per_token: in
     dtype = model.dtype
     before = len(tuner().records)
     start = time.perf_counter()
-    for bucket in sorted({m_bucket(max(1, t)) for t in token_counts}):
-        for kind, weights, block in workloads:
-            if kind == "grouped":
-                if grouped:
-                    tune(kind, weights, bucket * experts_per_token, dtype, block)
-            else:
-                tune(kind, weights, bucket, dtype, block)
+    for kind, weights, m, block in _planned(workloads, token_counts, experts_per_token, grouped):
+        tune(kind, weights, m, dtype, block)
     torch.cuda.synchronize()
     made = tuner().records[before:]
     logger.info("FP8 GEMM warm-up: %d shape(s), %d decision(s) in %.1f s", len(workloads), len(made),

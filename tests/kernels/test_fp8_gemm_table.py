@@ -104,3 +104,37 @@ def test_mode_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv(fp8_gemm.TUNING_ENV, "fastest")
     with pytest.raises(ValueError, match="HISPARSE_FP8_GEMM_TUNING"):
         fp8_gemm.Fp8GemmTuner()
+
+
+# The layouts the shipped tables are tuned for (benchmarks/tune_fp8_gemm.py --max-tokens 256; the commands are in
+# each table's "command"): real models at TP1 and TP8/EP8, the one-rank configs, the FP8 bench configs.
+TUNED_LAYOUTS = [("deepseek-v3.2", 1, 1), ("deepseek-v3.2", 8, 8), ("dsv32-rank-ep8", 1, 1),
+                 ("dsv32-rank-ep16", 1, 1), ("dsv32-bench-16l", 1, 1), ("glm-5", 1, 1), ("glm-5", 8, 8),
+                 ("glm5-rank-ep8", 1, 1), ("glm5-bench", 1, 1)]
+DECODE_TOKEN_COUNTS = [1 << i for i in range(9)]  # 1 … 256
+
+
+@pytest.mark.parametrize(("config_name", "tp", "ep"), TUNED_LAYOUTS)
+def test_shipped_tables_cover_every_shape_of_the_tuned_layouts(config_name: str, tp: int, ep: int) -> None:
+    """Every FP8 GEMM decision the engine's warm-up makes for decode batches up to 256 is in every shipped GPU
+    table. A missing key silently runs the untimed default configuration: GLM-5's shapes did until 2026-11-27
+    (its FP8 step at batch 1 was 1.13× the bf16 step on the H200, 0.84× once tuned), as did DeepSeek-V3.2's TP8
+    stacked projections and the 16 local experts of `dsv32-rank-ep16`. The model is built on the meta device:
+    shapes only, no weights."""
+    from decode_server.model import load_config
+    from decode_server.model.construct import build_empty_model
+    from decode_server.model.fp8_warmup import table_keys, tuning_config
+    from decode_server.parallel.state import ParallelState
+
+    config = tuning_config(load_config(config_name))
+    model = build_empty_model(config, torch.device("meta"), torch.bfloat16,
+                              ParallelState(tp_rank=0, tp_size=tp, ep_size=ep), fp8=True)
+    model.finalize_weights()
+    keys = table_keys(model, DECODE_TOKEN_COUNTS, int(config.num_experts_per_tok))
+    assert {key[0] for key in keys} == {"dense", "grouped"} and len(keys) > 50
+    tables = sorted(fp8_gemm_table.TABLE_DIR.glob("*.json"))
+    assert {path.stem for path in tables} >= {"nvidia_h100_80gb_hbm3", "nvidia_h200"}
+    for path in tables:
+        entries = fp8_gemm_table.read_table(path)
+        missing = sorted(key for key in keys if key not in entries)
+        assert not missing, f"{path.name} lacks {len(missing)} {config_name} TP{tp} EP{ep} keys, e.g. {missing[:3]}"
