@@ -1,3 +1,4 @@
+# bench_tmp/old_<slug>.json: the table of 97e61a2 (git show 97e61a2:kernels/fp8_gemm_tables/<slug>.json)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD HISPARSE_KERNEL_CACHE=/tmp/kc TRITON_CACHE_DIR=/tmp/triton PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader
