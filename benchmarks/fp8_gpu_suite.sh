@@ -4,8 +4,9 @@
 # $OUT (default ./gpu-out), the short table of benchmarks/fp8_summary.py last.
 # Usage on the GPU machine, from the project root (wheels for pydantic etc. in .whl/, as for gpu_suite.sh):
 #   bash benchmarks/fp8_gpu_suite.sh [tune] [tests] [gemm] [step]        (default: tests gemm step)
-# tune: measure this GPU's FP8 GEMM table afresh (tune_fp8_gemm.py: DeepSeek-V3.2 at TP1 and TP8/EP8, and the
-# bench configs' own shapes) into $OUT/<gpu>.json, which the later stages of the same call then use
+# tune: measure this GPU's FP8 GEMM table afresh (tune_fp8_gemm.py: DeepSeek-V3.2 and GLM-5 at TP1 and TP8/EP8,
+# the one-rank and FP8 bench configs: the layouts tests/kernels/test_fp8_gemm_table.py holds every table to) into
+# $OUT/<gpu>.json, which the later stages of the same call then use
 # ($HISPARSE_FP8_GEMM_TABLE); copy it to kernels/fp8_gemm_tables/ to ship it.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -24,10 +25,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
 if [[ $stages == *" tune "* ]]; then
   table="$OUT/$(python3 -c 'import torch; from kernels.fp8_gemm_table import device_slug; print(device_slug(torch.cuda.get_device_name()))').json"
   rm -f "$table"
-  timeout "${FP8_TUNE_TIMEOUT:-300}" python3 benchmarks/tune_fp8_gemm.py --configs deepseek-v3.2 --parallel 1x1 8x8 \
-    --max-tokens 256 --out "$table" >"$OUT/tune_fp8_gemm.log" 2>&1 \
+  timeout "${FP8_TUNE_TIMEOUT:-300}" python3 benchmarks/tune_fp8_gemm.py --configs deepseek-v3.2 glm-5 \
+    --parallel 1x1 8x8 --max-tokens 256 --out "$table" >"$OUT/tune_fp8_gemm.log" 2>&1 \
     && timeout "${FP8_TUNE_TIMEOUT:-300}" python3 benchmarks/tune_fp8_gemm.py --configs dsv32-bench-16l \
-      --parallel 1x1 --max-tokens 256 --out "$table" >>"$OUT/tune_fp8_gemm.log" 2>&1
+      dsv32-rank-ep8 dsv32-rank-ep16 glm5-rank-ep8 glm5-bench --parallel 1x1 --max-tokens 256 --out "$table" \
+      >>"$OUT/tune_fp8_gemm.log" 2>&1
   echo "tune_fp8_gemm: exit $? (log $OUT/tune_fp8_gemm.log, table $table)"
   [[ -s $table ]] && export HISPARSE_FP8_GEMM_TABLE=$table
 fi
