@@ -62,9 +62,9 @@ class BoundSwapIn:
     @property
     def max_copy_blocks(self) -> int:
         """Cap on the CUDA copy kernel's blocks, 0 for its default grid. A swap-in that runs on a side stream beside
-        other kernels takes a cap: its copy waits on PCIe, so a few dozen blocks keep the link as busy as the full
-        grid while leaving the other SMs to its neighbours. Results never depend on it; the CPU reference has no
-        grid and ignores it."""
+        other kernels takes a cap: its copy waits on PCIe, and a capped grid keeps 4 rows a warp in flight, so 16
+        blocks keep the link as busy as the full grid while leaving the other SMs to its neighbours. Results never
+        depend on it; the CPU reference has no grid and ignores it."""
         return self._max_copy_blocks
 
     @max_copy_blocks.setter

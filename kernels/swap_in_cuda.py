@@ -28,8 +28,9 @@ def swap_in_cuda(
     measured in docs/benchmarks-history.md) for a caller that already passed the same tables and pools with checks, as
     `kernels.BoundSwapIn` does for every top-k shape after its first; the extension keeps its own checks.
 
-    `max_copy_blocks` caps the copy kernel's grid (0: its default, two blocks an SM); the result is the same, only
-    how many SMs the copy occupies changes (a swap-in on a side stream: `SwapInContext.max_copy_blocks`)."""
+    `max_copy_blocks` caps the copy kernel's grid (0: its default, two blocks an SM, one row a warp; a capped grid
+    keeps 4 rows a warp in flight); the result is the same, only how many SMs the copy occupies changes (a swap-in
+    on a side stream: `SwapInContext.max_copy_blocks`)."""
     if check:
         check_swap_in_cuda_args(top_k_tokens, seq_lens, req_rows, tables)
     return load_extension().swap_in(top_k_tokens, seq_lens, req_rows, *tables.extension_args(), max_copy_blocks)
