@@ -73,6 +73,10 @@ FUSED_MAX_ROWS = 16
 Weights = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
+# The source of a table-mode decision whose key this GPU's table lacks: the default configuration runs, untimed.
+NO_TABLE_ENTRY = "no table entry: default"
+
+
 def m_bucket(m: int) -> int:
     """Smallest power of two ≥ m (1 for m ≤ 1), capped at MAX_M_BUCKET."""
     return min(1 << max(0, m - 1).bit_length(), MAX_M_BUCKET)
@@ -101,6 +105,7 @@ class TuningRecord:
     choice: GemmChoice
     timings_us: dict[str, float] = field(default_factory=dict)
     rejected: list[str] = field(default_factory=list)
+    source: str = ""  # table mode: where the choice came from ("table", NO_TABLE_ENTRY, ...)
 
     @property
     def best_us(self) -> float | None:
@@ -316,7 +321,7 @@ class Fp8GemmTuner:
             choice, source = self._from_table(key, default, restriction, device)
             logger.info("FP8 GEMM %s N=%d K=%d%s M≤%d: %s (%s)", kind, n, k, f" E={experts}" if experts else "",
                         bucket, choice.label(), source)
-            self.records.append(TuningRecord(kind, n, k, experts, bucket, choice))
+            self.records.append(TuningRecord(kind, n, k, experts, bucket, choice, source=source))
             return choice
         if _capturing():
             logger.warning("FP8 GEMM %s N=%d K=%d M≤%d first met during CUDA-graph capture: default %s, untimed",
@@ -353,7 +358,7 @@ class Fp8GemmTuner:
         entry = device_table(torch.cuda.get_device_name(_index(device))).get(
             (kind, n, k, experts, bucket, dtype_name(dtype)))
         if entry is None:
-            return default, "no table entry: default"
+            return default, NO_TABLE_ENTRY
         backend, fields = entry
         if backend == "scaled_mm":
             if restriction == "triton" or kind != "dense" or not scaled_mm_supported(n, k, block, device):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from decode_server.model.batch_invariant import Linear
 from decode_server.model.config import ModelConfig
 from decode_server.model.layers import MLP
 from decode_server.model.moe import MoE
-from kernels.fp8_gemm import TuningRecord, m_bucket, tune, tuner
+from kernels.fp8_gemm import NO_TABLE_ENTRY, TuningRecord, m_bucket, tune, tuner
 from kernels.fp8_gemm_table import TableKey, dtype_name
 
 logger = logging.getLogger(__name__)
@@ -109,4 +109,20 @@ def warm_up(model: nn.Module, token_counts: Iterable[int], experts_per_token: in
     made = tuner().records[before:]
     logger.info("FP8 GEMM warm-up: %d shape(s), %d decision(s) in %.1f s", len(workloads), len(made),
                 time.perf_counter() - start)
+    warn_untabled(made)
     return made
+
+
+def warn_untabled(records: Sequence[TuningRecord]) -> int:
+    """One warning naming the shapes whose decisions this GPU's table lacked (they run the default configuration,
+    untimed: GLM-5's FP8 step was slower than its bf16 step that way until its shapes were tuned); returns how many
+    decisions that was. Each decision is also logged at INFO as it is made, which is easy to miss."""
+    missing = [r for r in records if r.source == NO_TABLE_ENTRY]
+    if missing:
+        shapes = sorted({(r.kind, r.n, r.k, r.experts) for r in missing})
+        listed = ", ".join(f"{kind} N={n} K={k}" + (f" E={e}" if e else "") for kind, n, k, e in shapes[:8])
+        logger.warning("FP8 GEMM warm-up: %d of %d decisions have no entry in this GPU's table and run the default "
+                       "configuration, untimed (%d shape(s): %s%s); measure them with benchmarks/tune_fp8_gemm.py "
+                       "--configs <model> --parallel <TP>x<EP> and ship the table (docs/kernels.md)", len(missing),
+                       len(records), len(shapes), listed, ", …" if len(shapes) > 8 else "")
+    return len(missing)

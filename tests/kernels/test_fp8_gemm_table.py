@@ -138,3 +138,28 @@ def test_shipped_tables_cover_every_shape_of_the_tuned_layouts(config_name: str,
         entries = fp8_gemm_table.read_table(path)
         missing = sorted(key for key in keys if key not in entries)
         assert not missing, f"{path.name} lacks {len(missing)} {config_name} TP{tp} EP{ep} keys, e.g. {missing[:3]}"
+
+
+def test_decisions_missing_from_the_table_are_recorded_and_warned_once(fake_gpu, caplog) -> None:
+    """A key the table lacks runs the default, and the warm-up says so in one warning naming the shapes (each
+    decision's own line is INFO, easy to miss); keys the table holds say "table" and raise nothing."""
+    from decode_server.model.fp8_warmup import warn_untabled
+
+    tuned = {"block_m": 16, "block_n": 128, "split_k": 4, "num_warps": 4, "num_stages": 4, "m_programs": 1}
+    fp8_gemm_table.write_table(fake_gpu, "Fake GPU 80GB", [entry("dense", 576, 7168, 1, "triton", tuned)],
+                               {"measured": "test"})
+    tuner = fp8_gemm.Fp8GemmTuner("table")
+    choose(tuner, 576, 7168, 1)
+    assert [r.source for r in tuner.records] == ["table"]
+    with caplog.at_level("WARNING", logger="decode_server.model.fp8_warmup"):
+        assert warn_untabled(tuner.records) == 0
+    assert not caplog.records
+    choose(tuner, 576, 7168, 64)
+    choose(tuner, 2048, 6144, 8, kind="grouped", experts=32)
+    assert [r.source for r in tuner.records] == ["table", fp8_gemm.NO_TABLE_ENTRY, fp8_gemm.NO_TABLE_ENTRY]
+    with caplog.at_level("WARNING", logger="decode_server.model.fp8_warmup"):
+        assert warn_untabled(tuner.records) == 2
+    (record,) = caplog.records
+    assert record.levelname == "WARNING"
+    assert "2 of 3 decisions" in record.getMessage() and "dense N=576 K=7168" in record.getMessage()
+    assert "grouped N=2048 K=6144 E=32" in record.getMessage()
