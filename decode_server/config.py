@@ -44,6 +44,14 @@ class HiSparseConfig(BaseModel):
                     "Off by default: on an H100 it did not shorten the step (batch 1 and 17, 32K and 64K, "
                     "docs/benchmarks.md)",
     )
+    speculative_prefetch: bool = Field(
+        default=False,
+        description="decode, DSA layers: once a layer has selected, swap its top-k into the next indexer layer's "
+                    "buffer on a side stream, betting that layer selects many of the same tokens (adjacent layers' "
+                    "top-k overlap 70-100 %, IndexCache), so the bet's copies overlap this layer's attention and "
+                    "MoE; the next layer still swaps in its own selection, so outputs are unchanged. A wrong bet "
+                    "costs PCIe bytes and buffer places. Off by default: see docs/benchmarks.md for when it pays",
+    )
     side_stream_copy_blocks: int = Field(
         default=16, ge=0,
         description="cap on the copy kernel's thread blocks for swap-ins that run on a side stream (early_swap_in, "

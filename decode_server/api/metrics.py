@@ -127,6 +127,9 @@ class _EngineStatsCollector(Collector):
         per_layer = (
             ("swap_in_hits", "top-k rows found in the device buffer", "hits"),
             ("swap_in_misses", "top-k rows copied host to device", "misses"),
+            ("speculative_prefetch_hits", "rows a speculative prefetch found in the buffer", "speculative_hits"),
+            ("speculative_prefetch_misses", "rows a speculative prefetch copied host to device",
+             "speculative_misses"),
             ("bytes_h2d", "bytes copied host to device (swap-in)", "bytes_h2d"),
             ("bytes_d2h", "bytes copied device to host (backup)", "bytes_d2h"),
         )

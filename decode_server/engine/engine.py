@@ -258,7 +258,8 @@ class Engine:
             return HiSparseCoordinator(layout, self.kv_dtype, self.device, reference, parallel=shared,
                                        prefetch_shared_layers=cfg.hisparse.prefetch_shared_layers,
                                        early_swap_in=cfg.hisparse.early_swap_in,
-                                       side_stream_copy_blocks=cfg.hisparse.side_stream_copy_blocks)
+                                       side_stream_copy_blocks=cfg.hisparse.side_stream_copy_blocks,
+                                       speculative_prefetch=cfg.hisparse.speculative_prefetch)
         slots = dense_slots(budgets.device, geometry, self.kv_dtype, cfg.page_size)
         logger.info("dense KV: %d token slots (%d B per token)", slots, geometry.bytes_per_token(self.kv_dtype))
         return DenseKVManager(num_layers, slots, cfg.max_running_requests, self.context_length, self.kv_dtype,

@@ -51,6 +51,10 @@ class HiSparseLayerStats(BaseModel):
     layer: int
     hits: int = 0
     misses: int = 0
+    # The speculative prefetch's swap-ins into this layer (HiSparseConfig.speculative_prefetch): rows its bets
+    # found in the buffer and rows they copied (in bytes_h2d too); not in hits / misses.
+    speculative_hits: int = 0
+    speculative_misses: int = 0
     bytes_h2d: int = 0
     bytes_d2h: int = 0
 

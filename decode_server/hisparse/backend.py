@@ -38,9 +38,9 @@ from decode_server.hisparse.counters import HiSparseCounters
 from decode_server.hisparse.device_buffer import DeviceBufferPool
 from decode_server.hisparse.host_pool import HostKVPool
 from decode_server.hisparse.indexer_pool import IndexerKeyPool
-from decode_server.hisparse.prefetch import SwapInPrefetch, shared_followers
+from decode_server.hisparse.prefetch import SwapInPrefetch, next_full_layers, shared_followers
 from decode_server.hisparse.prefill_staging import PrefillStaging
-from kernels import SwapInTables
+from kernels import BoundSwapIn, SwapInTables
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +71,13 @@ class HiSparseMemory(Protocol):
 
 class HiSparseBackend(AttentionBackend):
     def __init__(self, coordinator: HiSparseMemory, prefetch_shared_layers: bool = False,
-                 early_swap_in: bool = False, side_stream_copy_blocks: int = 0) -> None:
+                 early_swap_in: bool = False, side_stream_copy_blocks: int = 0,
+                 speculative_prefetch: bool = False) -> None:  # fmt: skip
         """`prefetch_shared_layers`: start GLM-5 shared layers' swap-ins at their full layer (a no-op for models
         without shared layers); `early_swap_in`: start a layer's own swap-in in `prepare_attention` rather than in
-        its attention (decode_server/hisparse/prefetch.py); `side_stream_copy_blocks`: cap the copy kernel's grid
-        of the swap-ins that those two run on the side stream (0: no cap)."""
+        its attention; `speculative_prefetch`: each full layer also swaps its top-k into the next full layer's
+        buffer, as a bet (decode_server/hisparse/prefetch.py); `side_stream_copy_blocks`: cap the copy kernel's
+        grid of the swap-ins that those run on the side stream (0: no cap)."""
         self.co = coordinator
         self._batch: ForwardBatch | None = None
         self._query_rows: torch.Tensor | None = None
@@ -91,17 +93,18 @@ class HiSparseBackend(AttentionBackend):
         # One bound swap-in per layer (tables, pools and counters bound once): without CUDA graphs the swap-in's host
         # time is on the step's critical path, once per layer (docs/kernels.md). A profiler may wrap the entries.
         bufs = coordinator.buffers
-        host = coordinator.host
-        self.swaps = [
-            ops.bind_swap_in(SwapInTables(
-                buffer_slots=bufs.buffer_slots, buffer_tokens=bufs.buffer_tokens[layer],
-                lru_order=bufs.lru_order[layer], host_rows=host.rows.table, host_pool=host.kv[layer],
-                device_pool=bufs.kv[layer], num_recent=bufs.num_recent, counters=coordinator.counters.swap[layer],
-            ))
+        self.swaps = [self._bind_swap_in(layer, coordinator.counters.swap[layer]) for layer in range(bufs.num_layers)]
+        followers = shared_followers(coordinator.cache_geometry) if prefetch_shared_layers else {}
+        bets = next_full_layers(coordinator.cache_geometry) if speculative_prefetch else {}
+        # The bets' swap-ins: the same tables, their own counters (a layer's hit rate stays its selections'). They
+        # always run on the side stream, so their copies take the cap.
+        self.speculative_swaps = [
+            self._bind_swap_in(layer, coordinator.counters.speculative[layer], side_stream_copy_blocks)
+            if layer in bets.values() else None
             for layer in range(bufs.num_layers)
         ]
-        followers = shared_followers(coordinator.cache_geometry) if prefetch_shared_layers else {}
-        self.prefetch = SwapInPrefetch(followers, self.swaps, coordinator.device, early=early_swap_in)
+        self.prefetch = SwapInPrefetch(followers, self.swaps, coordinator.device, early=early_swap_in,
+                                       speculative=bets, speculative_swaps=self.speculative_swaps)
         # The layers whose decode swap-ins run on the side stream, beside the forward's kernels: all of them with
         # the early swap-in, else the shared followers. Their copies take only a capped share of the SMs.
         side_layers = range(bufs.num_layers) if early_swap_in else [f for fs in followers.values() for f in fs]
@@ -116,6 +119,17 @@ class HiSparseBackend(AttentionBackend):
         self._static_new_slots = torch.zeros(rows, dtype=torch.int64, device=coordinator.device)
         self._static_new_host_rows = torch.zeros(rows, dtype=torch.int64, device=coordinator.device)
 
+    def _bind_swap_in(self, layer: int, counters: torch.Tensor, max_copy_blocks: int = 0) -> BoundSwapIn:
+        """Layer `layer`'s swap-in with its tables bound once, counting into `counters`."""
+        bufs, host = self.co.buffers, self.co.host
+        swap = ops.bind_swap_in(SwapInTables(
+            buffer_slots=bufs.buffer_slots, buffer_tokens=bufs.buffer_tokens[layer], lru_order=bufs.lru_order[layer],
+            host_rows=host.rows.table, host_pool=host.kv[layer], device_pool=bufs.kv[layer],
+            num_recent=bufs.num_recent, counters=counters,
+        ))
+        swap.max_copy_blocks = max_copy_blocks
+        return swap
+
     @property
     def scratch_row(self) -> int:
         """The request row that padded rows of static decode batches use (forward_batch.SCRATCH_SLOTS)."""
@@ -124,7 +138,7 @@ class HiSparseBackend(AttentionBackend):
     # -- per forward --
     def begin_forward(self, batch: ForwardBatch) -> None:
         co = self.co
-        leftover = self.prefetch.pending_layers
+        leftover = self.prefetch.pending_layers + self.prefetch.pending_bets
         if leftover:  # end_forward always joins, so this is a bug: never reuse them; joined, so the next forward runs
             self.prefetch.join()
             raise RuntimeError(f"prefetched swap-ins of layers {leftover} outlived their forward")
@@ -266,7 +280,9 @@ class HiSparseBackend(AttentionBackend):
         slots = self.prefetch.take(layer_id, source)
         if slots is None:
             topk_positions = self._swap_in_topk(topk_positions)
-            # The full layer's own swap-in first (its attention waits for it), then its followers' on the side.
+            # The full layer's own swap-in first (its attention waits for it; it waits for the bet on its
+            # selection that the full layer before made), then its followers' and the next bet on the side.
+            self.prefetch.before_own_swap_in(layer_id)
             slots = self.swaps[layer_id](topk_positions, self._seq_lens, batch.req_rows)
             self.prefetch.launch(layer_id, source, topk_positions, self._seq_lens, batch.req_rows)
         return ops.sparse_attention(q, self._attention_rows[layer_id], slots, softmax_scale, co.kv_lora_rank,

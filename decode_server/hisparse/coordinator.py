@@ -89,11 +89,12 @@ class HiSparseCoordinator(KVManager):
     def __init__(
         self, layout: HiSparseLayout, kv_dtype: torch.dtype, device: torch.device, reference_kernels: bool = False,
         parallel: Any = None, prefetch_shared_layers: bool = False, early_swap_in: bool = False,
-        side_stream_copy_blocks: int = 0,
+        side_stream_copy_blocks: int = 0, speculative_prefetch: bool = False,
     ) -> None:
         """`prefetch_shared_layers`: GLM-5 shared layers' swap-ins start at their full layer, on a side stream
         (`HiSparseConfig.prefetch_shared_layers`); `early_swap_in`: a layer's own swap-in starts when its top-k
-        is known (`HiSparseConfig.early_swap_in`); both in decode_server/hisparse/prefetch.py.
+        is known (`HiSparseConfig.early_swap_in`); `speculative_prefetch`: each full layer bets its top-k on the
+        next full layer's buffer (`HiSparseConfig.speculative_prefetch`); all in decode_server/hisparse/prefetch.py.
         `side_stream_copy_blocks`: the copy kernel's grid cap for those side-stream swap-ins (0: none)."""
         self.layout = layout
         self.kv_dtype = kv_dtype
@@ -124,7 +125,8 @@ class HiSparseCoordinator(KVManager):
         self._saved_index_keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._spilled_rows: dict[int, torch.Tensor] = {}  # retracted requests' host rows, out of the pool
         self.backend = HiSparseBackend(self, prefetch_shared_layers=prefetch_shared_layers,
-                                       early_swap_in=early_swap_in, side_stream_copy_blocks=side_stream_copy_blocks)
+                                       early_swap_in=early_swap_in, side_stream_copy_blocks=side_stream_copy_blocks,
+                                       speculative_prefetch=speculative_prefetch)
 
     # -- backup ordering --
     def set_pending_backup(self, event: torch.cuda.Event | None, rows: list[int] | None = None) -> None:

@@ -43,6 +43,16 @@ so the caching allocator cannot hand their memory out while the side stream stil
 
 An aborted forward leaves its prefetched followers' swap-ins done (their tables then describe what their slots
 hold, so the buffers stay consistent; only which tokens are cached differs, which never changes a result).
+
+Speculative (`HiSparseConfig.speculative_prefetch`, issue 23 item 3, for DSA layers that select on their own): once
+full layer L's top-k is known, the next full layer N (L+1 in DeepSeek-V3.2) runs a swap-in of L's selection
+against N's own tables on the side stream, betting that N will select many of the same tokens (adjacent DSA
+layers' top-k overlap 70-100 %, IndexCache, arXiv 2603.12201). N then runs its own swap-in as always: the tokens the
+bet loaded are hits, and their copies ran beside L's attention and MoE and N's projections. It never changes what
+attention reads (N attends over the slots of its own swap-in, made after the bet; every slot holds the host row
+of the token its table names, so which tokens a bet loaded or kept warm cannot change a bit), and it is ordered
+like a follower's swap-in (N's own swap-in waits for it). The bet's hits and misses go to their own counters, so
+the layer's hit rate stays the rate of its real selections. A wrong bet costs PCIe bytes and LRU places.
 """
 
 from __future__ import annotations
@@ -58,6 +68,12 @@ from decode_server.engine.kv_rows import CacheGeometry
 logger = logging.getLogger(__name__)
 
 SwapIn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def next_full_layers(geometry: CacheGeometry) -> dict[int, int]:
+    """Full layer id → the next full layer (the one a speculative prefetch bets on); the last one maps nowhere."""
+    full = sorted(geometry.index_layer_ids)
+    return dict(zip(full, full[1:], strict=False))
 
 
 def shared_followers(geometry: CacheGeometry) -> dict[int, tuple[int, ...]]:
@@ -99,25 +115,39 @@ class SwapInPrefetch:
     """
 
     def __init__(self, followers: dict[int, tuple[int, ...]], swaps: Sequence[SwapIn], device: torch.device,
-                 early: bool = False) -> None:  # fmt: skip
+                 early: bool = False, speculative: dict[int, int] | None = None,
+                 speculative_swaps: Sequence[SwapIn] = ()) -> None:  # fmt: skip
+        """`speculative`: full layer → the layer whose swap-in of the full layer's top-k it launches as a bet,
+        with `speculative_swaps[layer]` (the layer's tables, the bet's own counters)."""
         self.followers = followers
         self.swaps = swaps
         self.device = device
         self.early = early
+        self.speculative = speculative or {}
+        self.speculative_swaps = speculative_swaps
+        if self.speculative and len(speculative_swaps) <= max(self.speculative.values()):
+            raise ValueError("speculative prefetch needs a bound swap-in for every layer it bets on")
         # One side stream for all launches: the swap-ins run one after another in layer order, like the forward
         # would have run them; created only where there is something to launch. With `early`, high priority: the
         # attention right after the projections waits for it, so its blocks go first when those free an SM (the
         # followers alone keep the default priority they were measured with).
-        wanted = device.type == "cuda" and (early or bool(followers))
+        wanted = device.type == "cuda" and (early or bool(followers) or bool(self.speculative))
         self.stream = torch.cuda.Stream(device, priority=-1 if early else 0) if wanted else None
         self._pending: dict[int, _Prefetched] = {}
+        self._bets: dict[int, _Prefetched] = {}  # layer → its speculative swap-in, until its own swap-in waited
         self.launched = 0  # follower swap-ins launched at their full layer (tests and stats)
         self.early_launched = 0  # layers' own swap-ins launched from their prepare_attention
+        self.speculative_launched = 0  # bets launched at the full layer before
 
     @property
     def pending_layers(self) -> tuple[int, ...]:
         """Followers whose prefetched slots are not taken yet (empty between forwards)."""
         return tuple(self._pending)
+
+    @property
+    def pending_bets(self) -> tuple[int, ...]:
+        """Layers whose speculative swap-in their own swap-in has not waited for yet (empty between forwards)."""
+        return tuple(self._bets)
 
     def launch(self, layer_id: int, source: torch.Tensor, top_k: torch.Tensor, seq_lens: torch.Tensor,
                req_rows: torch.Tensor, include_self: bool = False) -> None:  # fmt: skip
@@ -126,7 +156,8 @@ class SwapInPrefetch:
 
         `source` is the top-k tensor the layer received, `top_k` its int32 contiguous form the swap-in takes."""
         layers = ((layer_id,) if include_self else ()) + self.followers.get(layer_id, ())
-        if not layers:
+        bet = self.speculative.get(layer_id)
+        if not layers and bet is None:
             return
         inputs = (source, top_k, seq_lens, req_rows)
         stream = self.stream
@@ -134,6 +165,9 @@ class SwapInPrefetch:
             for layer in layers:
                 entry = _Prefetched(self.swaps[layer](top_k, seq_lens, req_rows), source, None, inputs)
                 self._put(layer, entry, own=layer == layer_id)
+            if bet is not None:
+                self._put_bet(bet, _Prefetched(self.speculative_swaps[bet](top_k, seq_lens, req_rows), source, None,
+                                               inputs))
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -142,6 +176,24 @@ class SwapInPrefetch:
                 event = torch.cuda.Event()
                 event.record(stream)
                 self._put(layer, _Prefetched(slots, source, event, inputs), own=layer == layer_id)
+            if bet is not None:  # after the followers: they attend sooner and for certain
+                slots = self.speculative_swaps[bet](top_k, seq_lens, req_rows)
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._put_bet(bet, _Prefetched(slots, source, event, inputs))
+
+    def _put_bet(self, layer: int, entry: _Prefetched) -> None:
+        if layer in self._bets:
+            raise RuntimeError(f"layer {layer} had two speculative swap-ins in one forward")
+        self._bets[layer] = entry
+        self.speculative_launched += 1
+
+    def before_own_swap_in(self, layer_id: int) -> None:
+        """Called right before `layer_id`'s own swap-in on the current stream: that stream waits for the layer's
+        speculative swap-in (both update the layer's tables, the bet first)."""
+        entry = self._bets.pop(layer_id, None)
+        if entry is not None and entry.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(entry.event)
 
     def _put(self, layer: int, entry: _Prefetched, own: bool) -> None:
         if layer in self._pending:
@@ -167,19 +219,22 @@ class SwapInPrefetch:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(entry.event)
             entry.slots.record_stream(current)
+        # A layer's own early swap-in ran on the side stream after its bet, so this wait covered the bet too.
+        self._bets.pop(layer_id, None)
         return entry.slots
 
     def join(self) -> None:
         """The current stream waits for every launched swap-in not taken yet, which are then dropped: called at
         the end of every forward (normal or aborted, inside a CUDA-graph capture too), so no side-stream work
         outlives the forward that launched it."""
-        if not self._pending:
+        if not self._pending and not self._bets:
             return
-        logger.debug("joining %d early swap-ins never taken (layers %s)", len(self._pending),
-                     sorted(self._pending))
+        logger.debug("joining %d early swap-ins never taken (layers %s) and %d bets (layers %s)", len(self._pending),
+                     sorted(self._pending), len(self._bets), sorted(self._bets))
         if self.stream is not None:
             current = torch.cuda.current_stream(self.device)
-            for entry in self._pending.values():
+            for entry in (*self._pending.values(), *self._bets.values()):
                 if entry.event is not None:
                     current.wait_event(entry.event)
         self._pending.clear()
+        self._bets.clear()

@@ -233,6 +233,8 @@ def merge_rank_stats(gathered: list[tuple[int, EngineStats]]) -> EngineStats:
         same = [s.hisparse_layers[i] for s in stats]
         layers.append(HiSparseLayerStats(layer=layer.layer, hits=sum(x.hits for x in same),
                                          misses=sum(x.misses for x in same),
+                                         speculative_hits=sum(x.speculative_hits for x in same),
+                                         speculative_misses=sum(x.speculative_misses for x in same),
                                          bytes_h2d=sum(x.bytes_h2d for x in same),
                                          bytes_d2h=sum(x.bytes_d2h for x in same)))  # fmt: skip
     disaggs = [s.disagg for s in stats if s.disagg is not None]

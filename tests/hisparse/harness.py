@@ -44,7 +44,7 @@ def make_engine(
     optimistic: bool = False, prefill_staging_tokens: int | None = None, disable_cuda_graph: bool = False,
     cuda_graph_bs: list[int] | None = None, eager_graph_buckets: list[int] | None = None,
     overlap: bool | None = None, deterministic: bool = False, prefetch_shared_layers: bool = False,
-    early_swap_in: bool = False, side_stream_copy_blocks: int = 0,
+    early_swap_in: bool = False, side_stream_copy_blocks: int = 0, speculative_prefetch: bool = False,
 ) -> Engine:
     """`optimistic`: admission expects no request to grow past its prompt (new-token ratios 0), so that tight
     budgets force retractions. CUDA graphs follow the engine's defaults (captured on CUDA, none on CPU) and
@@ -54,14 +54,16 @@ def make_engine(
     batch-invariant mode (a request's results do not depend on its batch). `prefetch_shared_layers`: the
     HiSparseConfig key (GLM-5 shared layers' swap-ins started at their full layer); `early_swap_in`: the
     HiSparseConfig key (a layer's swap-in started from its prepare_attention, on a side stream);
-    `side_stream_copy_blocks`: the HiSparseConfig key (those side-stream swap-ins' copy grid cap)."""
+    `side_stream_copy_blocks`: the HiSparseConfig key (those side-stream swap-ins' copy grid cap);
+    `speculative_prefetch`: the HiSparseConfig key (each full layer's top-k swapped into the next one's buffer)."""
     model, model_config, tokenizer = tiny
     cfg = EngineConfig(
         device=device, enable_hisparse=hisparse, page_size=PAGE, chunked_prefill_size=chunk,
         hisparse=HiSparseConfig(device_buffer_size=buffer_size, num_recent_slots=num_recent,
                                 prefill_staging_tokens=prefill_staging_tokens,
                                 prefetch_shared_layers=prefetch_shared_layers, early_swap_in=early_swap_in,
-                                side_stream_copy_blocks=side_stream_copy_blocks),
+                                side_stream_copy_blocks=side_stream_copy_blocks,
+                                speculative_prefetch=speculative_prefetch),
         device_kv_budget_bytes=device_budget, host_kv_budget_bytes=host_budget,
         max_running_requests=max_running, max_queued_requests=max_queued, kv_cache_dtype=kv_cache_dtype,
         attention_backend=attention_backend,

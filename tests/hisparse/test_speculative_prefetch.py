@@ -1,0 +1,233 @@
+"""Speculative prefetch (HiSparseConfig.speculative_prefetch, decode_server/hisparse/prefetch.py, issue 23 item 3),
+on CPU.
+
+- the bet map (full layer → next full layer) for several `indexer_types` patterns;
+- tiny-dsa (three full layers) with a device buffer smaller than the prompts, so every layer misses: bets on ==
+  bets off == dense, greedy tokens and logits bit for bit; layer 0, which nobody bets on, keeps exactly its
+  counters; the bets' own counters saw hits and misses; one bet per decode step and later layer;
+- the equality check catches a wrong bet (one that copies another layer's host rows into the buffer);
+- the order inside a decode forward: the bet on layer l+1 runs during layer l's attention, after l's own
+  swap-in, and before l+1's; with the early swap-in it runs right after l's own on the side stream;
+- tiny-glm5 (full, shared, full, shared): the bet goes from full layer 0 to full layer 2, after the shared
+  follower's prefetch, and results stay bit for bit those of dense;
+- a forward that fails before the layer it bet on leaves nothing pending.
+The CUDA side (side stream, events, graphs) is tests/hisparse/test_speculative_prefetch_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import (
+    SMALL_BUFFER_ENGINE,
+    Arrival,
+    assert_identical,
+    long_prompt_workload,
+    make_engine,
+    random_prompt,
+    run_poisoned_modes,
+    run_script,
+)
+
+from decode_server.engine.kv_rows import CacheGeometry
+from decode_server.engine.sampling_params import SamplingParams
+from decode_server.hisparse import ops
+from decode_server.hisparse.prefetch import next_full_layers
+from decode_server.model import Tokenizer, load_model, resolve_model_path
+from kernels.swap_in_tables import SwapInTables
+
+
+def _tiny(name: str):
+    model, config = load_model(name, "cpu", torch.float32)
+    return model, config, Tokenizer.from_dir(resolve_model_path(name))
+
+
+@pytest.fixture(scope="module")
+def tiny_dsa():
+    return _tiny("tiny-dsa")
+
+
+@pytest.fixture(scope="module")
+def tiny_glm5():
+    return _tiny("tiny-glm5")
+
+
+def _workload() -> list[Arrival]:
+    return long_prompt_workload(11, (150, 100, 130))
+
+
+def _geometry(types: str) -> CacheGeometry:
+    return CacheGeometry(len(types), index_layers=tuple(i for i, t in enumerate(types) if t == "F"))
+
+
+@pytest.mark.parametrize(("types", "expected"), [
+    ("FFF", {0: 1, 1: 2}),
+    ("FSFS", {0: 2}),
+    ("FSSSFSSSF", {0: 4, 4: 8}),
+    ("F", {}),
+    ("SFS", {}),
+])
+def test_next_full_layers(types: str, expected: dict[int, int]) -> None:
+    assert next_full_layers(_geometry(types)) == expected
+
+
+def _stats(engine) -> list[tuple[int, int, int, int]]:
+    return [(s.hits, s.misses, s.speculative_hits, s.speculative_misses) for s in engine.kv.layer_stats()]
+
+
+def _decode_steps(run) -> int:
+    return sum(1 for s in run.schedule if s is not None and s[3])
+
+
+def test_bets_are_bit_identical_to_dense_and_to_no_bets(tiny_dsa) -> None:
+    modes = [("dense", {"hisparse": False}), ("off", {"hisparse": True}),
+             ("on", {"hisparse": True, "speculative_prefetch": True})]
+    runs, engines = run_poisoned_modes(tiny_dsa, _workload(), modes, graphs=False, **SMALL_BUFFER_ENGINE)
+    assert_identical(runs["dense"], runs["off"])
+    assert_identical(runs["dense"], runs["on"])
+    assert len({tuple(t) for t in runs["dense"].tokens.values()}) == 4  # prompt-dependent outputs
+    on, off = _stats(engines["on"]), _stats(engines["off"])
+    assert on[0] == off[0], "layer 0 receives no bet: its swap-ins must be exactly those without bets"
+    assert on[0][2:] == (0, 0)
+    for layer in (1, 2):
+        _, _, bet_hits, bet_misses = on[layer]
+        assert bet_hits > 0 and bet_misses > 0, f"layer {layer}: the bets never hit or never copied"
+        assert off[layer][2:] == (0, 0)
+    bytes_h2d = [s.bytes_h2d for s in engines["on"].kv.layer_stats()]
+    row_bytes = engines["on"].kv.counters.row_bytes
+    assert bytes_h2d[1] >= (on[1][1] + on[1][3]) * row_bytes  # the bets' copies are counted as bytes moved
+    prefetch = engines["on"].kv.backend.prefetch
+    assert prefetch.speculative_launched == _decode_steps(runs["dense"]) * 2
+    assert engines["off"].kv.backend.prefetch.speculative_launched == 0
+    for engine in engines.values():
+        assert engine.is_idle_and_empty()
+
+
+def test_equality_check_catches_a_wrong_bet(tiny_dsa) -> None:
+    """A bet that copies layer 0's host rows into layer 1's buffer (recording them as layer 1's) makes layer 1's
+    own swap-in hit on wrong rows: tokens or logits differ from dense, so the comparison above can fail."""
+    dense = run_script(make_engine(tiny_dsa, hisparse=False, **SMALL_BUFFER_ENGINE), _workload())
+    engine = make_engine(tiny_dsa, hisparse=True, speculative_prefetch=True, **SMALL_BUFFER_ENGINE)
+    co = engine.kv
+    bufs, host = co.buffers, co.host
+    wrong = ops.bind_swap_in(SwapInTables(
+        buffer_slots=bufs.buffer_slots, buffer_tokens=bufs.buffer_tokens[1], lru_order=bufs.lru_order[1],
+        host_rows=host.rows.table, host_pool=host.kv[0], device_pool=bufs.kv[1], num_recent=bufs.num_recent,
+        counters=None,
+    ))
+    swaps = list(co.backend.prefetch.speculative_swaps)
+    swaps[1] = wrong
+    co.backend.prefetch.speculative_swaps = swaps
+    result = run_script(engine, _workload(), replay=dense.schedule)
+    with pytest.raises(AssertionError):
+        assert_identical(dense, result)
+
+
+def _record_order(engine) -> list[tuple[str, int, int | None]]:
+    """Wraps the backend so every own swap-in, bet and decode attention appends (what, layer, attention running)."""
+    backend = engine.kv.backend
+    events: list[tuple[str, int, int | None]] = []
+    attending: list[int] = []
+
+    def wrap(kind: str, layer: int, swap):
+        def recording(top_k, seq_lens, req_rows):
+            events.append((kind, layer, attending[-1] if attending else None))
+            return swap(top_k, seq_lens, req_rows)
+        return recording
+
+    backend.swaps[:] = [wrap("swap", layer, swap) for layer, swap in enumerate(backend.swaps)]
+    backend.prefetch.speculative_swaps = [None if swap is None else wrap("bet", layer, swap)
+                                          for layer, swap in enumerate(backend.prefetch.speculative_swaps)]
+    decode_attention = backend._decode_attention
+
+    def recording_attention(layer_id, q, topk, scale):
+        events.append(("attention", layer_id, None))
+        attending.append(layer_id)
+        try:
+            return decode_attention(layer_id, q, topk, scale)
+        finally:
+            attending.pop()
+
+    backend._decode_attention = recording_attention
+    return events
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_the_bet_runs_between_its_layers_own_swap_ins(tiny_dsa, early: bool) -> None:
+    engine = make_engine(tiny_dsa, hisparse=True, speculative_prefetch=True, early_swap_in=early,
+                         **SMALL_BUFFER_ENGINE)
+    events = _record_order(engine)
+    pending_after: list[tuple[int, ...]] = []
+    backend = engine.kv.backend
+    end_forward = backend.end_forward
+
+    def checking_end(batch):
+        end_forward(batch)
+        pending_after.append(backend.prefetch.pending_layers + backend.prefetch.pending_bets)
+
+    backend.end_forward = checking_end
+    run_script(engine, _workload())
+    if early:  # each layer's own swap-in and the bet on the next run from its prepare_attention, before attention
+        per_step = [("swap", 0, None), ("bet", 1, None), ("attention", 0, None),
+                    ("swap", 1, None), ("bet", 2, None), ("attention", 1, None),
+                    ("swap", 2, None), ("attention", 2, None)]
+    else:
+        per_step = [("attention", 0, None), ("swap", 0, 0), ("bet", 1, 0),
+                    ("attention", 1, None), ("swap", 1, 1), ("bet", 2, 1),
+                    ("attention", 2, None), ("swap", 2, 2)]
+    assert events and len(events) % len(per_step) == 0
+    for i in range(0, len(events), len(per_step)):
+        assert events[i:i + len(per_step)] == per_step, f"decode forward {i // len(per_step)}"
+    assert pending_after and all(p == () for p in pending_after)
+
+
+def test_glm5_bets_on_the_next_full_layer_after_its_followers(tiny_glm5) -> None:
+    modes = [("dense", {"hisparse": False}),
+             ("on", {"hisparse": True, "speculative_prefetch": True, "prefetch_shared_layers": True})]
+    runs, engines = run_poisoned_modes(tiny_glm5, long_prompt_workload(5, (150, 90, 120)), modes, graphs=False,
+                                       **SMALL_BUFFER_ENGINE)
+    assert_identical(runs["dense"], runs["on"])
+    stats = _stats(engines["on"])
+    assert [layer for layer, s in enumerate(stats) if s[2] + s[3]] == [2]  # only full layer 2 receives bets
+    engine = make_engine(tiny_glm5, hisparse=True, speculative_prefetch=True, prefetch_shared_layers=True,
+                         **SMALL_BUFFER_ENGINE)
+    events = _record_order(engine)
+    run_script(engine, long_prompt_workload(5, (150, 90, 120)))
+    per_step = [("attention", 0, None), ("swap", 0, 0), ("swap", 1, 0), ("bet", 2, 0), ("attention", 1, None),
+                ("attention", 2, None), ("swap", 2, 2), ("swap", 3, 2), ("attention", 3, None)]
+    assert events and len(events) % len(per_step) == 0
+    for i in range(0, len(events), len(per_step)):
+        assert events[i:i + len(per_step)] == per_step, f"decode forward {i // len(per_step)}"
+
+
+def test_a_forward_failing_before_the_layer_it_bet_on_leaves_nothing_pending(tiny_dsa) -> None:
+    engine = make_engine(tiny_dsa, hisparse=True, speculative_prefetch=True, **SMALL_BUFFER_ENGINE)
+    backend = engine.kv.backend
+    decode_attention = backend._decode_attention
+    seen: list[tuple[int, ...]] = []
+
+    def failing(layer_id, q, topk, scale):
+        if layer_id == 1:
+            seen.append(backend.prefetch.pending_bets)
+            raise RuntimeError("injected failure before the bet was used")
+        return decode_attention(layer_id, q, topk, scale)
+
+    gen = torch.Generator().manual_seed(2)
+    engine.add_request("x", random_prompt(gen, 100), SamplingParams(max_tokens=4, temperature=0.0))
+    backend._decode_attention = failing
+    with pytest.raises(RuntimeError, match="injected failure"):
+        for _ in range(4):
+            engine.step()
+    assert seen == [(1,)]  # the bet on layer 1 was launched at layer 0 and not yet waited for
+    assert backend.prefetch.pending_bets == () and backend.prefetch.pending_layers == ()
+    assert backend._batch is None
+
+
+def test_the_config_switch_reaches_the_backend(tiny_dsa) -> None:
+    engine = make_engine(tiny_dsa, hisparse=True, speculative_prefetch=True, side_stream_copy_blocks=24,
+                         **SMALL_BUFFER_ENGINE)
+    prefetch = engine.kv.backend.prefetch
+    assert prefetch.speculative == {0: 1, 1: 2}
+    caps = [None if s is None else s.max_copy_blocks for s in prefetch.speculative_swaps]
+    assert caps == [None, 24, 24]  # the bets run on the side stream: capped like the followers
+    assert make_engine(tiny_dsa, hisparse=True, **SMALL_BUFFER_ENGINE).kv.backend.prefetch.speculative == {}
