@@ -13,6 +13,10 @@ timed over N decode steps of the real engine loop (schedule → forward → samp
                    synthetic trace replaces full layers' top-k only, so shared layers miss like their full layer.
   ...+early        HiSparse with `early_swap_in` (--hisparse-early-swap-in on|both): each layer's swap-in starts
                    right after its selection, on a side stream, instead of at its attention (issue 23 item 4).
+  ...+spec         HiSparse with `speculative_prefetch` (--hisparse-speculative-prefetch on|both): each full layer
+                   swaps its top-k into the next full layer's buffer on a side stream, a bet on that layer's
+                   selection (issue 23 item 3); --cross-layer-overlap C makes a share C of every layer's synthetic
+                   window common to all layers, so adjacent layers' selections (and misses) overlap by C.
   ...+cbN          those side-stream swap-ins with their copy kernel capped at N blocks
                    (--hisparse-side-copy-blocks N ...; HiSparseConfig side_stream_copy_blocks).
 Reports batch, tokens/s, step time, hit rate and PCIe bytes per step; writes JSON and a PNG plot.
@@ -37,6 +41,7 @@ import json
 import logging
 import math
 import platform
+import re
 import sys
 import time
 from datetime import UTC, datetime
@@ -135,6 +140,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hisparse-early-swap-in", default="off", choices=["on", "off", "both"],
                    help="HiSparse runs with the early swap-in (HiSparseConfig early_swap_in): off (the server's "
                         "default), on (modes named ...+early), or both, each HiSparse run twice (issue 23 item 4)")
+    p.add_argument("--hisparse-speculative-prefetch", default="off", choices=["on", "off", "both"],
+                   help="HiSparse runs with the speculative prefetch (HiSparseConfig speculative_prefetch): off (the "
+                        "server's default), on (modes named ...+spec), or both (issue 23 item 3)")
+    p.add_argument("--cross-layer-overlap", type=float, nargs="+", default=[0.0], metavar="C",
+                   help="the synthetic selections' share common to all layers (SyntheticTopK); several values run "
+                        "every synthetic HiSparse and dense-mX run once per value (modes ...@ovC)")
     p.add_argument("--dense-synthetic-topk", action="store_true",
                    help="also run dense over the synthetic selection of each --miss-rates rate (and, at the fixed "
                         "batches, each --batch-miss-rates rate; modes dense-mX): the fair baseline for hisparse-mX, "
@@ -205,15 +216,38 @@ class SyntheticTopK:
     context, advancing by `miss_rate * K` positions per step: every entering position was last selected long
     ago, so it misses, and the rest were selected one step earlier, so they hit.
 
+    `cross_layer_overlap` C (0 by default: each layer's window starts at its own random offset of the request's
+    permutation): the permutation is cut in two regions; round(C·K) of each layer's positions are a window over
+    the first region at an offset every layer shares, the rest a window over the second region at the layer's own
+    offset, both advancing by the miss rate of their size. So any two layers' selections share C·K positions and
+    the positions entering a layer this step (its misses) are, for the share C, the ones entering every other
+    layer too: the cross-layer correlation a speculative prefetch bets on (IndexCache, arXiv 2603.12201, measured
+    70-100 % top-k overlap between adjacent DSA layers).
+
     Making the window costs ~8 small kernels a layer (~17 µs at batch 1 on an H200, ~1 ms a step of the 61-layer
     rank), which the real selection does not run: a HiSparse-against-dense comparison at a small batch gives dense
     the same window (--dense-synthetic-topk, `dense-mX`), so both steps carry it and differ only in HiSparse's own
     work."""
 
-    def __init__(self, engine: Engine, context: int, miss_rate: float, seed: int) -> None:
+    def __init__(self, engine: Engine, context: int, miss_rate: float, seed: int,
+                 cross_layer_overlap: float = 0.0) -> None:  # fmt: skip
+        if not 0.0 <= cross_layer_overlap <= 1.0:
+            raise ValueError(f"cross_layer_overlap must be in [0, 1], got {cross_layer_overlap}")
         self.engine = engine
         self.context = context
-        self.advance = max(1, round(miss_rate * int(engine.model_config.index_topk)))
+        top_k = int(engine.model_config.index_topk)
+        self.advance = max(1, round(miss_rate * top_k))
+        # The common part (every layer) and each layer's own part of a selection, and the regions they run over.
+        self.common = round(cross_layer_overlap * top_k)
+        self.own = top_k - self.common
+        self.common_region = 0 if self.common == 0 else context if self.own == 0 else context // 2
+        self.own_region = context - self.common_region
+        for part, region in ((self.common, self.common_region), (self.own, self.own_region)):
+            if part and region < part + self.advance:
+                raise ValueError(f"context {context} is too short for a synthetic window of {part} positions "
+                                 f"advancing {self.advance} a step")
+        self.common_advance = round(self.advance * self.common / top_k)
+        self.own_advance = self.advance - self.common_advance
         gen = torch.Generator().manual_seed(seed)
         # One permutation per request row, the scratch row of padded (CUDA graph) batches included (shared by
         # layers, which start at different offsets).
@@ -223,6 +257,9 @@ class SyntheticTopK:
         num_layers = int(engine.model_config.num_hidden_layers)
         # Each layer's window start lives on the device and advances in place, so a captured step advances it.
         self.start = torch.randint(0, context, (num_layers,), generator=gen).to(engine.device)
+        # With an overlap: one start for the common windows (all layers at the same offset), advanced once a step.
+        self.common_start = torch.zeros((), dtype=torch.int64, device=engine.device)
+        self.first_layer = min(CacheGeometry.from_model_config(engine.model_config).index_layer_ids)
         backend = engine.kv.backend
         self.original = backend.index_topk
         backend.index_topk = self.index_topk
@@ -233,8 +270,17 @@ class SyntheticTopK:
         batch = current[0] if isinstance(current, tuple) else current  # DenseBackend: (batch, slots, rows)
         if not batch.is_decode:
             return real
-        cols = (self.start[layer_id] + torch.arange(top_k, device=q.device)) % self.context
-        self.start[layer_id] += self.advance
+        if self.common == 0:
+            cols = (self.start[layer_id] + torch.arange(top_k, device=q.device)) % self.context
+            self.start[layer_id] += self.advance
+            return batch.mask_padded_topk(self.perm[batch.req_rows][:, cols].contiguous())
+        if layer_id == self.first_layer:  # a new step: the common window moves once, before any layer reads it
+            self.common_start += self.common_advance
+        common = (self.common_start + torch.arange(self.common, device=q.device)) % self.common_region
+        own = self.common_region + (self.start[layer_id] + torch.arange(self.own, device=q.device)) % max(
+            1, self.own_region)
+        self.start[layer_id] += self.own_advance
+        cols = torch.cat([common, own])
         return batch.mask_padded_topk(self.perm[batch.req_rows][:, cols].contiguous())
 
 
@@ -319,6 +365,7 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
     hisparse = mode.startswith("hisparse")
     prefetch = PREFETCH_SUFFIX in mode
     early = EARLY_SUFFIX in mode
+    speculative = SPECULATIVE_SUFFIX in mode
     cfg = EngineConfig(
         device=args.device, enable_hisparse=hisparse, page_size=args.page_size, context_length=max_len,
         kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
@@ -328,7 +375,7 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
         max_queued_requests=batch_cap + 1, chunked_prefill_size=max(2048, args.page_size),
         hisparse=HiSparseConfig(device_buffer_size=args.buffer_size, num_recent_slots=args.num_recent,
                                 prefetch_shared_layers=prefetch, early_swap_in=early,
-                                side_stream_copy_blocks=side_copy_blocks(mode)),
+                                side_stream_copy_blocks=side_copy_blocks(mode), speculative_prefetch=speculative),
         enable_deterministic_inference=args.enable_deterministic_inference, tp_size=args.tp_size,
         disable_cuda_graph=True,  # captured by run_one once the requests are in (capture_graphs)
         disable_overlap_schedule=args.disable_overlap_schedule,
@@ -340,7 +387,7 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
         layout, sizing = hisparse_layout(args, model_config, kv_dtype, context, max_len, batch_cap, device_budget)
         kv = HiSparseCoordinator(layout, kv_dtype, device, parallel=parallel,  # shared host pool with TP
                                  prefetch_shared_layers=prefetch, early_swap_in=early,
-                                 side_stream_copy_blocks=side_copy_blocks(mode))
+                                 side_stream_copy_blocks=side_copy_blocks(mode), speculative_prefetch=speculative)
         cfg = cfg.model_copy(update={"max_running_requests": layout.max_reqs})
     engine = Engine(cfg, model=model, model_config=model_config, tokenizer=None, kv_manager=kv, parallel=parallel)
     return engine, sizing
@@ -513,6 +560,11 @@ def layer_totals(engine: Engine) -> tuple[int, int, int, int]:
     return stats.hisparse_hits, stats.hisparse_misses, stats.bytes_h2d, stats.bytes_d2h
 
 
+def speculative_rows(engine: Engine) -> int:
+    """Rows the speculative prefetch's bets copied so far, all layers (HiSparseLayerStats.speculative_misses)."""
+    return sum(layer.speculative_misses for layer in engine.stats().hisparse_layers)
+
+
 def capture_graphs(args, engine: Engine, batch: int) -> dict:
     """CUDA graphs for the timed steps (after the synthetic top-k is installed, so they capture it): the bucket
     this batch runs in, or every bucket with --cuda-graph-all-buckets; capture time and device memory."""
@@ -598,6 +650,7 @@ def host_mem_total() -> int | None:
 
 PREFETCH_SUFFIX = "+pf"  # HiSparse modes run with prefetch_shared_layers
 EARLY_SUFFIX = "+early"  # HiSparse modes run with early_swap_in
+SPECULATIVE_SUFFIX = "+spec"  # HiSparse modes run with speculative_prefetch
 COPY_BLOCKS_SUFFIX = "+cb"  # +cbN: side-stream swap-ins' copy kernel capped at N blocks
 
 
@@ -610,21 +663,40 @@ def hisparse_variants(args, mode: str, has_shared_layers: bool) -> list[str]:
         return [mode]
     pf = {"off": [""], "on": [PREFETCH_SUFFIX], "both": ["", PREFETCH_SUFFIX]}[args.hisparse_prefetch_shared_layers]
     early = {"off": [""], "on": [EARLY_SUFFIX], "both": ["", EARLY_SUFFIX]}[args.hisparse_early_swap_in]
-    variants = [mode + p + e for p in (pf if has_shared_layers else [""]) for e in early]
+    spec = {"off": [""], "on": [SPECULATIVE_SUFFIX], "both": ["", SPECULATIVE_SUFFIX]}[
+        getattr(args, "hisparse_speculative_prefetch", "off")]
+    variants = [mode + p + e + b for p in (pf if has_shared_layers else [""]) for e in early for b in spec]
     caps = getattr(args, "hisparse_side_copy_blocks", None)
     if not caps:
         return variants
     # Only variants with side-stream swap-ins have a copy grid to cap.
-    on_side = [EARLY_SUFFIX in v or PREFETCH_SUFFIX in v for v in variants]
+    on_side = [EARLY_SUFFIX in v or PREFETCH_SUFFIX in v or SPECULATIVE_SUFFIX in v for v in variants]
     return [v + f"{COPY_BLOCKS_SUFFIX}{n}" if side else v
             for v, side in zip(variants, on_side, strict=True) for n in (caps if side else [None])]
 
 
 def side_copy_blocks(mode: str) -> int:
     """The side-stream copy cap of a mode (its `+cbN` suffix), else the config's default."""
-    if COPY_BLOCKS_SUFFIX in mode:
-        return int(mode.rsplit(COPY_BLOCKS_SUFFIX, 1)[1])
-    return HiSparseConfig().side_stream_copy_blocks
+    found = re.search(re.escape(COPY_BLOCKS_SUFFIX) + r"(\d+)", mode)
+    return int(found.group(1)) if found else HiSparseConfig().side_stream_copy_blocks
+
+
+OVERLAP_SUFFIX = "@ov"  # @ovP: the synthetic selections share P % across layers (--cross-layer-overlap)
+
+
+def overlap_variants(args, miss_rate: float | None) -> list[str]:
+    """The suffixes of one synthetic run per --cross-layer-overlap value (none for the default single 0, for runs on
+    the model's own selection, which the overlap does not touch, nor at 0 % misses, where nothing enters)."""
+    values = getattr(args, "cross_layer_overlap", [0.0])
+    if not miss_rate or values == [0.0]:
+        return [""]
+    return [f"{OVERLAP_SUFFIX}{round(100 * c)}" for c in values]
+
+
+def cross_layer_overlap(mode: str) -> float:
+    """The synthetic selections' cross-layer overlap of a mode (its `@ovP` suffix), else 0."""
+    found = re.search(re.escape(OVERLAP_SUFFIX) + r"(\d+)", mode)
+    return int(found.group(1)) / 100 if found else 0.0
 
 
 def run_name(mode: str, miss_rate: float | None) -> str:
@@ -686,7 +758,7 @@ def _timed_run(args, model, model_config, mode: str, context: int, miss_rate: fl
     if fixed_batch is not None and batch < fixed_batch:
         raise RuntimeError(f"{name} at {context}: only {batch} of {fixed_batch} requests fit")
     if miss_rate is not None:
-        SyntheticTopK(engine, context, miss_rate, args.seed)
+        SyntheticTopK(engine, context, miss_rate, args.seed, cross_layer_overlap(mode))
     graphs = capture_graphs(args, engine, batch)
     breakdown = StepBreakdown(engine)
     try:
@@ -694,6 +766,7 @@ def _timed_run(args, model, model_config, mode: str, context: int, miss_rate: fl
             engine.step()
         sync(device)
         h0, m0, up0, down0 = layer_totals(engine)
+        b0 = speculative_rows(engine)
         t0 = time.perf_counter()
         for i in tqdm(range(args.steps), desc=f"{name} L={context} B={batch}", leave=False, file=sys.stderr):
             if i == 1:  # time the breakdown on all but the first timed step (events cost a little)
@@ -704,6 +777,7 @@ def _timed_run(args, model, model_config, mode: str, context: int, miss_rate: fl
         sync(device)
         elapsed = time.perf_counter() - t0
         h1, m1, up1, down1 = layer_totals(engine)
+        b1 = speculative_rows(engine)
         spans = breakdown.per_step_ms(max(1, args.steps - 1))
         if engine.graph_runner is not None and engine.graph_runner.num_replays:
             # Replayed steps call no Python per layer: only the whole forward is timed.
@@ -726,7 +800,9 @@ def _timed_run(args, model, model_config, mode: str, context: int, miss_rate: fl
         "kv_budget_bytes": device_budget, "kv_budget_gib": device_budget / GIB, "kv_cache_dtype": str(kv_dtype),
         "sweep_kv_gib_per_layer": sweep, "prefetch_shared_layers": PREFETCH_SUFFIX in mode,
         "early_swap_in": EARLY_SUFFIX in mode, "side_stream_copy_blocks": side_copy_blocks(mode),
-        "prefetch_launched": prefetch_launched(engine), **sizing, **spans, **graphs,
+        "prefetch_launched": prefetch_launched(engine), "speculative_prefetch": SPECULATIVE_SUFFIX in mode,
+        "cross_layer_overlap": cross_layer_overlap(mode) if miss_rate is not None else None,
+        "speculative_rows_per_step": (b1 - b0) / args.steps, **sizing, **spans, **graphs,
     }
     if roof is not None:
         result.update(roof.floor_fields(engine, model_config, batch, context, result["h2d_bytes_per_step"],
@@ -938,8 +1014,9 @@ def run_rank(args, parallel=None) -> int:
         plan += [(args.sweep_context, mode, miss, None, sweep_budget, per_layer) for mode, miss in
                  [("dense", None)] * ("dense" in args.modes)
                  + [("hisparse", r) for r in args.sweep_miss_rates] * ("hisparse" in args.modes)]
-    plan = [(context, variant, miss, fixed, run_budget, sweep) for context, mode, miss, fixed, run_budget, sweep in plan
-            for variant in hisparse_variants(args, mode, has_shared_layers)]
+    plan = [(context, variant + overlap, miss, fixed, run_budget, sweep)
+            for context, mode, miss, fixed, run_budget, sweep in plan
+            for variant in hisparse_variants(args, mode, has_shared_layers) for overlap in overlap_variants(args, miss)]
     results = []
     for context, mode, miss, fixed, run_budget, sweep in plan:
         try:

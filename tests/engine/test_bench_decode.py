@@ -176,3 +176,116 @@ def test_side_copy_block_variants_expand_only_side_stream_runs():
     assert bench.side_copy_blocks("hisparse-m5+early+cb24") == 24
     assert bench.side_copy_blocks("hisparse+early") == bench.HiSparseConfig().side_stream_copy_blocks
     assert bench.run_name("hisparse+early+cb24", 0.05) == "hisparse-m5+early+cb24"
+
+
+def _load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_speculative_and_overlap_variants_and_their_names():
+    """--hisparse-speculative-prefetch both runs each HiSparse variant with and without the bets (+spec, a
+    side-stream variant, so it takes the copy caps); --cross-layer-overlap values expand synthetic runs only
+    (@ovP), and a mode name gives back its cap and its overlap."""
+    bench = _load_bench("bench_decode_spec")
+    args = argparse.Namespace(hisparse_prefetch_shared_layers="on", hisparse_early_swap_in="off",
+                              hisparse_speculative_prefetch="both", hisparse_side_copy_blocks=[24],
+                              cross_layer_overlap=[0.0, 0.7])
+    assert bench.hisparse_variants(args, "hisparse", False) == ["hisparse", "hisparse+spec+cb24"]
+    assert bench.overlap_variants(args, 0.2) == ["@ov0", "@ov70"]
+    assert bench.overlap_variants(args, None) == bench.overlap_variants(args, 0.0) == [""]
+    assert bench.overlap_variants(argparse.Namespace(cross_layer_overlap=[0.0]), 0.2) == [""]
+    name = bench.run_name("hisparse+spec+cb24@ov70", 0.2)
+    assert name == "hisparse-m20+spec+cb24@ov70"
+    assert bench.side_copy_blocks(name) == 24 and bench.cross_layer_overlap(name) == 0.7
+    assert bench.cross_layer_overlap("hisparse-m20+spec") == 0.0
+
+
+class _Batch:
+    is_decode = True
+
+    def __init__(self, rows: int) -> None:
+        import torch
+
+        self.req_rows = torch.arange(rows)
+
+    def mask_padded_topk(self, topk):
+        return topk
+
+
+def _synthetic(bench, overlap: float, miss_rate: float = 0.25, context: int = 1024):
+    """A SyntheticTopK on tiny-dsa's config (K 64, 3 layers) over a stand-in engine: only what it reads."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from decode_server.model import load_config
+
+    config = load_config("tiny-dsa")
+    batch = _Batch(3)
+    backend = SimpleNamespace(scratch_row=3, index_topk=lambda *args: None, _current=lambda: batch)
+    engine = SimpleNamespace(model_config=config, config=SimpleNamespace(max_running_requests=3),
+                             kv=SimpleNamespace(backend=backend), device=torch.device("cpu"))
+    return bench.SyntheticTopK(engine, context, miss_rate, seed=1, cross_layer_overlap=overlap), int(config.index_topk)
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.5, 0.75, 1.0])
+def test_synthetic_cross_layer_overlap(overlap):
+    """The synthetic selections of a step: distinct positions of the context; round(C·K) common to every layer
+    (at 0: only chance coincidences of independent windows); each layer's entries new since the last step number
+    the miss rate's share of K, and round(C·K)'s share of them enter every layer at once."""
+    import torch
+
+    bench = _load_bench("bench_decode_overlap")
+    synthetic, top_k = _synthetic(bench, overlap)
+    common = round(overlap * top_k)
+    previous = None
+    for _ in range(6):
+        step = [synthetic.index_topk(layer, torch.zeros(1), torch.zeros(1), top_k) for layer in range(3)]
+        for sel in step:
+            assert sel.shape == (3, top_k) and sel.min() >= 0 and sel.max() < 1024
+            assert all(len(set(row.tolist())) == top_k for row in sel)
+        for r in range(3):
+            shared = set(step[0][r].tolist()) & set(step[1][r].tolist()) & set(step[2][r].tolist())
+            if overlap == 0.0:
+                assert len(shared) < top_k // 4  # independent windows of one permutation rarely meet
+            else:
+                assert len(shared) >= common
+            if previous is not None:
+                new = [set(step[layer][r].tolist()) - set(previous[layer][r].tolist()) for layer in range(3)]
+                assert all(len(n) == synthetic.advance for n in new)
+                if overlap > 0:
+                    assert len(new[0] & new[1] & new[2]) >= synthetic.common_advance > 0
+        previous = step
+
+
+def test_synthetic_overlap_refuses_a_short_context():
+    bench = _load_bench("bench_decode_overlap_short")
+    with pytest.raises(ValueError, match="too short"):
+        _synthetic(bench, 0.5, context=80)
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        _synthetic(bench, 1.5)
+
+
+@pytest.mark.slow
+def test_bench_decode_speculative_prefetch_switch(tmp_path):
+    """tiny-dsa, 20 % synthetic misses, cross-layer overlap 0 and 0.75, bets off and on: the bets copy rows only
+    in +spec runs, and at 0.75 they turn most of layers 1-2's misses into hits (the own hit rate rises), which
+    they cannot do at 0."""
+    bench = _load_bench("bench_decode_spec_smoke")
+    out = tmp_path / "r.json"
+    assert bench.main(["--smoke", "--contexts", "512", "--modes", "hisparse", "--miss-rates", "0.2",
+                       "--skip-model-indexer-run", "--batch-sizes", "--hisparse-speculative-prefetch", "both",
+                       "--cross-layer-overlap", "0", "0.75", "--out", str(out), "--plot", str(tmp_path / "r.png")]) == 0
+    results = {r["mode"]: r for r in json.loads(out.read_text())["results"] if r["fixed_batch"] is None}
+    assert set(results) == {"hisparse-m20@ov0", "hisparse-m20@ov75", "hisparse-m20+spec@ov0",
+                            "hisparse-m20+spec@ov75"}, sorted(results)
+    for mode, r in results.items():
+        assert "error" not in r, r
+        assert r["speculative_prefetch"] is ("+spec" in mode)
+        assert (r["speculative_rows_per_step"] > 0) is ("+spec" in mode)
+    gain = {ov: results[f"hisparse-m20+spec@ov{ov}"]["hit_rate"] - results[f"hisparse-m20@ov{ov}"]["hit_rate"]
+            for ov in (0, 75)}
+    assert gain[75] > 0.05 and gain[75] > gain[0] + 0.05, gain
