@@ -247,6 +247,46 @@ def swap_counters(engine: Engine) -> list[tuple[int, int]]:
     return [(s.hits, s.misses) for s in engine.kv.layer_stats()]
 
 
+def record_decode_order(engine: Engine) -> tuple[list[tuple[str, int, int | None]], list[tuple[int, ...]]]:
+    """Wraps a HiSparse engine's backend so that each own swap-in ("swap"), speculative bet ("bet") and decode
+    attention ("attention") appends (what, layer, the attention layer running when it happened or None) to the
+    first list, and each end_forward appends what is still pending after it (prefetched layers, then bets) to the
+    second."""
+    backend = engine.kv.backend
+    events: list[tuple[str, int, int | None]] = []
+    attending: list[int] = []
+
+    def wrap(kind: str, layer: int, swap):
+        def recording(top_k, seq_lens, req_rows):
+            events.append((kind, layer, attending[-1] if attending else None))
+            return swap(top_k, seq_lens, req_rows)
+        return recording
+
+    backend.swaps[:] = [wrap("swap", layer, swap) for layer, swap in enumerate(backend.swaps)]
+    backend.prefetch.speculative_swaps = [None if swap is None else wrap("bet", layer, swap)
+                                          for layer, swap in enumerate(backend.prefetch.speculative_swaps)]
+    decode_attention = backend._decode_attention
+
+    def recording_attention(layer_id, q, topk, scale):
+        events.append(("attention", layer_id, None))
+        attending.append(layer_id)
+        try:
+            return decode_attention(layer_id, q, topk, scale)
+        finally:
+            attending.pop()
+
+    backend._decode_attention = recording_attention
+    pending_after: list[tuple[int, ...]] = []
+    end_forward = backend.end_forward
+
+    def checking_end(batch):
+        end_forward(batch)
+        pending_after.append(backend.prefetch.pending_layers + backend.prefetch.pending_bets)
+
+    backend.end_forward = checking_end
+    return events, pending_after
+
+
 def assert_failed_attention_leaves_nothing_pending(engine: Engine, layer: int, message: str) -> None:
     """One request's first decode step fails in the attention of `layer` (raising `message`), after checking that
     exactly that layer's swap-in is pending on the side stream; end_forward must still join it (nothing pending)

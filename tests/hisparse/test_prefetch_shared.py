@@ -21,6 +21,7 @@ from harness import (
     long_prompt_workload,
     make_engine,
     random_prompt,
+    record_decode_order,
     run_poisoned_modes,
     run_script,
     swap_counters,
@@ -122,36 +123,7 @@ def test_equality_check_catches_a_wrong_prefetch(tiny_glm5) -> None:
 
 def test_followers_swap_in_during_the_full_layers_attention(tiny_glm5) -> None:
     engine = _engine(tiny_glm5, hisparse=True, prefetch=True)
-    backend = engine.kv.backend
-    events: list[tuple[str, int, int | None]] = []  # (what, layer, attention layer running when it happened)
-    attending: list[int] = []
-
-    def wrap_swap(layer: int, swap):
-        def recording(top_k, seq_lens, req_rows):
-            events.append(("swap", layer, attending[-1] if attending else None))
-            return swap(top_k, seq_lens, req_rows)
-        return recording
-
-    backend.swaps[:] = [wrap_swap(layer, swap) for layer, swap in enumerate(backend.swaps)]
-    decode_attention = backend._decode_attention
-
-    def recording_attention(layer_id, q, topk, scale):
-        events.append(("attention", layer_id, None))
-        attending.append(layer_id)
-        try:
-            return decode_attention(layer_id, q, topk, scale)
-        finally:
-            attending.pop()
-
-    backend._decode_attention = recording_attention
-    pending_after: list[tuple[int, ...]] = []
-    end_forward = backend.end_forward
-
-    def checking_end(batch):
-        end_forward(batch)
-        pending_after.append(backend.prefetch.pending_layers)
-
-    backend.end_forward = checking_end
+    events, pending_after = record_decode_order(engine)  # (what, layer, attention layer running when it happened)
     run_script(engine, _workload())
     per_step = [("attention", 0, None), ("swap", 0, 0), ("swap", 1, 0), ("attention", 1, None),
                 ("attention", 2, None), ("swap", 2, 2), ("swap", 3, 2), ("attention", 3, None)]

@@ -25,6 +25,7 @@ from harness import (
     long_prompt_workload,
     make_engine,
     random_prompt,
+    record_decode_order,
     run_poisoned_modes,
     run_script,
 )
@@ -123,49 +124,11 @@ def test_equality_check_catches_a_wrong_bet(tiny_dsa) -> None:
         assert_identical(dense, result)
 
 
-def _record_order(engine) -> list[tuple[str, int, int | None]]:
-    """Wraps the backend so every own swap-in, bet and decode attention appends (what, layer, attention running)."""
-    backend = engine.kv.backend
-    events: list[tuple[str, int, int | None]] = []
-    attending: list[int] = []
-
-    def wrap(kind: str, layer: int, swap):
-        def recording(top_k, seq_lens, req_rows):
-            events.append((kind, layer, attending[-1] if attending else None))
-            return swap(top_k, seq_lens, req_rows)
-        return recording
-
-    backend.swaps[:] = [wrap("swap", layer, swap) for layer, swap in enumerate(backend.swaps)]
-    backend.prefetch.speculative_swaps = [None if swap is None else wrap("bet", layer, swap)
-                                          for layer, swap in enumerate(backend.prefetch.speculative_swaps)]
-    decode_attention = backend._decode_attention
-
-    def recording_attention(layer_id, q, topk, scale):
-        events.append(("attention", layer_id, None))
-        attending.append(layer_id)
-        try:
-            return decode_attention(layer_id, q, topk, scale)
-        finally:
-            attending.pop()
-
-    backend._decode_attention = recording_attention
-    return events
-
-
 @pytest.mark.parametrize("early", [False, True])
 def test_the_bet_runs_between_its_layers_own_swap_ins(tiny_dsa, early: bool) -> None:
     engine = make_engine(tiny_dsa, hisparse=True, speculative_prefetch=True, early_swap_in=early,
                          **SMALL_BUFFER_ENGINE)
-    events = _record_order(engine)
-    pending_after: list[tuple[int, ...]] = []
-    backend = engine.kv.backend
-    end_forward = backend.end_forward
-
-    def checking_end(batch):
-        end_forward(batch)
-        pending_after.append(backend.prefetch.pending_layers + backend.prefetch.pending_bets)
-
-    backend.end_forward = checking_end
+    events, pending_after = record_decode_order(engine)
     run_script(engine, _workload())
     if early:  # each layer's own swap-in and the bet on the next run from its prepare_attention, before attention
         per_step = [("swap", 0, None), ("bet", 1, None), ("attention", 0, None),
@@ -191,7 +154,7 @@ def test_glm5_bets_on_the_next_full_layer_after_its_followers(tiny_glm5) -> None
     assert [layer for layer, s in enumerate(stats) if s[2] + s[3]] == [2]  # only full layer 2 receives bets
     engine = make_engine(tiny_glm5, hisparse=True, speculative_prefetch=True, prefetch_shared_layers=True,
                          **SMALL_BUFFER_ENGINE)
-    events = _record_order(engine)
+    events, _ = record_decode_order(engine)
     run_script(engine, long_prompt_workload(5, (150, 90, 120)))
     per_step = [("attention", 0, None), ("swap", 0, 0), ("swap", 1, 0), ("bet", 2, 0), ("attention", 1, None),
                 ("attention", 2, None), ("swap", 2, 2), ("swap", 3, 2), ("attention", 3, None)]
