@@ -116,7 +116,7 @@ class SwapInPrefetch:
 
     def __init__(self, followers: dict[int, tuple[int, ...]], swaps: Sequence[SwapIn], device: torch.device,
                  early: bool = False, speculative: dict[int, int] | None = None,
-                 speculative_swaps: Sequence[SwapIn] = ()) -> None:  # fmt: skip
+                 speculative_swaps: Sequence[SwapIn | None] = ()) -> None:  # fmt: skip
         """`speculative`: full layer → the layer whose swap-in of the full layer's top-k it launches as a bet,
         with `speculative_swaps[layer]` (the layer's tables, the bet's own counters)."""
         self.followers = followers
@@ -125,7 +125,8 @@ class SwapInPrefetch:
         self.early = early
         self.speculative = speculative or {}
         self.speculative_swaps = speculative_swaps
-        if self.speculative and len(speculative_swaps) <= max(self.speculative.values()):
+        if any(layer >= len(speculative_swaps) or speculative_swaps[layer] is None
+               for layer in self.speculative.values()):
             raise ValueError("speculative prefetch needs a bound swap-in for every layer it bets on")
         # One side stream for all launches: the swap-ins run one after another in layer order, like the forward
         # would have run them; created only where there is something to launch. With `early`, high priority: the

@@ -33,7 +33,7 @@ from harness import (
 from decode_server.engine.kv_rows import CacheGeometry
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.hisparse import ops
-from decode_server.hisparse.prefetch import next_full_layers
+from decode_server.hisparse.prefetch import SwapInPrefetch, next_full_layers
 from decode_server.model import Tokenizer, load_model, resolve_model_path
 from kernels.swap_in_tables import SwapInTables
 
@@ -194,3 +194,10 @@ def test_the_config_switch_reaches_the_backend(tiny_dsa) -> None:
     caps = [None if s is None else s.max_copy_blocks for s in prefetch.speculative_swaps]
     assert caps == [None, 24, 24]  # the bets run on the side stream: capped like the followers
     assert make_engine(tiny_dsa, hisparse=True, **SMALL_BUFFER_ENGINE).kv.backend.prefetch.speculative == {}
+
+
+def test_a_bet_without_its_swap_in_is_refused() -> None:
+    with pytest.raises(ValueError, match="bound swap-in for every layer it bets on"):
+        SwapInPrefetch({}, [], torch.device("cpu"), speculative={0: 1}, speculative_swaps=[None, None])
+    with pytest.raises(ValueError, match="bound swap-in for every layer it bets on"):
+        SwapInPrefetch({}, [], torch.device("cpu"), speculative={0: 2}, speculative_swaps=[None, None])
