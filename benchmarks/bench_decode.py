@@ -1042,7 +1042,13 @@ def run_rank(args, parallel=None) -> int:
     if not reporting:
         return 0 if ok else 1
     device_name = describe_device(device)
-    header = (f"{'mode':<18}{'context':>8}{'KV GiB':>8}{'batch':>7}{'tok/s':>11}{'step ms':>10}{'floor ms':>10}"
+
+    def label_of(r: dict) -> str:
+        return r["mode"] + (f"@B{r['fixed_batch']}" if r.get("fixed_batch") else "") + (
+            f"@{r['sweep_kv_gib_per_layer']:g}G/L" if r.get("sweep_kv_gib_per_layer") is not None else "")
+
+    width = max([18] + [len(label_of(r)) + 1 for r in results])  # variant names (+spec@ov80, +cbN) run long
+    header = (f"{'mode':<{width}}{'context':>8}{'KV GiB':>8}{'batch':>7}{'tok/s':>11}{'step ms':>10}{'floor ms':>10}"
               f"{'step/floor':>11}{'hit rate':>10}{'PCIe MB/step':>14}{'fwd ms':>9}{'idx ms':>9}{'attn ms':>9}"
               f"{'swap ms':>9}")
     host = args.host_memory
@@ -1063,19 +1069,18 @@ def run_rank(args, parallel=None) -> int:
           + f"; overlap schedule {overlap_label(args, device)}")
     print(header)
     for r in results:
-        label = r["mode"] + (f"@B{r['fixed_batch']}" if r.get("fixed_batch") else "") + (
-            f"@{r['sweep_kv_gib_per_layer']:g}G/L" if r.get("sweep_kv_gib_per_layer") is not None else "")
+        label = label_of(r)
         if "error" in r:
-            print(f"{label:<18}{r['context']:>8}  error: {r['error']}")
+            print(f"{label:<{width}}{r['context']:>8}  error: {r['error']}")
             continue
         hit = f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "-"
         ratio = f"{r['step_over_floor']:.2f}" if r.get("step_over_floor") is not None else "-"
-        print(f"{label:<18}{r['context']:>8}{r['kv_budget_gib']:>8.3g}{r['batch']:>7}{r['tokens_per_s']:>11.1f}"
+        print(f"{label:<{width}}{r['context']:>8}{r['kv_budget_gib']:>8.3g}{r['batch']:>7}{r['tokens_per_s']:>11.1f}"
               f"{r['step_ms']:>10.2f}{_ms(r.get('floor_ms')):>10}{ratio:>11}{hit:>10}"
               f"{r['pcie_bytes_per_step'] / 1e6:>14.2f}{r['forward_ms']:>9.2f}{_ms(r['indexer_ms'])}"
               f"{_ms(r['attention_ms'])}{_ms(r['swap_in_ms'])}")
         if r.get("host_binds"):
-            print(f"{'':<18}host pool binds: the device budget holds {r['device_bound_batch']} requests, whose rows "
+            print(f"{'':<{width}}host pool binds: the device budget holds {r['device_bound_batch']} requests, whose rows "
                   f"need {r['host_pool_for_device_batch_bytes'] / GIB:.1f} GiB of host memory; capped at "
                   f"{r['host_pool_cap_bytes'] / GIB:.1f} GiB ({r['host_pool_cap_source']})")
         if r.get("cuda_graph"):
