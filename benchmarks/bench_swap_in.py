@@ -249,6 +249,14 @@ def main() -> None:
     parser.add_argument("--copy-blocks", type=int, nargs="+", default=None, metavar="N",
                         help="only the copy-grid cap sweep: each cap N (0 = the default grid) alone and beside a "
                              "GEMM on another stream (FP8 rows, D 4096, batches 1 / 16 / 64, 5 / 20 %% misses)")
+    parser.add_argument("--buffers", type=int, nargs="+", default=None, metavar="D",
+                        help="device buffer sizes of the main grid (default 4096 8192; --quick 4096)")
+    parser.add_argument("--batches", type=int, nargs="+", default=None, metavar="B",
+                        help="batches of the main grid (default 1 16 64 128; --quick 1 64)")
+    parser.add_argument("--miss-rates", type=float, nargs="+", default=[0.0, 0.05, 0.2, 0.5], metavar="M",
+                        help="miss rates of the main grid")
+    parser.add_argument("--row-bytes", type=int, nargs="+", default=[1152, 656], metavar="N",
+                        help="row sizes of the main grid (1152: bf16 MLA row, 656: FP8 row)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
@@ -278,10 +286,10 @@ def main() -> None:
         print(f"\nbackend path (BoundSwapIn): at most {worst:.1f} µs per call over these batches (target <= 10 µs)")
         return
     top_k = 2048
-    batches = [1, 16, 64, 128] if not args.quick else [1, 64]
-    buffers = [4096, 8192] if not args.quick else [4096]
-    miss_rates = [0.0, 0.05, 0.2, 0.5]
-    row_sizes = [1152, 656]
+    batches = args.batches or ([1, 16, 64, 128] if not args.quick else [1, 64])
+    buffers = args.buffers or ([4096, 8192] if not args.quick else [4096])
+    miss_rates = args.miss_rates
+    row_sizes = args.row_bytes
     peak = pinned_h2d_gbps(256 << 20)
     logger.info("device: %s; pinned H2D memcpy, 256 MiB: %.1f GB/s", device_name(), peak)
     results: list[Result] = []

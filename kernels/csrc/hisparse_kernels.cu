@@ -3,8 +3,8 @@
 // Semantics: kernels/swap_in_ref.py (the oracle of the GPU tests) and docs/architecture.md "HiSparse memory
 // layout". Design (docs/kernels.md):
 //   * plan kernel, one 1024-thread block per request: fast path (identity placement), or the long path with
-//     a shared-memory open-addressing hash of the selected tokens, a scan of the LRU order with warp ballots
-//     and a block-wide prefix sum to compact hits and evictable positions (both kept in LRU order), miss
+//     a shared-memory open-addressing hash of the selected tokens, a lookup of every buffer position's token,
+//     a scan of the LRU order against those lookups and a block-wide prefix sum to compact hits and evictable positions (both kept in LRU order), miss
 //     compaction in top-k order, slot assignment, LRU rewrite, and a per-request miss plan (src, dst).
 //   * copy kernel, a grid-stride over every miss of the batch (one warp per row, 16 B loads straight from
 //     pinned host memory through its device-visible UVA address), so that a batch of one request still
@@ -130,7 +130,42 @@ struct PlanArgs {
   int K, D, R;
   uint32_t hash_mask;   // table size - 1 (a power of two)
   uint32_t hash_shift;  // 32 - log2(table size)
+  bool vec4_rows;       // every request's rows of buffer_slots, buffer_tokens and lru_order start 16-byte aligned
+                        // and D % 4 == 0: their runs load as int4
 };
+
+// out[e] = row[first + e] for first + e < D, else -1. Runs of N consecutive ints (N a multiple of 4 when
+// vec4): with vec4 (16-byte aligned row, D % 4 == 0) an int4 is either wholly inside [0, D) or wholly outside.
+// load_run reads through L1 (rows this kernel rewrites later); load_run_nc through the read-only path.
+template <int N>
+__device__ __forceinline__ void load_run(const int32_t* row, int first, int D, bool vec4, int (&out)[N]) {
+  if (N % 4 == 0 && vec4) {
+#pragma unroll
+    for (int c = 0; c < N / 4; ++c) {
+      const int k = first + 4 * c;
+      const int4 v = k < D ? *reinterpret_cast<const int4*>(row + k) : make_int4(-1, -1, -1, -1);
+      out[4 * c] = v.x, out[4 * c + 1] = v.y, out[4 * c + 2] = v.z, out[4 * c + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) out[e] = first + e < D ? row[first + e] : -1;
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void load_run_nc(const int32_t* row, int first, int D, bool vec4, int (&out)[N]) {
+  if (N % 4 == 0 && vec4) {
+#pragma unroll
+    for (int c = 0; c < N / 4; ++c) {
+      const int k = first + 4 * c;
+      const int4 v = k < D ? __ldg(reinterpret_cast<const int4*>(row + k)) : make_int4(-1, -1, -1, -1);
+      out[4 * c] = v.x, out[4 * c + 1] = v.y, out[4 * c + 2] = v.z, out[4 * c + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) out[e] = first + e < D ? __ldg(row + first + e) : -1;
+  }
+}
 
 // Thread t owns LRU ranks [t*D_ITEMS, (t+1)*D_ITEMS) and top-k entries [t*K_ITEMS, (t+1)*K_ITEMS): consecutive
 // runs, so one block-wide prefix sum per phase keeps LRU order and top-k order, and all of a thread's global
@@ -187,33 +222,38 @@ __global__ void __launch_bounds__(kPlanThreads, 1) swap_in_plan_kernel(PlanArgs 
   int* s_keys = smem;                 // hash_size
   int* s_vals = s_keys + hash_size;   // hash_size
   int* s_state = s_vals + hash_size;  // K: 1 = resolved (padding, ring or table hit), 0 = miss
-  int* s_evict = s_state + K;         // D: evictable positions, LRU order
+  int* s_evict = s_state + K;         // D: evictable positions, LRU order (phase 2b on)
+  int* s_hit_of = s_evict;            // D: per buffer position, its top-k index or -1 (phase 2a; dead before
+                                      //    s_evict's first write, which follows phase 2b's prefix-sum barrier)
   int* s_hits = s_evict + D;          // K: hit positions, LRU order
   int32_t* __restrict__ tokens = a.buffer_tokens + row * a.tokens_stride;
   int32_t* __restrict__ lru = a.lru_order + row * a.lru_stride;
   const int32_t* __restrict__ hrows = a.host_rows + row * a.host_rows_stride;
 
-  // Issue this thread's global loads first: top-k entries, LRU ranks, then the tokens they hold.
+  // Issue this thread's global loads first: top-k entries, then its runs of LRU ranks and of buffer positions
+  // (their tokens and slots). All D-long reads are contiguous runs (16-byte loads where aligned): the LRU walk
+  // below gathers by position from shared memory, not from global memory (docs/kernels.md).
   int tok[K_ITEMS];
 #pragma unroll
   for (int e = 0; e < K_ITEMS; ++e) {
     const int i = tid * K_ITEMS + e;
     tok[e] = i < K ? __ldg(tk + i) : -1;
   }
-  int pos[D_ITEMS];
-#pragma unroll
-  for (int e = 0; e < D_ITEMS; ++e) {
-    const int k = tid * D_ITEMS + e;
-    pos[e] = k < D ? lru[k] : -1;
-  }
+  const int first_item = tid * D_ITEMS;
+  int pos[D_ITEMS];   // LRU ranks first_item + e: the buffer position each holds
+  int held[D_ITEMS];  // buffer positions first_item + e: the token each holds
+  // Buffer positions first_item + e: their device slots, loaded up front up to 8 items a thread; at 16 the
+  // registers run out (spills), so those instances load a hit's slot when they find it.
+  constexpr bool kEagerSlots = D_ITEMS <= 8;
+  int pslot[kEagerSlots ? D_ITEMS : 1];
+  load_run<D_ITEMS>(lru, first_item, D, a.vec4_rows, pos);
+  load_run<D_ITEMS>(tokens, first_item, D, a.vec4_rows, held);
+  if constexpr (kEagerSlots) load_run_nc<D_ITEMS>(slots, first_item, D, a.vec4_rows, pslot);
   {  // the table size is a power of two >= 128 (plan_launch), so whole int4 stores cover it
     int4* keys4 = reinterpret_cast<int4*>(s_keys);
     const int4 empty4 = make_int4(kEmpty, kEmpty, kEmpty, kEmpty);
     for (int j = tid; j < hash_size / 4; j += kPlanThreads) keys4[j] = empty4;
   }
-  int held[D_ITEMS];
-#pragma unroll
-  for (int e = 0; e < D_ITEMS; ++e) held[e] = pos[e] >= 0 ? tokens[pos[e]] : -1;
   int ring_slot[K_ITEMS];
 #pragma unroll
   for (int e = 0; e < K_ITEMS; ++e) {
@@ -244,25 +284,33 @@ __global__ void __launch_bounds__(kPlanThreads, 1) swap_in_plan_kernel(PlanArgs 
   if (ring) atomicAdd(&s_ring_hits, ring);
   __syncthreads();
 
-  // 2. LRU walk: a held token that is selected is a hit; every other position is evictable. One prefix sum
-  //    of (hits | evictable << 16) places both lists in LRU order.
-  int hit_i[D_ITEMS];
+  // 2a. Per buffer position: a held token that is selected is a hit; its slot goes to the output.
+#pragma unroll
+  for (int e = 0; e < D_ITEMS; ++e) {
+    const int p = first_item + e;
+    if (p >= D) continue;
+    const int h = held[e] >= 0 ? hash_lookup(s_keys, s_vals, a.hash_mask, a.hash_shift, held[e]) : -1;
+    s_hit_of[p] = h;
+    if (h >= 0) {
+      if constexpr (kEagerSlots) {
+        o[h] = pslot[e];
+      } else {
+        o[h] = __ldg(slots + p);
+      }
+      s_state[h] = 1;
+    }
+  }
+  __syncthreads();
+
+  // 2b. LRU walk: each rank's position is a hit or evictable. One prefix sum of (hits | evictable << 16) places
+  //     both lists in LRU order.
+  bool is_hit[D_ITEMS];
   int my_hits = 0, my_evict = 0;
 #pragma unroll
   for (int e = 0; e < D_ITEMS; ++e) {
-    hit_i[e] = (pos[e] >= 0 && held[e] >= 0) ? hash_lookup(s_keys, s_vals, a.hash_mask, a.hash_shift, held[e]) : -1;
-    my_hits += hit_i[e] >= 0;
-    my_evict += pos[e] >= 0 && hit_i[e] < 0;
-  }
-  int hit_slot[D_ITEMS];
-#pragma unroll
-  for (int e = 0; e < D_ITEMS; ++e) hit_slot[e] = hit_i[e] >= 0 ? __ldg(slots + pos[e]) : -1;
-#pragma unroll
-  for (int e = 0; e < D_ITEMS; ++e) {
-    if (hit_i[e] >= 0) {
-      o[hit_i[e]] = hit_slot[e];
-      s_state[hit_i[e]] = 1;
-    }
+    is_hit[e] = pos[e] >= 0 && s_hit_of[pos[e]] >= 0;
+    my_hits += is_hit[e];
+    my_evict += pos[e] >= 0 && !is_hit[e];
   }
   int total;
   const int packed = block_exclusive_sum(my_hits | (my_evict << 16), s_warp, &total);
@@ -274,7 +322,7 @@ __global__ void __launch_bounds__(kPlanThreads, 1) swap_in_plan_kernel(PlanArgs 
 #pragma unroll
     for (int e = 0; e < D_ITEMS; ++e) {
       if (pos[e] < 0) continue;
-      if (hit_i[e] >= 0) {
+      if (is_hit[e]) {
         s_hits[h++] = pos[e];
       } else {
         s_evict[v++] = pos[e];
@@ -629,6 +677,11 @@ PlanLaunch plan_launch(int D, int K) {
   return p;
 }
 
+// Every row of a 2-D int32 tensor starts at a 16-byte boundary (int4 loads of its runs are legal).
+bool rows_aligned16(const torch::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && (t.size(0) <= 1 || t.stride(0) % 4 == 0);
+}
+
 void check_int32_on(const torch::Tensor& t, const c10::Device& device, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kInt && t.device() == device, name, " must be int32 on ", device);
 }
@@ -689,6 +742,8 @@ class SwapInContext {
     args_.host_rows_stride = host_rows_.stride(0);
     args_.D = static_cast<int>(buffer_tokens_.size(1));
     args_.R = static_cast<int>(num_recent);
+    args_.vec4_rows = args_.D % 4 == 0 && rows_aligned16(buffer_slots_) && rows_aligned16(buffer_tokens_) &&
+                      rows_aligned16(lru_order_);
     host_base_ = device_visible(host_pool_);
     dev_base_ = device_pool_.data_ptr<uint8_t>();
     host_pitch_ = host_pool_.stride(0);
