@@ -15,7 +15,8 @@ call's GPU time. All columns come from one process, so before (unbound) and afte
 `--copy-blocks N ...` instead sweeps the copy kernel's grid cap (HiSparseConfig side_stream_copy_blocks): the
 swap-in alone and beside a weight-bound GEMM on another stream, as the early swap-in and GLM-5's prefetch run it.
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_swap_in.py [--quick] [--host-overhead] [--copy-blocks N ...]
+    PYTHONPATH=$PWD python3 benchmarks/bench_swap_in.py [--quick] [--buffers D ...] [--batches B ...]
+        [--miss-rates M ...] [--row-bytes N ...] [--host-overhead] [--copy-blocks N ...]
         [--json out.json]
 """
 
