@@ -84,7 +84,7 @@ def pid_alive(pid: int) -> bool:
 class ServerProcess:
     """`python -m decode_server.cli serve ...` with its log in a temporary file."""
 
-    def __init__(self, *extra_args: str, api_key: str | None = None) -> None:
+    def __init__(self, *extra_args: str, api_key: str | None = None, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -94,7 +94,8 @@ class ServerProcess:
         if api_key:
             args += ["--api-key", api_key]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="decode-server-", suffix=".log", delete=False)  # noqa: SIM115
-        self.proc = subprocess.Popen(args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=None if env is None else {**os.environ, **env})
         self.engine_pid: int | None = None
         self.children: list[int] = []  # every child seen while running (engine, multiprocessing helpers)
 
