@@ -8,7 +8,10 @@ the top-k kernel against torch.topk, and the whole call, new path against the pr
   position a random row). Kernels: "previous" (kernels/indexer_triton.py: q as fp16 hi + lo, synchronous scale
   gathers) and the new kernel (kernels/indexer_fast.py) in each precision (fp8 = the engine's default since
   2026-11-26, fp16, fp16x2). Bytes = B·L·(128 key + 4 scale + 4 row id + 4 score written); GB/s = bytes / time; `hbm_fraction` =
-  GB/s / the copy's GB/s. score err = max |score − fp64| / max |fp64| over the first 4 queries.
+  GB/s / the copy's GB/s. score err = max |score − fp64| / max |fp64| over the first 4 queries. Each case also
+  times a plain read of the same bytes (`torch.sum` over B·L·140 bytes, "read of the same bytes"): what the size
+  alone allows, launch, first DRAM round trips and tail included (at B 16, 32K: 70 % of the copy's rate on an
+  H200, 76 % on an H100, 2026-11-27); `read_fraction` = that read's time / the kernel's.
 - Top-k (`topk` table): the engine's CUDA kernel (kernels/topk_cuda.py) and the Triton kernel
   (kernels/topk_triton.py, its fallback for very wide rows) against torch.topk (sorted, as the previous path ran
   it, and unsorted) on the same fp32 scores, B ∈ {1, 16, 64, 128}, L ∈ {32K, 64K, 128K}: random normal scores,
@@ -70,6 +73,7 @@ PRECISIONS = ("fp16", "fp16x2", "fp8")
 BYTES_PER_POSITION = 128 + 4 + 4 + 4  # key row, scale, row id, score written
 COPY_BYTES = 2 << 30
 SWEEP_SHAPE = (64, 32768)  # (B, L) of --configs
+READ_FLOOR = "read of the same bytes"  # torch.sum over B·L·BYTES_PER_POSITION bytes: the size's own floor
 DEVICE = "cuda"
 if SMOKE:
     SCORE_BATCHES, SCORE_LENGTHS, TOPK_BATCHES, TOPK_LENGTHS = (1,), (4096,), (2,), (4096, 12288)
@@ -101,6 +105,7 @@ class ScoresResult:
     hbm_fraction: float
     tflops: float
     score_err: float
+    read_fraction: float = float("nan")  # a plain read of the same bytes (READ_FLOOR) / this kernel: time ratio
 
 
 @dataclass
@@ -220,6 +225,12 @@ class Bench:
     def time(self, fn: Callable[[], object]) -> float:
         return time_gpu_us(fn, reset=self.flush.zero_ if self.args.flush == "write" else self.flush_read)
 
+    def read_us(self, num_bytes: int) -> float:
+        """Time of one plain read (a sum) of num_bytes, timed like the kernels."""
+        words = torch.ones(num_bytes // 8, dtype=torch.int64, device=DEVICE)
+        sink = torch.zeros((), dtype=torch.int64, device=DEVICE)
+        return self.time(lambda: torch.sum(words, dim=0, out=sink))
+
     def flush_read(self) -> None:
         """Evict the L2 by reading a buffer larger than it (leaves clean lines: nothing to write back)."""
         torch.sum(self.flush_words, dim=0, out=self.flush_sink)
@@ -237,6 +248,14 @@ class Bench:
         q, w, keys, scales, token_rows, _, seq = args
         position_bytes = batch * length * BYTES_PER_POSITION
         flops = 2.0 * batch * length * HEADS * 128
+        # The floor at this size: one plain read of the same bytes (launch, first DRAM round trips and tail
+        # included), which a small call cannot beat however its loads are scheduled.
+        read_us = self.read_us(position_bytes)
+        read_gbps = position_bytes / (read_us * 1e-6) / 1e9
+        floor = ScoresResult(batch, length, READ_FLOOR, read_us, read_gbps, read_gbps / self.report.hbm_copy_gbps,
+                             0.0, float("nan"), 1.0)
+        logger.info("%s", floor)
+        self.report.scores.append(floor)
         kernels: list[tuple[str, Callable[[], torch.Tensor]]] = [
             ("previous fp16x2", lambda: indexer_scores_triton(*args, PREVIOUS))]
         kernels += [(f"fast {p}", lambda p=p: indexer_scores_fast(*args, FastScoresConfig(precision=p)))
@@ -246,7 +265,8 @@ class Bench:
             us = self.time(fn)
             gbps = position_bytes / (us * 1e-6) / 1e9
             res = ScoresResult(batch, length, name, us, gbps, gbps / self.report.hbm_copy_gbps,
-                               flops / (us * 1e-6) / 1e12, score_error(scores, q, w, keys, scales, token_rows))
+                               flops / (us * 1e-6) / 1e12, score_error(scores, q, w, keys, scales, token_rows),
+                               read_us / us)
             logger.info("%s", res)
             self.report.scores.append(res)
         scores = indexer_scores_fast(*args)
@@ -333,8 +353,8 @@ class Bench:
                       f"{c['hbm_fraction']:5.1%} HBM  err {c['score_err']:.1e}")
         if not r.scores and not r.topk:
             return self.print_errors()
-        names = ["previous fp16x2"] + [f"fast {p}" for p in PRECISIONS]
-        print("\nscores: us, GB/s, fraction of the HBM copy (score err)")
+        names = [READ_FLOOR, "previous fp16x2"] + [f"fast {p}" for p in PRECISIONS]
+        print("\nscores: us, GB/s, fraction of the HBM copy (score err); the first column reads the same bytes")
         print(f"{'B':>3} {'L':>6} | " + " | ".join(f"{n:>27}" for n in names))
         cases = sorted({(s.batch, s.length) for s in r.scores})
         for batch, length in cases:

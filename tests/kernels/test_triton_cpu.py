@@ -42,8 +42,9 @@ def test_bench_indexer_smoke(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert not report["errors"], report["errors"]
-    assert {s["kernel"] for s in report["scores"]} == {"previous fp16x2", "fast fp16", "fast fp16x2", "fast fp8"}
-    assert all(s["hbm_fraction"] > 0 for s in report["scores"])
+    assert {s["kernel"] for s in report["scores"]} == {"read of the same bytes", "previous fp16x2", "fast fp16",
+                                                       "fast fp16x2", "fast fp8"}
+    assert all(s["hbm_fraction"] > 0 and s["read_fraction"] > 0 for s in report["scores"])
     assert {t["source"] for t in report["topk"]} == {"randn", "indexer scores"} and report["calls"]
     assert all(t["same"] and t["triton_us"] > 0 and t["kernel_us"] > 0 for t in report["topk"])
     # The default scores round q to e4m3 as DeepSeek's indexer does (the previous path: ~22-bit q): ~97.5 % of a
