@@ -4,8 +4,9 @@
 // layout". Design (docs/kernels.md):
 //   * plan kernel, one 1024-thread block per request: fast path (identity placement), or the long path with
 //     a shared-memory open-addressing hash of the selected tokens, a lookup of every buffer position's token,
-//     a scan of the LRU order against those lookups and a block-wide prefix sum to compact hits and evictable positions (both kept in LRU order), miss
-//     compaction in top-k order, slot assignment, LRU rewrite, and a per-request miss plan (src, dst).
+//     a scan of the LRU order against those lookups and a block-wide prefix sum to compact hits and evictable
+//     positions (both kept in LRU order), miss compaction in top-k order, slot assignment, LRU rewrite, and a
+//     per-request miss plan (src, dst).
 //   * copy kernel, a grid-stride over every miss of the batch (one warp per row, 16 B loads straight from
 //     pinned host memory through its device-visible UVA address), so that a batch of one request still
 //     keeps hundreds of rows in flight over PCIe.
