@@ -34,25 +34,35 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+# Ports free_port has returned in this process: never returned twice (see free_port).
+_HANDED_OUT: set[int] = set()
+_PORT_RNG = random.SystemRandom()
+
+
 def free_port() -> int:
-    """A port nothing listens on, below the kernel's ephemeral range.
+    """A port nothing listens on, below the kernel's ephemeral range, not returned before in this process.
 
     Why not bind(("127.0.0.1", 0)): that returns an ephemeral port, and between picking it and the server binding
     it the kernel may hand the same number to any outgoing connection — a server's own engine ranks connect to
     each other while it starts — so the server failed with "address already in use" (CI, 2026-11-26). The kernel
     never assigns ports below the ephemeral range by itself: only another explicit bind could take the one picked
-    here."""
+    here. Why remember them: a fixture that starts several servers picks every port before any server has bound
+    its own, so a second random pick of the same number would still bind here, and one server's health check would
+    then be answered by the other (the likely cause of a CI failure on 2026-11-27: `engine_pid in children` failed
+    while a fixture started five servers)."""
     low, _ = _ephemeral_range()
     first = 20000 if low > 21000 else 1024
-    rng = random.SystemRandom()
     for _ in range(500):
-        port = rng.randrange(first, low)
+        port = _PORT_RNG.randrange(first, low)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT.add(port)
+        return port
     raise RuntimeError(f"no free port in [{first}, {low}) on 127.0.0.1")
 
 
