@@ -7,7 +7,10 @@ the top-k kernel against torch.topk, and the whole call, new path against the pr
   through token_rows to random pages of 64 consecutive rows of one shared FP8 pool (`--layout rows`: every
   position a random row). Kernels: "previous" (kernels/indexer_triton.py: q as fp16 hi + lo, synchronous scale
   gathers) and the new kernel (kernels/indexer_fast.py) in each precision (fp8 = the engine's default since
-  2026-11-26, fp16, fp16x2). Bytes = B·L·(128 key + 4 scale + 4 row id + 4 score written); GB/s = bytes / time; `hbm_fraction` =
+  2026-11-26, fp16, fp16x2), and "fast e4m3 q": the fp8 kernel given the query already in e4m3 (`quantize_query`,
+  the form the model hands it on CUDA since 2026-11-27; same score bits as "fast fp8"); the query's quantization
+  itself is timed apart (`quantize_us` in the JSON's `query_quant`; in the engine it replaces the multiply by
+  the weight scale). Bytes = B·L·(128 key + 4 scale + 4 row id + 4 score written); GB/s = bytes / time; `hbm_fraction` =
   GB/s / the copy's GB/s. score err = max |score − fp64| / max |fp64| over the first 4 queries. Each case also
   times a plain read of the same bytes (`torch.sum` over B·L·140 bytes, "read of the same bytes"): what the size
   alone allows, launch, first DRAM round trips and tail included (at B 16, 32K: 70 % of the copy's rate on an
@@ -55,7 +58,12 @@ if SMOKE:  # before triton is imported
     triton_interpret.enable()
 from _timing import device_name, time_gpu_us  # noqa: E402
 
-from kernels.indexer_fast import FastScoresConfig, indexer_scores_fast, indexer_topk_fast  # noqa: E402
+from kernels.indexer_fast import (  # noqa: E402
+    FastScoresConfig,
+    indexer_scores_fast,
+    indexer_topk_fast,
+    quantize_query,
+)
 from kernels.indexer_ref import quantize_index_keys  # noqa: E402
 from kernels.indexer_triton import ScoresConfig, indexer_scores_triton, indexer_topk_triton  # noqa: E402
 from kernels.topk_cuda import topk_positions_cuda  # noqa: E402
@@ -74,6 +82,7 @@ BYTES_PER_POSITION = 128 + 4 + 4 + 4  # key row, scale, row id, score written
 COPY_BYTES = 2 << 30
 SWEEP_SHAPE = (64, 32768)  # (B, L) of --configs
 READ_FLOOR = "read of the same bytes"  # torch.sum over B·L·BYTES_PER_POSITION bytes: the size's own floor
+E4M3_Q = "fast e4m3 q"  # the fp8 kernel on a query quantized beforehand (the engine's path on CUDA)
 DEVICE = "cuda"
 if SMOKE:
     SCORE_BATCHES, SCORE_LENGTHS, TOPK_BATCHES, TOPK_LENGTHS = (1,), (4096,), (2,), (4096, 12288)
@@ -124,6 +133,13 @@ class TopkResult:
 
 
 @dataclass
+class QueryQuantResult:
+    batch: int
+    quantize_us: float  # quantize_query on [B, 64, 128]: one launch per layer and step in the engine
+    multiply_us: float  # what it replaces: weights * weight_scale
+
+
+@dataclass
 class CallResult:
     batch: int
     length: int
@@ -145,6 +161,7 @@ class Report:
     scores: list[ScoresResult] = field(default_factory=list)
     topk: list[TopkResult] = field(default_factory=list)
     calls: list[CallResult] = field(default_factory=list)
+    query_quant: list[QueryQuantResult] = field(default_factory=list)
     configs: list[dict] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -260,6 +277,12 @@ class Bench:
             ("previous fp16x2", lambda: indexer_scores_triton(*args, PREVIOUS))]
         kernels += [(f"fast {p}", lambda p=p: indexer_scores_fast(*args, FastScoresConfig(precision=p)))
                     for p in PRECISIONS]
+        q8, w8 = quantize_query(q, w)
+        kernels.append((E4M3_Q, lambda: indexer_scores_fast(q8, w8, *args[2:], FastScoresConfig(precision="fp8"))))
+        if not any(r.batch == batch for r in self.report.query_quant):
+            quant = QueryQuantResult(batch, self.time(lambda: quantize_query(q, w, 0.1)), self.time(lambda: w * 0.1))
+            logger.info("%s", quant)
+            self.report.query_quant.append(quant)
         for name, fn in kernels:
             scores = fn()
             us = self.time(fn)
@@ -353,7 +376,7 @@ class Bench:
                       f"{c['hbm_fraction']:5.1%} HBM  err {c['score_err']:.1e}")
         if not r.scores and not r.topk:
             return self.print_errors()
-        names = [READ_FLOOR, "previous fp16x2"] + [f"fast {p}" for p in PRECISIONS]
+        names = [READ_FLOOR, "previous fp16x2"] + [f"fast {p}" for p in PRECISIONS] + [E4M3_Q]
         print("\nscores: us, GB/s, fraction of the HBM copy (score err); the first column reads the same bytes")
         print(f"{'B':>3} {'L':>6} | " + " | ".join(f"{n:>27}" for n in names))
         cases = sorted({(s.batch, s.length) for s in r.scores})
@@ -364,6 +387,9 @@ class Bench:
                 cells.append(f"{hit[0].us:7.1f} {hit[0].gbps:5.0f} {hit[0].hbm_fraction:5.1%} ({hit[0].score_err:.0e})"
                              if hit else f"{'-':>27}")
             print(f"{batch:3d} {length:6d} | " + " | ".join(cells))
+        for quant in r.query_quant:
+            print(f"query to e4m3, B {quant.batch}: {quant.quantize_us:.1f} us (the multiply it replaces: "
+                  f"{quant.multiply_us:.1f} us)")
         print("\ntop-k of 2048: us (torch.topk sorted / unsorted / the CUDA kernel / the Triton kernel), speed-up of "
               "the CUDA kernel; Triton's fast-path rows; the two kernels' positions equal")
         print(f"{'B':>3} {'L':>6} {'scores':>14} | {'sorted':>8} {'unsorted':>8} {'cuda':>7} {'triton':>7} | "

@@ -21,6 +21,9 @@ parallelism (docs/kernels.md "Scores kernel"):
                divided by it: ReLU(2^s·x) = 2^s·ReLU(x), same score); keys e4m3 → fp16 in registers (exact).
                Score error ≈ 2–3e-4 of the query's largest score (q rounded to 11 bits).
     "fp16x2" — q = fp16 hi + lo (≈ 22 bits), two dots: the previous kernel's precision (error < 1e-6).
+  q may also come already in e4m3 (`quantize_query`, one kernel the model runs where it scales the head weights;
+  docs/kernels.md "The query in e4m3"): the same operand and weights as "fp8" computes per program, so the same
+  score bits, without each of a query's programs loading its fp32 q (32 KB at 64 heads) and re-quantizing it.
   ReLU, the weighted head sum, × the keys' scales and the store of the block's scores follow. The next block's
   row ids and scales are loaded one iteration ahead: they feed no dot, so those loads stay synchronous, and
   issued early their latency hides behind the current block.
@@ -116,6 +119,39 @@ def _round_to_e4m3(x):
     return tl.where(tl.abs(x) < 0.015625, 0.0, rounded.to(tl.float32, bitcast=True))
 
 
+@triton.jit
+def _scale_heads(q, w, PRECISION: tl.constexpr):
+    """q [HEADS_P, 128], w [HEADS_P] float32 → (q · 2^s, w · 2^-s) with one power of two 2^s per head (the score is
+    unchanged: ReLU(2^s·x) = 2^s·ReLU(x)): the head's largest |q| lands in [128, 256) for e4m3 operands
+    (PRECISION 2), in [256, 512) for fp16 ones."""
+    exp_field = (tl.max(tl.abs(q), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    if PRECISION == 2:
+        s = tl.minimum(tl.maximum(134 - exp_field, -60), 60)
+    else:
+        s = tl.minimum(tl.maximum(135 - exp_field, -60), 60)
+    q = q * ((s + 127) << 23).to(tl.float32, bitcast=True)[:, None]
+    w = w * ((127 - s) << 23).to(tl.float32, bitcast=True)
+    return q, w
+
+
+@triton.jit
+def _quantize_query_kernel(q_ptr, w_ptr, q_out_ptr, w_out_ptr, stride_qt, stride_qh, stride_wt, num_heads,
+                           weight_scale, HEADS_P: tl.constexpr):
+    """One program per query: its heads scaled and rounded exactly as the scores kernel's fp8 mode does it."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HEADS_P)
+    dims = tl.arange(0, 128)  # INDEX_HEAD_DIM
+    head_ok = heads < num_heads
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
+                other=0.0).to(tl.float32)
+    # The product as torch's `weights * weight_scale` rounds it (float32), then the exact power of two.
+    w = tl.load(w_ptr + t * stride_wt + heads, mask=head_ok, other=0.0).to(tl.float32) * weight_scale
+    q, w = _scale_heads(q, w, 2)
+    q8 = _round_to_e4m3(q).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    tl.store(q_out_ptr + t * num_heads * 128 + heads[:, None] * 128 + dims[None, :], q8, mask=head_ok[:, None])
+    tl.store(w_out_ptr + t * num_heads + heads, w, mask=head_ok)
+
+
 # Not specialized on the growing length, the span or the token table's row stride (a new compile in the middle of
 # serving would cost many steps); the output's row stride is padded to a multiple of 64 instead.
 @triton.jit(do_not_specialize=["max_len", "blocks_per_prog", "stride_rows_b"])
@@ -123,7 +159,7 @@ def _scores_kernel(
     q_ptr, w_ptr, keys_ptr, scales_ptr, rows_ptr, req_ptr, lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_wt, stride_keys, stride_rows_b, stride_rows_l, stride_out,
     num_heads, max_len, blocks_per_prog,
-    HEADS_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    HEADS_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, Q_E4M3: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     span = tl.program_id(1)
@@ -136,25 +172,21 @@ def _scores_kernel(
         dims = tl.arange(0, 128)  # INDEX_HEAD_DIM
         offs = tl.arange(0, BLOCK_N)
         head_ok = heads < num_heads
-        q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
-                    other=0.0).to(tl.float32)
+        q_at = q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :]
         w = tl.load(w_ptr + t * stride_wt + heads, mask=head_ok, other=0.0).to(tl.float32)
-        # Per-head power of two 2^s (folded into w as 2^-s): the largest |q| of the head lands in
-        # [256, 512) for fp16 operands, [128, 256) for e4m3 ones.
-        exp_field = (tl.max(tl.abs(q), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
-        if PRECISION == 2:
-            s = tl.minimum(tl.maximum(134 - exp_field, -60), 60)
-        else:
-            s = tl.minimum(tl.maximum(135 - exp_field, -60), 60)
-        q = q * ((s + 127) << 23).to(tl.float32, bitcast=True)[:, None]
-        w = w * ((127 - s) << 23).to(tl.float32, bitcast=True)
-        if PRECISION == 2:
-            q_op = tl.trans(_round_to_e4m3(q).to(tl.float8e4nv))  # [128, HEADS_P], exact conversion
+        if Q_E4M3:  # quantized by `quantize_query` (PRECISION is 2): its bytes, w already scaled
+            q_op = tl.trans(tl.load(q_at, mask=head_ok[:, None], other=0).to(tl.float8e4nv, bitcast=True))
             q_lo = q_op
         else:
-            q_hi = q.to(tl.float16)
-            q_op = tl.trans(q_hi)
-            q_lo = tl.trans((q - q_hi.to(tl.float32)).to(tl.float16))
+            # Per-head power of two 2^s, folded into w as 2^-s.
+            q, w = _scale_heads(tl.load(q_at, mask=head_ok[:, None], other=0.0).to(tl.float32), w, PRECISION)
+            if PRECISION == 2:
+                q_op = tl.trans(_round_to_e4m3(q).to(tl.float8e4nv))  # [128, HEADS_P], exact conversion
+                q_lo = q_op
+            else:
+                q_hi = q.to(tl.float16)
+                q_op = tl.trans(q_hi)
+                q_lo = tl.trans((q - q_hi.to(tl.float32)).to(tl.float16))
         row_base = rows_ptr + req * stride_rows_b
         out_base = out_ptr + t * stride_out
         num_blocks = (scored_end - start + BLOCK_N - 1) // BLOCK_N
@@ -197,8 +229,10 @@ def indexer_scores_fast(
     config: FastScoresConfig | None = None,
 ) -> torch.Tensor:
     """fp32 scores [T, L] (L = token_rows.shape[1]); positions >= seq_len are left unwritten. Arguments as in
-    kernels/indexer_ref.py; q and weights may be any float dtype (computed in fp32)."""
+    kernels/indexer_ref.py; q and weights may be any float dtype (computed in fp32), or q float8_e4m3fn with the
+    weights that `quantize_query` returned with it (then the dot is FP8 × FP8 whatever `config.precision`)."""
     cfg = config or DEFAULT_CONFIG
+    q_e4m3 = q.dtype == torch.float8_e4m3fn
     num_q, heads, dim = q.shape
     if dim != INDEX_HEAD_DIM:
         raise ValueError(f"indexer head dim must be {INDEX_HEAD_DIM}, got {dim}")
@@ -216,21 +250,52 @@ def indexer_scores_fast(
     scales = scales.contiguous()
     heads_p = max(16, triton.next_power_of_2(heads))
     device_index = q.device.index if q.device.index is not None else 0
-    resident_key = (cfg, heads_p, device_index)
+    resident_key = (cfg, heads_p, q_e4m3, device_index)
     resident = cfg.programs_per_sm or _RESIDENT.get(resident_key, _RESIDENT_GUESS)
     per_prog = cfg.blocks_per_program or blocks_per_program(num_q, max_len, cfg.block_n, q.device, resident)
     grid = (num_q, triton.cdiv(max_len, per_prog * cfg.block_n))
     kernel = _scores_kernel[grid](
-        q, weights, keys_fp8.view(torch.uint8), scales, token_rows, token_req, seq_lens, out,
+        q.view(torch.uint8) if q_e4m3 else q, weights, keys_fp8.view(torch.uint8), scales, token_rows, token_req, seq_lens, out,
         q.stride(0), q.stride(1), weights.stride(0), keys_fp8.stride(0), token_rows.stride(0),
         token_rows.stride(1), out.stride(0),
         heads, max_len, per_prog,
-        HEADS_P=heads_p, BLOCK_N=cfg.block_n, PRECISION=_PRECISION_CODE[cfg.precision],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HEADS_P=heads_p, BLOCK_N=cfg.block_n, PRECISION=_PRECISION_CODE["fp8" if q_e4m3 else cfg.precision],
+        Q_E4M3=q_e4m3, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if q.is_cuda and resident_key not in _RESIDENT and hasattr(kernel, "metadata"):
         _RESIDENT[resident_key] = _resident_programs(kernel, cfg.num_warps, device_index)
     return out
+
+
+def takes_e4m3_query(config: FastScoresConfig | None = None) -> bool:
+    """Whether the scores kernel runs its FP8 dot under `config` (default: `DEFAULT_CONFIG`, read now), so that
+    a query quantized beforehand by `quantize_query` gives the scores it would compute itself."""
+    return (config or DEFAULT_CONFIG).precision == "fp8"
+
+
+def quantize_query(q: torch.Tensor, weights: torch.Tensor, weight_scale: float = 1.0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, 128] and weights [T, H] (float32) → (q in float8_e4m3fn [T, H, 128], weights [T, H] float32): each
+    head scaled by its power of two and rounded as the fp8 scores kernel does it, the weights multiplied by
+    weight_scale (in float32, as `weights * weight_scale` rounds) and by the inverse power of two. One program per
+    query, so batch invariant. `indexer_scores_fast` on the result gives the bits it gives on (q, weights ·
+    weight_scale) in fp8 precision (the GPU tests hold it to that); `kernels.indexer_ref` reads the same pair."""
+    num_q, heads, dim = q.shape
+    if dim != INDEX_HEAD_DIM or weights.shape != (num_q, heads):
+        raise ValueError(f"q must be [T, H, {INDEX_HEAD_DIM}] and weights [T, H], got {tuple(q.shape)} and "
+                         f"{tuple(weights.shape)}")
+    q_out = torch.empty((num_q, heads, dim), dtype=torch.float8_e4m3fn, device=q.device)
+    w_out = torch.empty((num_q, heads), dtype=torch.float32, device=q.device)
+    if num_q == 0:
+        return q_out, w_out
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    weights = weights if weights.stride(1) == 1 else weights.contiguous()
+    _quantize_query_kernel[(num_q,)](
+        q, weights, q_out.view(torch.uint8), w_out, q.stride(0), q.stride(1), weights.stride(0), heads,
+        float(weight_scale), HEADS_P=max(16, triton.next_power_of_2(heads)), num_warps=4,
+    )
+    return q_out, w_out
 
 
 def short_rows_topk(seq_lens: torch.Tensor, top_k: int, device: torch.device) -> torch.Tensor:

@@ -66,7 +66,8 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Top-k logical positions [T, top_k] int32 (−1 pads) per new token over its causal prefix.
 
-        `q` is [T, Hi, 128] float32, `weights` is [T, Hi] float32. When a token's prefix (itself included) has
+        `q` is [T, Hi, 128] float32 (or float8_e4m3fn, its heads scaled by powers of two whose inverses are in
+        the weights: `fused_ops.index_query`), `weights` is [T, Hi] float32. When a token's prefix (itself included) has
         at most `top_k` tokens, the result is every position 0..p in ascending order, then −1s.
         """
 

@@ -15,8 +15,9 @@ SGLang) rotate before quantizing, which spreads outlier channels over all 128 va
 power-of-two scale wastes less range; the model's indexer was trained and deployed that way. transformers skips
 both the rotation and FP8 (it scores in full precision), so for interoperability the choice only matters
 through FP8 rounding, which the interop tests measure (exact agreement while every position is selected,
-top-1 agreement rate beyond `index_topk`). q is not quantized (the backend contract takes it in float32), but
-it must be rotated with the same H so the dot products stay the same.
+top-1 agreement rate beyond `index_topk`). q must be rotated with the same H so the dot products stay the same.
+On CUDA it leaves here in e4m3 with a power of two per head folded into w (`fused_ops.index_query`: the form the
+FP8 scores kernel reads, as in DeepSeek's code); elsewhere in float32.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def hadamard_matrix(dim: int) -> torch.Tensor:
 
 @dataclass
 class IndexerOutput:
-    q: torch.Tensor  # [T, Hi, D] float32 (rotated)
-    weights: torch.Tensor  # [T, Hi] float32, scale factors folded in
+    q: torch.Tensor  # [T, Hi, D] float32 (rotated), or float8_e4m3fn with a power of two per head (CUDA)
+    weights: torch.Tensor  # [T, Hi] float32, scale factors folded in (with q in e4m3: its inverse powers of two too)
     keys_fp8: torch.Tensor  # [T, D] float8_e4m3fn
     key_scales: torch.Tensor  # [T] float32 (powers of two)
 
@@ -92,5 +93,5 @@ class Indexer(nn.Module):
             weights = batch_invariant.linear(x.float(), self.weights_proj.weight.float())
         else:
             weights = narrow_linear(x.float(), self.weights_proj.weight.float())
-        weights = weights * self.weight_scale
+        q, weights = fused_ops.index_query(q, weights, self.weight_scale)
         return IndexerOutput(q=q, weights=weights, keys_fp8=keys_fp8, key_scales=key_scales)

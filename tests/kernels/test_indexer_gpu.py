@@ -135,6 +135,42 @@ def test_fast_scores_accuracy(heads: int, precision: str) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("heads", [8, 32, 64])
+def test_e4m3_query_gives_the_float_querys_scores(heads: int) -> None:
+    """`quantize_query` (the form the model hands the scores kernel on CUDA) gives the fp8 kernel's own operand:
+    the scores and the selection of (e4m3 q, its weights) equal those of (float q, weights · weight_scale) bit
+    for bit, at one and at many queries and through the whole call; q's bytes equal an emulation of the rounding."""
+    from kernels.indexer_fast import FastScoresConfig, indexer_scores_fast, indexer_topk_fast, quantize_query
+
+    lens_per_req = [5000, 129, 3000]
+    gen, keys, scales, table = _make_case(heads, 300 + heads, lens_per_req, 5000, n_keys=9000)
+    token_req = torch.tensor([0, 1, 2, 0, 2, 0])
+    seq_lens = torch.tensor([5000, 129, 3000, 1, 2517, 4999])
+    q = torch.randn(6, heads, 128, generator=gen) * 3
+    q[1, 0] *= 1e-3  # a head of small values: its own power of two scales it up
+    w = torch.randn(6, heads, generator=gen)
+    weight_scale = heads**-0.5 * 128**-0.5
+    args = _to(DEV, keys, scales, table[:, :5000], token_req, seq_lens)
+    q_d, w_d = _to(DEV, q, w)
+    q8, w8 = quantize_query(q_d, w_d, weight_scale)
+    shift = 7 - torch.floor(torch.log2(q.double().abs().amax(2)))
+    qs = (q.double() * (2.0**shift)[..., None]).float()
+    want_q = torch.where(qs.abs() < 2**-6, torch.zeros_like(qs), qs.to(torch.float8_e4m3fn).float())
+    assert torch.equal(q8.float().cpu(), want_q)
+    assert torch.equal(w8, (w_d * weight_scale) * (2.0 ** -shift).float().to(DEV))
+    fp8 = FastScoresConfig(precision="fp8")
+    want = indexer_scores_fast(q_d, w_d * weight_scale, *args, fp8)
+    got = indexer_scores_fast(q8, w8, *args, fp8)
+    one = indexer_scores_fast(q8[4:5], w8[4:5], args[0], args[1], args[2], args[3][4:5], args[4][4:5], fp8)
+    for t, n in enumerate(seq_lens.tolist()):
+        assert torch.equal(got[t, :n], want[t, :n]), t
+    assert torch.equal(one[0, :2517], want[4, :2517])
+    assert torch.equal(indexer_topk_fast(q8, w8, *args, 2048, fp8),
+                       indexer_topk_fast(q_d, w_d * weight_scale, *args, 2048, fp8))
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("heads", [8, 64])
 def test_indexer_exact_when_separated(heads: int) -> None:
     """A planted top-k set, scores well above the rest: the selected set must be exactly that set."""

@@ -169,6 +169,33 @@ def interpret_scores() -> None:
             if not torch.equal(picked, want):
                 _fail(f"indexer_topk_fast {precision} H {heads}: not the rule applied to its own scores")
             print(f"scores {precision} H {heads}: {worst:.1e} from the emulation; top-k = rule(scores)")
+        _check_e4m3_query(q, w, keys, scales, token_rows, token_req, seq_lens)
+
+
+def _check_e4m3_query(q, w, keys, scales, token_rows, token_req, seq_lens) -> None:
+    """`quantize_query` gives the operand and weights the fp8 scores kernel computes itself: its q equals a
+    float64 emulation of the per-head scaling and e4m3 rounding, its weights (w · 0.3) · 2^-shift exactly, and the
+    scores kernel on them equals the kernel on the float query bit for bit."""
+    from kernels.indexer_fast import FastScoresConfig, indexer_scores_fast, quantize_query
+
+    weight_scale = 0.3  # not a power of two: the product's rounding must be torch's
+    q8, w8 = quantize_query(q, w, weight_scale)
+    shift = 7 - torch.floor(torch.log2(q.double().abs().amax(2)))  # [T, H]
+    qs = (q.double() * (2.0**shift)[..., None]).float()
+    want_q = torch.where(qs.abs() < 2**-6, torch.zeros_like(qs), qs.to(torch.float8_e4m3fn).float())
+    if q8.dtype != torch.float8_e4m3fn or not torch.equal(q8.float(), want_q):
+        _fail("quantize_query: q differs from the emulated per-head e4m3 rounding")
+    if not torch.equal(w8, (w * weight_scale) * (2.0 ** -shift).float()):
+        _fail("quantize_query: weights differ from (w · weight_scale) · 2^-shift")
+    fp8 = FastScoresConfig(precision="fp8")
+    want = indexer_scores_fast(q, w * weight_scale, keys, scales, token_rows, token_req, seq_lens, fp8)
+    for cfg in (fp8, FastScoresConfig(precision="fp16")):  # e4m3 q runs the FP8 dot whatever the precision
+        got = indexer_scores_fast(q8, w8, keys, scales, token_rows, token_req, seq_lens, cfg)
+        for t in range(q.shape[0]):
+            n = int(seq_lens[t])
+            if not torch.equal(got[t, :n], want[t, :n]):
+                _fail(f"scores of the e4m3 query ({cfg.precision} config) differ from the float query's, query {t}")
+    print(f"e4m3 query H {q.shape[1]}: emulated bits; scores equal to the float query's in fp8")
 
 
 # ------------------------------------------------------------------------------------------------------ compile
@@ -221,17 +248,19 @@ def _loops(ttgir: str) -> list[str]:
     return bodies
 
 
-def compile_scores(precision: str) -> None:
+def compile_scores(precision: str, q_e4m3: bool = False) -> None:
+    """precision "fp8" with q_e4m3: the variant that reads a query `quantize_query` made (the engine's on CUDA)."""
     from kernels.indexer_fast import _PRECISION_CODE, DEFAULT_CONFIG, _scores_kernel
 
     cfg = DEFAULT_CONFIG
-    types = {"q_ptr": "*fp32", "w_ptr": "*fp32", "keys_ptr": "*u8", "scales_ptr": "*fp32", "rows_ptr": "*i32",
+    types = {"q_ptr": "*u8" if q_e4m3 else "*fp32", "w_ptr": "*fp32", "keys_ptr": "*u8", "scales_ptr": "*fp32", "rows_ptr": "*i32",
              "req_ptr": "*i64", "lens_ptr": "*i64", "out_ptr": "*fp32"}
     types |= {name: "i32" for name in ("stride_qt", "stride_qh", "stride_wt", "stride_keys", "stride_rows_b",
                                        "stride_out", "num_heads", "max_len", "blocks_per_prog")}
     aligned = [n for n in types if n.endswith("_ptr")] + ["stride_qt", "stride_qh", "stride_wt", "stride_keys",
                                                           "stride_out", "num_heads"]
-    constexprs = {"stride_rows_l": 1, "HEADS_P": 64, "BLOCK_N": cfg.block_n, "PRECISION": _PRECISION_CODE[precision]}
+    constexprs = {"stride_rows_l": 1, "HEADS_P": 64, "BLOCK_N": cfg.block_n, "PRECISION": _PRECISION_CODE[precision],
+                  "Q_E4M3": q_e4m3}
     t0 = time.time()
     kernel = _compile_sm90(_scores_kernel, types, constexprs, aligned, cfg.num_warps, cfg.num_stages)
     ttgir = kernel.asm["ttgir"]
@@ -250,7 +279,7 @@ def compile_scores(precision: str) -> None:
         _fail(f"key tiles are not multi-buffered ({buffers})")
     if len(loops) != 1:
         _fail(f"expected the main loop only (the scales are applied in it), found {len(loops)} loops")
-    print(f"scores {precision}: compiled for sm_90 in {time.time() - t0:.0f} s, {_resources(kernel)}; main loop "
+    print(f"scores {precision}{' (e4m3 q given)' if q_e4m3 else ''}: compiled for sm_90 in {time.time() - t0:.0f} s, {_resources(kernel)}; main loop "
           f"fully asynchronous, {max(int(b) for b in buffers)} key tiles buffered")
 
 
@@ -386,9 +415,10 @@ def interpret_fp8_quant() -> None:
 
 
 def compile_small_kernels() -> None:
-    """The norm, rotation, router and FP8 quantization kernels compile for sm_90 at the shapes the model launches,
+    """The norm, rotation, router and FP8 quantization kernels (the indexer query's too) compile for sm_90 at the shapes the model launches,
     without spills."""
     from kernels.fp8_quant_triton import _index_keys_kernel, _pack_rows_kernel
+    from kernels.indexer_fast import _quantize_query_kernel
     from kernels.moe_route_triton import _route_kernel
     from kernels.norm_rope_triton import _rms_norm_kernel, _rope_kernel
 
@@ -408,6 +438,9 @@ def compile_small_kernels() -> None:
         "rope 128 heads": (_rope_kernel, rope_types, {"INTERLEAVED": True, "HALF": 32, "HEADS_BLOCK": 16}, 4),
         "index key quantization": (_index_keys_kernel, {"x_ptr": "*fp32", "x_stride": "i32", "q_ptr": "*fp8e4nv",
                                                         "scale_ptr": "*fp32"}, {"DIM": 128, "LIBDEVICE": True}, 1),
+        "index query quantization 64 heads": (_quantize_query_kernel, {
+            "q_ptr": "*fp32", "w_ptr": "*fp32", "q_out_ptr": "*u8", "w_out_ptr": "*fp32", "stride_qt": "i32",
+            "stride_qh": "i32", "stride_wt": "i32", "num_heads": "i32", "weight_scale": "fp32"}, {"HEADS_P": 64}, 4),
         "FP8 row packing": (_pack_rows_kernel, {"x_ptr": "*bf16", "x_stride": "i32", "out_ptr": "*u8"},
                             {"TILES": 4, "TILE_": 128, "ROPE": 64, "ROW_BYTES": 656, "SCALE_AT": 512,
                              "ROPE_AT": 528, "LIBDEVICE": True}, 4),
@@ -431,6 +464,7 @@ CHECKS = {
     "interpret-scores": interpret_scores,
     "compile-topk": compile_topk,
     **{f"compile-scores-{p}": (lambda p=p: compile_scores(p)) for p in ("fp16", "fp16x2", "fp8")},
+    "compile-scores-fp8-e4m3-q": lambda: compile_scores("fp8", q_e4m3=True),
 }
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ kernels/norm_rope_triton.py) on the GPU against the eager references they replac
   on most elements; the residual sum of `add_rms_norm` bit for bit `x + delta`;
 - every row depends only on itself (a row alone gives the same bits as inside a batch), and a CUDA-graph replay
   gives the same bits as the eager launch;
-- the whole model: the fused path against eager (`fused_ops.set_enabled(False)`) on the same random weights."""
+- the whole model: the fused path against eager (`fused_ops.set_enabled(False)`) on the same random weights;
+- the indexer's e4m3 query (`fused_ops.index_query`): the same scores as eager's float query."""
 
 from __future__ import annotations
 
@@ -166,6 +167,43 @@ def test_model_with_fused_ops_matches_eager() -> None:
     assert (fused_logits - eager_logits).abs().max().item() <= 0.05 * scale
     agree = (fused_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item()
     assert agree >= 0.95, agree
+
+
+def test_indexer_query_in_e4m3_scores_as_the_eager_float_query() -> None:
+    """On CUDA the indexer hands its query on in e4m3 with the weights scaled to match (`fused_ops.index_query`);
+    eager keeps float32 q and weights · weight_scale. The fp8 scores kernel gives both the same bits (and the
+    keys are the same bytes), so the switch changes no selection."""
+    from decode_server.model import build_random_model, load_config
+    from kernels.indexer_fast import FastScoresConfig, indexer_scores_fast
+
+    config = load_config("tiny-dsa")
+    model = build_random_model(config, "cuda", torch.bfloat16, seed=0)
+    indexer = model.model.layers[0].self_attn.indexer
+    tokens = 37
+    gen = _gen(11)
+    x = torch.randn(tokens, config.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+    q_latent = torch.randn(tokens, config.q_lora_rank, device="cuda", generator=gen).to(torch.bfloat16)
+    cos, sin = model.model.rotary(torch.arange(100, 100 + tokens, device="cuda"), torch.float32)
+    outs = {}
+    for fused in (True, False):
+        fused_ops.set_enabled(fused)
+        try:
+            outs[fused] = indexer(x, q_latent, cos, sin)
+        finally:
+            fused_ops.set_enabled(True)
+    on, off = outs[True], outs[False]
+    assert on.q.dtype == torch.float8_e4m3fn and off.q.dtype == torch.float32
+    assert torch.equal(on.keys_fp8.view(torch.uint8), off.keys_fp8.view(torch.uint8))
+    assert torch.equal(on.key_scales, off.key_scales)
+    token_rows = torch.arange(tokens, device="cuda", dtype=torch.int32).unsqueeze(0)
+    token_req = torch.zeros(tokens, device="cuda", dtype=torch.int64)
+    seq_lens = torch.arange(1, tokens + 1, device="cuda")
+    fp8 = FastScoresConfig(precision="fp8")
+    got = indexer_scores_fast(on.q, on.weights, on.keys_fp8, on.key_scales, token_rows, token_req, seq_lens, fp8)
+    want = indexer_scores_fast(off.q, off.weights, off.keys_fp8, off.key_scales, token_rows, token_req, seq_lens,
+                               fp8)
+    for t in range(tokens):
+        assert torch.equal(got[t, : t + 1], want[t, : t + 1]), t
 
 
 def _near_power_of_two_rows(rows: int, width: int, gen: torch.Generator) -> torch.Tensor:
