@@ -10,7 +10,9 @@ the top-k kernel against torch.topk, and the whole call, new path against the pr
   2026-11-26, fp16, fp16x2), and "fast e4m3 q": the fp8 kernel given the query already in e4m3 (`quantize_query`,
   the form the model hands it on CUDA since 2026-11-27; same score bits as "fast fp8"); the query's quantization
   itself is timed apart (`quantize_us` in the JSON's `query_quant`; in the engine it replaces the multiply by
-  the weight scale). Bytes = B·L·(128 key + 4 scale + 4 row id + 4 score written); GB/s = bytes / time; `hbm_fraction` =
+  the weight scale). `chain` table: what the engine runs from the rotated query on, replayed as one CUDA graph —
+  the Hadamard product, then either `weights * weight_scale` and the fp8 kernel on the float query (before) or
+  `quantize_query` and the kernel on its e4m3 query (the engine since 2026-11-27). Bytes = B·L·(128 key + 4 scale + 4 row id + 4 score written); GB/s = bytes / time; `hbm_fraction` =
   GB/s / the copy's GB/s. score err = max |score − fp64| / max |fp64| over the first 4 queries. Each case also
   times a plain read of the same bytes (`torch.sum` over B·L·140 bytes, "read of the same bytes"): what the size
   alone allows, launch, first DRAM round trips and tail included (at B 16, 32K: 70 % of the copy's rate on an
@@ -140,6 +142,14 @@ class QueryQuantResult:
 
 
 @dataclass
+class ChainResult:
+    batch: int
+    length: int
+    float_q_us: float  # Hadamard product, weights * weight_scale, fp8 scores on the float query (one graph)
+    e4m3_q_us: float  # Hadamard product, quantize_query, scores on the e4m3 query (one graph)
+
+
+@dataclass
 class CallResult:
     batch: int
     length: int
@@ -162,6 +172,7 @@ class Report:
     topk: list[TopkResult] = field(default_factory=list)
     calls: list[CallResult] = field(default_factory=list)
     query_quant: list[QueryQuantResult] = field(default_factory=list)
+    chains: list[ChainResult] = field(default_factory=list)
     configs: list[dict] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -292,6 +303,7 @@ class Bench:
                                read_us / us)
             logger.info("%s", res)
             self.report.scores.append(res)
+        self.chain_case(batch, length, args)
         scores = indexer_scores_fast(*args)
         if length >= TOPK_LENGTHS[0]:
             self.topk_timing(batch, length, "indexer scores", scores, seq)
@@ -303,6 +315,34 @@ class Bench:
         call = CallResult(batch, length, old_us, new_us, old_us / new_us, mean, low)
         logger.info("%s", call)
         self.report.calls.append(call)
+
+    def chain_case(self, batch: int, length: int, args: tuple) -> None:
+        """The query's last steps and the scores kernel as the engine runs them, float query against e4m3 query,
+        each captured as one CUDA graph (eager under --smoke)."""
+        q, w, *rest = args
+        rotation = torch.eye(128, device=DEVICE)[torch.randperm(128, device=DEVICE)]  # any 128×128 product
+        fp8 = FastScoresConfig(precision="fp8")
+
+        def float_q() -> torch.Tensor:
+            return indexer_scores_fast((q @ rotation).view(q.shape), w * 0.1, *rest, fp8)
+
+        def e4m3_q() -> torch.Tensor:
+            return indexer_scores_fast(*quantize_query((q @ rotation).view(q.shape), w, 0.1), *rest, fp8)
+
+        timed = []
+        for fn in (float_q, e4m3_q):
+            fn()  # compile outside a capture
+            if SMOKE:
+                timed.append(self.time(fn))
+                continue
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            graph.replay()
+            timed.append(self.time(graph.replay))
+        chain = ChainResult(batch, length, *timed)
+        logger.info("%s", chain)
+        self.report.chains.append(chain)
 
     def topk_timing(self, batch: int, length: int, source: str, scores: torch.Tensor, seq: torch.Tensor) -> None:
         picked, paths = topk_positions_triton(scores, seq, TOP_K, return_paths=True)
@@ -390,6 +430,12 @@ class Bench:
         for quant in r.query_quant:
             print(f"query to e4m3, B {quant.batch}: {quant.quantize_us:.1f} us (the multiply it replaces: "
                   f"{quant.multiply_us:.1f} us)")
+        if r.chains:
+            print("\nchain (one graph: Hadamard product, then weights * scale + scores of the float query, or "
+                  "quantize_query + scores of the e4m3 query): us")
+            for c in r.chains:
+                print(f"{c.batch:3d} {c.length:6d} | float q {c.float_q_us:7.1f} | e4m3 q {c.e4m3_q_us:7.1f} | "
+                      f"{c.e4m3_q_us - c.float_q_us:+6.1f}")
         print("\ntop-k of 2048: us (torch.topk sorted / unsorted / the CUDA kernel / the Triton kernel), speed-up of "
               "the CUDA kernel; Triton's fast-path rows; the two kernels' positions equal")
         print(f"{'B':>3} {'L':>6} {'scores':>14} | {'sorted':>8} {'unsorted':>8} {'cuda':>7} {'triton':>7} | "

@@ -53,6 +53,7 @@ _PRECISION_CODE = {"fp16": 0, "fp16x2": 1, "fp8": 2}
 # of the rounding gives on random data (3.2e-4, 8e-8 and 4.1e-2 for 8–64 heads), with room for the fp32 (fp8:
 # Hopper's reduced-precision) accumulation. The GPU tests hold the kernel to it.
 SCORE_ERROR_BOUND = {"fp16": 1e-3, "fp16x2": 5e-6, "fp8": 0.12}
+QUERY_HEADS_BLOCK = 16  # heads per program of `quantize_query`
 # Bound on the bytes one chunk of queries materializes (fp32 scores + the top-k's candidate scratch): 512 MiB.
 MAX_CHUNK_BYTES = 512 << 20
 
@@ -136,10 +137,11 @@ def _scale_heads(q, w, PRECISION: tl.constexpr):
 
 @triton.jit
 def _quantize_query_kernel(q_ptr, w_ptr, q_out_ptr, w_out_ptr, stride_qt, stride_qh, stride_wt, num_heads,
-                           weight_scale, HEADS_P: tl.constexpr):
-    """One program per query: its heads scaled and rounded exactly as the scores kernel's fp8 mode does it."""
+                           weight_scale, HEADS_BLOCK: tl.constexpr):
+    """One program per (query, block of heads): each head scaled and rounded exactly as the scores kernel's fp8
+    mode does it (heads are independent, so blocks of them spread a query over several SMs)."""
     t = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, HEADS_P)
+    heads = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)
     dims = tl.arange(0, 128)  # INDEX_HEAD_DIM
     head_ok = heads < num_heads
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
@@ -278,7 +280,7 @@ def quantize_query(q: torch.Tensor, weights: torch.Tensor, weight_scale: float =
     """q [T, H, 128] and weights [T, H] (float32) → (q in float8_e4m3fn [T, H, 128], weights [T, H] float32): each
     head scaled by its power of two and rounded as the fp8 scores kernel does it, the weights multiplied by
     weight_scale (in float32, as `weights * weight_scale` rounds) and by the inverse power of two. One program per
-    query, so batch invariant. `indexer_scores_fast` on the result gives the bits it gives on (q, weights ·
+    query and QUERY_HEADS_BLOCK heads (a single query's 32 KB from one SM was latency-bound), so batch invariant. `indexer_scores_fast` on the result gives the bits it gives on (q, weights ·
     weight_scale) in fp8 precision (the GPU tests hold it to that); `kernels.indexer_ref` reads the same pair."""
     num_q, heads, dim = q.shape
     if dim != INDEX_HEAD_DIM or weights.shape != (num_q, heads):
@@ -291,9 +293,10 @@ def quantize_query(q: torch.Tensor, weights: torch.Tensor, weight_scale: float =
     if q.stride(2) != 1:
         q = q.contiguous()
     weights = weights if weights.stride(1) == 1 else weights.contiguous()
-    _quantize_query_kernel[(num_q,)](
+    heads_block = min(QUERY_HEADS_BLOCK, triton.next_power_of_2(heads))
+    _quantize_query_kernel[(num_q, triton.cdiv(heads, heads_block))](
         q, weights, q_out.view(torch.uint8), w_out, q.stride(0), q.stride(1), weights.stride(0), heads,
-        float(weight_scale), HEADS_P=max(16, triton.next_power_of_2(heads)), num_warps=4,
+        float(weight_scale), HEADS_BLOCK=heads_block, num_warps=4,
     )
     return q_out, w_out
 

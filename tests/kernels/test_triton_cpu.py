@@ -47,6 +47,7 @@ def test_bench_indexer_smoke(tmp_path: Path) -> None:
     scores = {s["kernel"]: s for s in report["scores"]}
     assert scores["fast e4m3 q"]["score_err"] == scores["fast fp8"]["score_err"]  # the same bits
     assert report["query_quant"] and all(r["quantize_us"] > 0 for r in report["query_quant"])
+    assert report["chains"] and all(c["float_q_us"] > 0 and c["e4m3_q_us"] > 0 for c in report["chains"])
     assert all(s["hbm_fraction"] > 0 and s["read_fraction"] > 0 for s in report["scores"])
     assert {t["source"] for t in report["topk"]} == {"randn", "indexer scores"} and report["calls"]
     assert all(t["same"] and t["triton_us"] > 0 and t["kernel_us"] > 0 for t in report["topk"])

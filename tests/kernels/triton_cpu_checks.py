@@ -438,9 +438,9 @@ def compile_small_kernels() -> None:
         "rope 128 heads": (_rope_kernel, rope_types, {"INTERLEAVED": True, "HALF": 32, "HEADS_BLOCK": 16}, 4),
         "index key quantization": (_index_keys_kernel, {"x_ptr": "*fp32", "x_stride": "i32", "q_ptr": "*fp8e4nv",
                                                         "scale_ptr": "*fp32"}, {"DIM": 128, "LIBDEVICE": True}, 1),
-        "index query quantization 64 heads": (_quantize_query_kernel, {
+        "index query quantization, 16 heads a program": (_quantize_query_kernel, {
             "q_ptr": "*fp32", "w_ptr": "*fp32", "q_out_ptr": "*u8", "w_out_ptr": "*fp32", "stride_qt": "i32",
-            "stride_qh": "i32", "stride_wt": "i32", "num_heads": "i32", "weight_scale": "fp32"}, {"HEADS_P": 64}, 4),
+            "stride_qh": "i32", "stride_wt": "i32", "num_heads": "i32", "weight_scale": "fp32"}, {"HEADS_BLOCK": 16}, 4),
         "FP8 row packing": (_pack_rows_kernel, {"x_ptr": "*bf16", "x_stride": "i32", "out_ptr": "*u8"},
                             {"TILES": 4, "TILE_": 128, "ROPE": 64, "ROW_BYTES": 656, "SCALE_AT": 512,
                              "ROPE_AT": 528, "LIBDEVICE": True}, 4),
