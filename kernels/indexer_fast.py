@@ -257,7 +257,8 @@ def indexer_scores_fast(
     per_prog = cfg.blocks_per_program or blocks_per_program(num_q, max_len, cfg.block_n, q.device, resident)
     grid = (num_q, triton.cdiv(max_len, per_prog * cfg.block_n))
     kernel = _scores_kernel[grid](
-        q.view(torch.uint8) if q_e4m3 else q, weights, keys_fp8.view(torch.uint8), scales, token_rows, token_req, seq_lens, out,
+        q.view(torch.uint8) if q_e4m3 else q, weights, keys_fp8.view(torch.uint8), scales, token_rows, token_req,
+        seq_lens, out,
         q.stride(0), q.stride(1), weights.stride(0), keys_fp8.stride(0), token_rows.stride(0),
         token_rows.stride(1), out.stride(0),
         heads, max_len, per_prog,
@@ -280,8 +281,9 @@ def quantize_query(q: torch.Tensor, weights: torch.Tensor, weight_scale: float =
     """q [T, H, 128] and weights [T, H] (float32) → (q in float8_e4m3fn [T, H, 128], weights [T, H] float32): each
     head scaled by its power of two and rounded as the fp8 scores kernel does it, the weights multiplied by
     weight_scale (in float32, as `weights * weight_scale` rounds) and by the inverse power of two. One program per
-    query and QUERY_HEADS_BLOCK heads (a single query's 32 KB from one SM was latency-bound), so batch invariant. `indexer_scores_fast` on the result gives the bits it gives on (q, weights ·
-    weight_scale) in fp8 precision (the GPU tests hold it to that); `kernels.indexer_ref` reads the same pair."""
+    query and QUERY_HEADS_BLOCK heads (a single query's 32 KB from one SM was latency-bound), so batch invariant.
+    `indexer_scores_fast` on the result gives the bits it gives on (q, weights · weight_scale) in fp8 precision
+    (the GPU tests hold it to that); `kernels.indexer_ref` reads the same pair."""
     num_q, heads, dim = q.shape
     if dim != INDEX_HEAD_DIM or weights.shape != (num_q, heads):
         raise ValueError(f"q must be [T, H, {INDEX_HEAD_DIM}] and weights [T, H], got {tuple(q.shape)} and "

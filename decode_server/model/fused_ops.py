@@ -1,7 +1,7 @@
 """The model's elementwise steps — RMSNorm, the residual add before a norm, rotary embeddings, the FP8
 quantization of indexer keys, of the indexer's query and of FP8 KV rows — as one Triton kernel each on CUDA
-(kernels/norm_rope_triton.py, kernels/fp8_quant_triton.py, kernels/indexer_fast.py), eager PyTorch elsewhere. The MoE router's selection follows the same switch
-(`MoEGate`, kernels/moe_route_triton.py).
+(kernels/norm_rope_triton.py, kernels/fp8_quant_triton.py, kernels/indexer_fast.py), eager PyTorch elsewhere.
+The MoE router's selection follows the same switch (`MoEGate`, kernels/moe_route_triton.py).
 
 Why a dispatcher: eager runs each of these as 8-9 small kernels, and at decode batch sizes a step is bound by
 how many kernels it launches as much as by the bytes it reads (docs/model.md "Computation"). The eager versions
@@ -124,7 +124,7 @@ def index_query(q: torch.Tensor, weights: torch.Tensor, weight_scale: float) -> 
     power of two per head and the weights · weight_scale over it, in one kernel that replaces the multiply by
     weight_scale — DeepSeek-V3.2's own indexer hands its FP8 kernel the query that way. The scores' bits are
     those of the float query; what changes is that each of the kernel's programs stops loading the fp32 query
-    and quantizing it again (1.7–3.9 µs a call, docs/kernels.md). Elsewhere (and eager): (q, weights ·
+    and quantizing it again (docs/kernels.md "The query in e4m3"). Elsewhere (and eager): (q, weights ·
     weight_scale). Every consumer takes either form (the reference scores `q.float()`)."""
     if _enabled and q.is_cuda and _indexer_fast().takes_e4m3_query():
         return _indexer_fast().quantize_query(q, weights, weight_scale)
