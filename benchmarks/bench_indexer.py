@@ -10,9 +10,10 @@ the top-k kernel against torch.topk, and the whole call, new path against the pr
   2026-11-26, fp16, fp16x2), and "fast e4m3 q": the fp8 kernel given the query already in e4m3 (`quantize_query`,
   the form the model hands it on CUDA since 2026-11-27; same score bits as "fast fp8"); the query's quantization
   itself is timed apart (`quantize_us` in the JSON's `query_quant`; in the engine it replaces the multiply by
-  the weight scale). `chain` table: what the engine runs from the rotated query on, replayed as one CUDA graph —
-  the Hadamard product, then either `weights * weight_scale` and the fp8 kernel on the float query (before) or
-  `quantize_query` and the kernel on its e4m3 query (the engine since 2026-11-27). Bytes = B·L·(128 key + 4 scale + 4 row id + 4 score written); GB/s = bytes / time; `hbm_fraction` =
+  the weight scale). `chains` table: the indexer's query chain from wq_b's output to the scores, and its key
+  chain, each replayed as one CUDA graph, as the engine ran them (cast, rotary kernel, Hadamard GEMM, then the
+  scale and the float query's scores, or the e4m3 query's) and as one kernel each
+  (kernels/indexer_rotation_triton.py). Bytes = B·L·(128 key + 4 scale + 4 row id + 4 score written); GB/s = bytes / time; `hbm_fraction` =
   GB/s / the copy's GB/s. score err = max |score − fp64| / max |fp64| over the first 4 queries. Each case also
   times a plain read of the same bytes (`torch.sum` over B·L·140 bytes, "read of the same bytes"): what the size
   alone allows, launch, first DRAM round trips and tail included (at B 16, 32K: 70 % of the copy's rate on an
@@ -145,8 +146,11 @@ class QueryQuantResult:
 class ChainResult:
     batch: int
     length: int
-    float_q_us: float  # Hadamard product, weights * weight_scale, fp8 scores on the float query (one graph)
-    e4m3_q_us: float  # Hadamard product, quantize_query, scores on the e4m3 query (one graph)
+    float_q_us: float  # cast, rotary, Hadamard GEMM, weights * weight_scale, fp8 scores on the float query
+    e4m3_q_us: float  # cast, rotary, Hadamard GEMM, quantize_query, scores on the e4m3 query
+    one_kernel_q_us: float  # the query chain as one kernel (indexer_rotation_triton.index_query), scores
+    keys_separate_us: float  # the keys: rotary, Hadamard GEMM, packing (three launches + the cast)
+    keys_one_kernel_us: float  # the keys as one kernel (indexer_rotation_triton.index_keys)
 
 
 @dataclass
@@ -317,20 +321,46 @@ class Bench:
         self.report.calls.append(call)
 
     def chain_case(self, batch: int, length: int, args: tuple) -> None:
-        """The query's last steps and the scores kernel as the engine runs them, float query against e4m3 query,
-        each captured as one CUDA graph (eager under --smoke)."""
+        """The indexer's query chain and the scores kernel, and its key chain, as the engine has run them, each
+        captured as one CUDA graph (eager under --smoke): wq_b's bf16 output → cast, rotary kernel, the Hadamard
+        GEMM, then `w * scale` and scores of the float query (before 2026-11-27) or `quantize_query` and scores of
+        the e4m3 query; or the one-kernel chain (kernels/indexer_rotation_triton.py) and scores. Keys: rotary
+        kernel, GEMM, packing kernel against the one-kernel chain."""
+        from kernels import fp8_quant_triton, indexer_rotation_triton, norm_rope_triton
+        from kernels.indexer_ref import walsh_hadamard
+
         q, w, *rest = args
-        rotation = torch.eye(128, device=DEVICE)[torch.randperm(128, device=DEVICE)]  # any 128×128 product
+        gen = torch.Generator(device=DEVICE).manual_seed(batch)
+        q_raw = q.to(torch.bfloat16)
+        k_in = torch.randn(batch, 128, device=DEVICE, generator=gen)
+        angles = torch.rand(batch, 32, device=DEVICE, generator=gen) * 1000
+        cos, sin = torch.cos(angles), torch.sin(angles)
+        hadamard = walsh_hadamard(torch.eye(128, device=DEVICE))
         fp8 = FastScoresConfig(precision="fp8")
 
+        def rotated(x: torch.Tensor) -> torch.Tensor:
+            x = x.to(torch.float32, copy=True)  # the engine's cast (a copy even of float32 input)
+            norm_rope_triton.rope(x[..., :64], cos, sin, False, out=x[..., :64])
+            return (x.reshape(-1, 128) @ hadamard).view(x.shape)
+
         def float_q() -> torch.Tensor:
-            return indexer_scores_fast((q @ rotation).view(q.shape), w * 0.1, *rest, fp8)
+            return indexer_scores_fast(rotated(q_raw), w * 0.1, *rest, fp8)
 
         def e4m3_q() -> torch.Tensor:
-            return indexer_scores_fast(*quantize_query((q @ rotation).view(q.shape), w, 0.1), *rest, fp8)
+            return indexer_scores_fast(*quantize_query(rotated(q_raw), w, 0.1), *rest, fp8)
+
+        def one_kernel_q() -> torch.Tensor:
+            q8, w8 = indexer_rotation_triton.index_query(q_raw, cos, sin, False, w, 0.1, quantize=True)
+            return indexer_scores_fast(q8, w8, *rest, fp8)
+
+        def keys_separate() -> tuple[torch.Tensor, torch.Tensor]:
+            return fp8_quant_triton.quantize_index_keys(rotated(k_in))
+
+        def keys_one_kernel() -> tuple[torch.Tensor, torch.Tensor]:
+            return indexer_rotation_triton.index_keys(k_in, cos, sin, False)
 
         timed = []
-        for fn in (float_q, e4m3_q):
+        for fn in (float_q, e4m3_q, one_kernel_q, keys_separate, keys_one_kernel):
             fn()  # compile outside a capture
             if SMOKE:
                 timed.append(self.time(fn))
@@ -431,11 +461,11 @@ class Bench:
             print(f"query to e4m3, B {quant.batch}: {quant.quantize_us:.1f} us (the multiply it replaces: "
                   f"{quant.multiply_us:.1f} us)")
         if r.chains:
-            print("\nchain (one graph: Hadamard product, then weights * scale + scores of the float query, or "
-                  "quantize_query + scores of the e4m3 query): us")
+            print("\nchains (one graph each), us: query → scores as float q / e4m3 q (rotation apart) / one-kernel "
+                  "query chain; keys: separate / one kernel")
             for c in r.chains:
-                print(f"{c.batch:3d} {c.length:6d} | float q {c.float_q_us:7.1f} | e4m3 q {c.e4m3_q_us:7.1f} | "
-                      f"{c.e4m3_q_us - c.float_q_us:+6.1f}")
+                print(f"{c.batch:3d} {c.length:6d} | {c.float_q_us:7.1f} {c.e4m3_q_us:7.1f} {c.one_kernel_q_us:7.1f} | "
+                      f"keys {c.keys_separate_us:5.1f} {c.keys_one_kernel_us:5.1f}")
         print("\ntop-k of 2048: us (torch.topk sorted / unsorted / the CUDA kernel / the Triton kernel), speed-up of "
               "the CUDA kernel; Triton's fast-path rows; the two kernels' positions equal")
         print(f"{'B':>3} {'L':>6} {'scores':>14} | {'sorted':>8} {'unsorted':>8} {'cuda':>7} {'triton':>7} | "

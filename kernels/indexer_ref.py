@@ -14,6 +14,25 @@ FP8_MAX = 448.0
 INDEX_HEAD_DIM = 128
 
 
+def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] float32 times the normalized n×n Sylvester Hadamard matrix (n a power of two; any other n: x
+    unchanged), by the fast transform: log2(n) stages pairing x[i] with x[i + h] (h = 1, 2, 4, …) into their sum
+    and difference, then one multiply by float32(n^-0.5). The same product as `x @ hadamard_matrix(n)` to float32
+    rounding, in a fixed order of operations that the GPU kernels repeat bit for bit
+    (kernels/indexer_rotation_triton.py); row-local, so batch invariant."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        return x
+    shape = x.shape
+    stride = 1
+    while stride < n:
+        pairs = x.reshape(-1, n // (2 * stride), 2, stride)
+        first, second = pairs[:, :, 0], pairs[:, :, 1]
+        x = torch.stack((first + second, first - second), dim=2).reshape(shape)
+        stride *= 2
+    return x * n**-0.5
+
+
 def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     """amax/448 rounded up to a power of two (exact when multiplied on any hardware), amax floored at 1e-4."""
     scale = amax.float().clamp(min=1e-4) / FP8_MAX

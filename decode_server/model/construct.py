@@ -28,7 +28,6 @@ import torch
 from decode_server.model.attention import MLAAttention
 from decode_server.model.config import ModelConfig
 from decode_server.model.fp8 import dequantize_block_fp8
-from decode_server.model.indexer import Indexer, hadamard_matrix
 from decode_server.model.layers import MLP
 from decode_server.model.model import DSAForCausalLM
 from decode_server.model.moe import MoE
@@ -108,8 +107,6 @@ def build_empty_model(
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.inv_freq = inverse_frequencies(config.rope, module.dim).to(device)
-        elif isinstance(module, Indexer):
-            module.hadamard = hadamard_matrix(module.head_dim).to(device)
         elif isinstance(module, MoE):
             module.stack_experts()
         elif isinstance(module, MLAAttention):

@@ -1,7 +1,8 @@
 """The model's elementwise steps — RMSNorm, the residual add before a norm, rotary embeddings, the FP8
-quantization of indexer keys, of the indexer's query and of FP8 KV rows — as one Triton kernel each on CUDA
-(kernels/norm_rope_triton.py, kernels/fp8_quant_triton.py, kernels/indexer_fast.py), eager PyTorch elsewhere.
-The MoE router's selection follows the same switch (`MoEGate`, kernels/moe_route_triton.py).
+quantization of FP8 KV rows, the indexer's query and key chains (rotary, Hadamard rotation, FP8) — as one Triton
+kernel each on CUDA (kernels/norm_rope_triton.py, kernels/fp8_quant_triton.py, kernels/indexer_rotation_triton.py),
+eager PyTorch elsewhere. The MoE router's selection follows the same switch
+(`MoEGate`, kernels/moe_route_triton.py).
 
 Why a dispatcher: eager runs each of these as 8-9 small kernels, and at decode batch sizes a step is bound by
 how many kernels it launches as much as by the bytes it reads (docs/model.md "Computation"). The eager versions
@@ -19,6 +20,7 @@ from decode_server.model import batch_invariant
 from decode_server.model.rope import apply_rope_half_split, apply_rope_interleaved
 from kernels.fp8_rows import pack_fp8_rows as pack_fp8_rows_eager
 from kernels.indexer_ref import quantize_index_keys as quantize_index_keys_eager
+from kernels.indexer_ref import walsh_hadamard
 
 _enabled = True
 _router_enabled = True
@@ -116,19 +118,50 @@ def _indexer_fast():
     return indexer_fast
 
 
-def index_query(q: torch.Tensor, weights: torch.Tensor, weight_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The indexer's query and head weights in the form its scores kernel reads, from the rotated q [T, H, 128]
-    and weights_proj's output [T, H] (float32).
+def _rotation():
+    """kernels.indexer_rotation_triton, imported on first CUDA use (it imports triton)."""
+    from kernels import indexer_rotation_triton
 
-    On CUDA, where the scores kernel runs its FP8 dot (kernels/indexer_fast.py, the default): q in e4m3 with a
-    power of two per head and the weights · weight_scale over it, in one kernel that replaces the multiply by
-    weight_scale — DeepSeek-V3.2's own indexer hands its FP8 kernel the query that way. The scores' bits are
-    those of the float query; what changes is that each of the kernel's programs stops loading the fp32 query
-    and quantizing it again (docs/kernels.md "The query in e4m3"). Elsewhere (and eager): (q, weights ·
-    weight_scale). Every consumer takes either form (the reference scores `q.float()`)."""
-    if _enabled and q.is_cuda and _indexer_fast().takes_e4m3_query():
+    return indexer_rotation_triton
+
+
+def rotate_index_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
+                       interleaved: bool) -> torch.Tensor:
+    """The indexer's rotations, eager: x [T, H, d] or [T, d] in float32, the rotary embedding on its first
+    rope_dim dims (pairs (2j, 2j+1) if `interleaved`, else (j, j + rope_dim/2)), then the normalized
+    Walsh–Hadamard rotation of the d dims (`kernels.indexer_ref.walsh_hadamard`). A new tensor."""
+    x = x.float()
+    rotary = (apply_rope_interleaved if interleaved else apply_rope_half_split)(x[..., :rope_dim], cos, sin)
+    return walsh_hadamard(torch.cat((rotary, x[..., rope_dim:]), dim=-1))
+
+
+def index_query(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleaved: bool,
+                weights: torch.Tensor, weight_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's query from wq_b's output q [T, H, 128] and its head weights from weights_proj's [T, H]
+    (float32), in the form the scores kernel reads: q rotated (`rotate_index_heads`), the weights · weight_scale.
+
+    On CUDA, where the scores kernel runs its FP8 dot (kernels/indexer_fast.py, the default), q leaves in e4m3
+    with a power of two per head folded into the weights — the form DeepSeek-V3.2's own indexer hands its FP8
+    kernel — so the kernel's programs stop loading the fp32 query and quantizing it again (docs/kernels.md "The
+    query in e4m3"); the scores are those of the float query, bit for bit. The whole chain (cast, rotary,
+    rotation, quantization) is one kernel there (kernels/indexer_rotation_triton.py), with eager's bits.
+    Elsewhere (and eager): float32 q. Every consumer takes either form (the reference scores `q.float()`)."""
+    e4m3 = _enabled and q.is_cuda and _indexer_fast().takes_e4m3_query()
+    if _enabled and q.is_cuda and _rotation().supports(q, cos, sin, rope_dim):
+        return _rotation().index_query(q, cos, sin, interleaved, weights, weight_scale, quantize=e4m3)
+    q = rotate_index_heads(q, cos, sin, rope_dim, interleaved)
+    if e4m3:
         return _indexer_fast().quantize_query(q, weights, weight_scale)
     return q, weights * weight_scale
+
+
+def index_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
+               interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's cached keys from the normalized wk output k [T, 128]: rotated (`rotate_index_heads`) and
+    packed as e4m3 + a power-of-two scale per token (`quantize_index_keys`); one kernel on CUDA, eager's bits."""
+    if _enabled and k.is_cuda and _rotation().supports(k, cos, sin, rope_dim):
+        return _rotation().index_keys(k, cos, sin, interleaved)
+    return quantize_index_keys(rotate_index_heads(k, cos, sin, rope_dim, interleaved))
 
 
 def pack_fp8_rows(rows: torch.Tensor) -> torch.Tensor:

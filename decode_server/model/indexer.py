@@ -16,7 +16,10 @@ power-of-two scale wastes less range; the model's indexer was trained and deploy
 both the rotation and FP8 (it scores in full precision), so for interoperability the choice only matters
 through FP8 rounding, which the interop tests measure (exact agreement while every position is selected,
 top-1 agreement rate beyond `index_topk`). q must be rotated with the same H so the dot products stay the same.
-On CUDA it leaves here in e4m3 with a power of two per head folded into w (`fused_ops.index_query`: the form the
+The rotation is computed by the fast Walsh–Hadamard transform (`kernels.indexer_ref.walsh_hadamard`: seven
+stages of adds and subtracts in a fixed order), which the GPU kernels of the query's and the keys' chains repeat
+bit for bit (`fused_ops.index_query` / `index_keys`, kernels/indexer_rotation_triton.py).
+On CUDA q leaves here in e4m3 with a power of two per head folded into w (`fused_ops.index_query`: the form the
 FP8 scores kernel reads, as in DeepSeek's code); elsewhere in float32.
 """
 
@@ -37,7 +40,9 @@ def hadamard_matrix(dim: int) -> torch.Tensor:
     """Normalized Walsh–Hadamard matrix [dim, dim] (Sylvester construction), float32.
 
     Sylvester's construction exists for powers of two only (128 in every DSA checkpoint). For another
-    `index_head_dim` the rotation is the identity: it never changes exact scores, only FP8 rounding."""
+    `index_head_dim` the rotation is the identity: it never changes exact scores, only FP8 rounding. The model
+    multiplies by it through the fast transform (`kernels.indexer_ref.walsh_hadamard`); the matrix is the
+    definition the tests hold that transform to."""
     if dim < 1:
         raise ValueError(f"index_head_dim must be positive, got {dim}")
     if dim & (dim - 1):
@@ -71,27 +76,19 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         # Kept in float32 (bf16 in checkpoints, upcast like DeepSeek's inference code and transformers).
         self.weights_proj = Linear(config.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
-        self.register_buffer("hadamard", hadamard_matrix(self.head_dim), persistent=False)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x with its first rope_dim dims rotated, in place (x is this forward's own temporary)."""
-        fused_ops.rope(x[..., : self.rope_dim], cos, sin, self.rope_interleaved, out=x[..., : self.rope_dim])
-        return x
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_proj: torch.Tensor | None = None) -> IndexerOutput:
         """x [T, hidden], q_latent [T, q_lora_rank]; cos/sin [T, rope_dim/2] float32. k_proj: wk(x) when the
         caller computed it (MLA's fused input projections), else computed here."""
         num_tokens = x.shape[0]
-        q = self.wq_b(q_latent).float().view(num_tokens, self.n_heads, self.head_dim)
-        q = batch_invariant.matmul_rows(self._rope(q, cos, sin).view(num_tokens, -1), self.hadamard, self.n_heads)
-        q = q.view(num_tokens, self.n_heads, self.head_dim)
         k = batch_invariant.layer_norm((self.wk(x) if k_proj is None else k_proj).float(), self.k_norm)
-        k = batch_invariant.matmul_rows(self._rope(k, cos, sin), self.hadamard)
-        keys_fp8, key_scales = fused_ops.quantize_index_keys(k)
+        keys_fp8, key_scales = fused_ops.index_keys(k, cos, sin, self.rope_dim, self.rope_interleaved)
         if batch_invariant.enabled():
             weights = batch_invariant.linear(x.float(), self.weights_proj.weight.float())
         else:
             weights = narrow_linear(x.float(), self.weights_proj.weight.float())
-        q, weights = fused_ops.index_query(q, weights, self.weight_scale)
+        q = self.wq_b(q_latent).view(num_tokens, self.n_heads, self.head_dim)
+        q, weights = fused_ops.index_query(q, cos, sin, self.rope_dim, self.rope_interleaved, weights,
+                                           self.weight_scale)
         return IndexerOutput(q=q, weights=weights, keys_fp8=keys_fp8, key_scales=key_scales)

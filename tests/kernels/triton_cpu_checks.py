@@ -414,11 +414,57 @@ def interpret_fp8_quant() -> None:
     print("fp8 quantization kernels: scales equal to eager, the RoPE part within one bf16 step")
 
 
+def interpret_indexer_rotation() -> None:
+    """The indexer's query and key chains (kernels/indexer_rotation_triton.py) under the interpreter against
+    eager (`fused_ops.rotate_index_heads`, `quantize_query`, `quantize_index_keys`): the rotated float query and
+    its weights bit for bit, the e4m3 query's bytes and weights bit for bit, for bf16 and float32 inputs, both pair
+    layouts, 8 and 64 heads; the keys' scales bit for bit (their e4m3 values go through the interpreter's own
+    float → e4m3 cast, which is not the GPU's — it rounds 124.0 to 64.0 —, so the GPU tests hold those bytes; the
+    rotation before them is the query's, checked bit for bit here). The fast transform itself: within float32
+    rounding of the Hadamard matrix's product."""
+    from decode_server.model.fused_ops import rotate_index_heads
+    from decode_server.model.indexer import hadamard_matrix
+    from kernels import indexer_rotation_triton as k
+    from kernels.indexer_fast import quantize_query
+    from kernels.indexer_ref import quantize_index_keys, walsh_hadamard
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 128, generator=gen) * 5
+    err = (walsh_hadamard(x).double() - x.double() @ hadamard_matrix(128).double()).abs().max().item()
+    if err > 1e-5:
+        _fail(f"walsh_hadamard is {err:.1e} from the matrix product")
+    tokens = 5
+    angles = torch.rand(tokens, 32, generator=gen, dtype=torch.float64) * 100
+    cos, sin = torch.cos(angles).float(), torch.sin(angles).float()
+    for heads in (8, 64):
+        for dtype in (torch.bfloat16, torch.float32):
+            q = (torch.randn(tokens, heads, 128, generator=gen) * 3).to(dtype)
+            w = torch.randn(tokens, heads, generator=gen)
+            for interleaved in (False, True):
+                want = rotate_index_heads(q, cos, sin, 64, interleaved)
+                got, got_w = k.index_query(q, cos, sin, interleaved, w, 0.3, quantize=False)
+                if not torch.equal(got, want) or not torch.equal(got_w, w * 0.3):
+                    _fail(f"index_query H {heads} {dtype} interleaved={interleaved}: float query differs from eager")
+                want8, want_w8 = quantize_query(want, w, 0.3)
+                got8, got_w8 = k.index_query(q, cos, sin, interleaved, w, 0.3, quantize=True)
+                if not torch.equal(got8.view(torch.uint8), want8.view(torch.uint8)) or not torch.equal(got_w8, want_w8):
+                    _fail(f"index_query H {heads} {dtype} interleaved={interleaved}: e4m3 query differs")
+    for interleaved in (False, True):
+        keys_in = torch.randn(tokens, 128, generator=gen) * 2
+        want_keys, want_scales = quantize_index_keys(rotate_index_heads(keys_in, cos, sin, 64, interleaved))
+        got_keys, got_scales = k.index_keys(keys_in, cos, sin, interleaved)
+        if got_keys.dtype != torch.float8_e4m3fn or not torch.equal(got_scales, want_scales):
+            _fail(f"index_keys interleaved={interleaved}: scales differ from eager")
+    print("indexer rotation kernels: float and e4m3 queries equal to eager, keys' scales equal")
+
+
 def compile_small_kernels() -> None:
     """The norm, rotation, router and FP8 quantization kernels (the indexer query's too) compile for sm_90 at the shapes the model launches,
     without spills."""
     from kernels.fp8_quant_triton import _index_keys_kernel, _pack_rows_kernel
     from kernels.indexer_fast import _quantize_query_kernel
+    from kernels.indexer_rotation_triton import _index_keys_kernel as _rotate_keys_kernel
+    from kernels.indexer_rotation_triton import _index_query_kernel
     from kernels.moe_route_triton import _route_kernel
     from kernels.norm_rope_triton import _rms_norm_kernel, _rope_kernel
 
@@ -441,6 +487,13 @@ def compile_small_kernels() -> None:
         "index query quantization, 16 heads a program": (_quantize_query_kernel, {
             "q_ptr": "*fp32", "w_ptr": "*fp32", "q_out_ptr": "*u8", "w_out_ptr": "*fp32", "stride_qt": "i32",
             "stride_qh": "i32", "stride_wt": "i32", "num_heads": "i32", "weight_scale": "fp32"}, {"HEADS_BLOCK": 16}, 4),
+        "indexer query chain, 16 heads a program, e4m3": (_index_query_kernel, {
+            "q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+            "cs_stride": "i32", "w_ptr": "*fp32", "stride_wt": "i32", "q_out_ptr": "*u8", "w_out_ptr": "*fp32",
+            "num_heads": "i32", "weight_scale": "fp32"}, {"HEADS_BLOCK": 16, "INTERLEAVED": False, "QUANTIZE": True}, 4),
+        "indexer key chain": (_rotate_keys_kernel, {
+            "k_ptr": "*fp32", "stride_kt": "i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "cs_stride": "i32",
+            "keys_ptr": "*fp8e4nv", "scales_ptr": "*fp32"}, {"INTERLEAVED": True, "LIBDEVICE": True}, 1),
         "FP8 row packing": (_pack_rows_kernel, {"x_ptr": "*bf16", "x_stride": "i32", "out_ptr": "*u8"},
                             {"TILES": 4, "TILE_": 128, "ROPE": 64, "ROW_BYTES": 656, "SCALE_AT": 512,
                              "ROPE_AT": 528, "LIBDEVICE": True}, 4),
@@ -459,6 +512,7 @@ CHECKS = {
     "interpret-moe-route": interpret_moe_route,
     "compile-small-kernels": compile_small_kernels,
     "interpret-fp8-quant": interpret_fp8_quant,
+    "interpret-indexer-rotation": interpret_indexer_rotation,
     "interpret-norm-rope": interpret_norm_rope,
     "interpret-topk": interpret_topk,
     "interpret-scores": interpret_scores,

@@ -7,7 +7,8 @@ kernels/norm_rope_triton.py) on the GPU against the eager references they replac
 - every row depends only on itself (a row alone gives the same bits as inside a batch), and a CUDA-graph replay
   gives the same bits as the eager launch;
 - the whole model: the fused path against eager (`fused_ops.set_enabled(False)`) on the same random weights;
-- the indexer's e4m3 query (`fused_ops.index_query`): the same scores as eager's float query."""
+- the indexer's query and key chains (`fused_ops.index_query` / `index_keys`): eager's bits, and the e4m3 query
+  the same scores as eager's float query."""
 
 from __future__ import annotations
 
@@ -170,11 +171,12 @@ def test_model_with_fused_ops_matches_eager() -> None:
 
 
 def test_indexer_query_in_e4m3_scores_as_the_eager_float_query() -> None:
-    """On CUDA the indexer hands its query on in e4m3 with the weights scaled to match (`fused_ops.index_query`);
-    eager keeps float32 q and weights · weight_scale. The fp8 scores kernel gives both the same bits (and the
-    keys are the same bytes), so the switch changes no selection."""
+    """On CUDA the indexer's query and key chains run as one kernel each (kernels/indexer_rotation_triton.py) and
+    hand the query on in e4m3 with the weights scaled to match; eager keeps float32 q and weights · weight_scale.
+    The keys are the same bytes, the e4m3 query is eager's float query quantized (`quantize_query`), and the fp8
+    scores kernel gives both forms the same bits, so the switch changes no selection."""
     from decode_server.model import build_random_model, load_config
-    from kernels.indexer_fast import FastScoresConfig, indexer_scores_fast
+    from kernels.indexer_fast import FastScoresConfig, indexer_scores_fast, quantize_query
 
     config = load_config("tiny-dsa")
     model = build_random_model(config, "cuda", torch.bfloat16, seed=0)
@@ -195,6 +197,8 @@ def test_indexer_query_in_e4m3_scores_as_the_eager_float_query() -> None:
     assert on.q.dtype == torch.float8_e4m3fn and off.q.dtype == torch.float32
     assert torch.equal(on.keys_fp8.view(torch.uint8), off.keys_fp8.view(torch.uint8))
     assert torch.equal(on.key_scales, off.key_scales)
+    want_q, want_w = quantize_query(off.q, off.weights, 1.0)
+    assert torch.equal(on.q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(on.weights, want_w)
     token_rows = torch.arange(tokens, device="cuda", dtype=torch.int32).unsqueeze(0)
     token_req = torch.zeros(tokens, device="cuda", dtype=torch.int64)
     seq_lens = torch.arange(1, tokens + 1, device="cuda")
@@ -204,6 +208,37 @@ def test_indexer_query_in_e4m3_scores_as_the_eager_float_query() -> None:
                                fp8)
     for t in range(tokens):
         assert torch.equal(got[t, : t + 1], want[t, : t + 1]), t
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(("tokens", "heads"), [(1, 64), (7, 32), (300, 8), (3, 5)])
+def test_indexer_rotation_kernels_give_eagers_bits(dtype: torch.dtype, interleaved: bool, tokens: int,
+                                                   heads: int) -> None:
+    """The query chain (rotary + Hadamard, float32 out, and e4m3 out) and the key chain (rotary + Hadamard + FP8
+    packing) against eager, bit for bit, on strided inputs (a column slice of a wider projection, as the fused
+    input projection hands the keys over) and with angles of large positions."""
+    from kernels import indexer_rotation_triton as k
+    from kernels.indexer_fast import quantize_query
+    from kernels.indexer_ref import quantize_index_keys
+
+    gen = _gen(tokens * 7 + heads)
+    q = (torch.randn(tokens, heads, 128, device="cuda", generator=gen) * 3).to(dtype)
+    w = torch.randn(tokens, heads, device="cuda", generator=gen)
+    wide = (torch.randn(tokens, 512 + 128, device="cuda", generator=gen) * 2).to(dtype)
+    keys_in = wide[:, 512:].float() if dtype == torch.float32 else wide[:, 512:]
+    angles = torch.rand(tokens, 32, device="cuda", generator=gen, dtype=torch.float64) * 1e5
+    cos, sin = torch.cos(angles).float(), torch.sin(angles).float()
+    want = fused_ops.rotate_index_heads(q, cos, sin, 64, interleaved)
+    got, got_w = k.index_query(q, cos, sin, interleaved, w, 0.125 * 3, quantize=False)
+    assert torch.equal(got, want) and torch.equal(got_w, w * (0.125 * 3))
+    want8, want_w8 = quantize_query(want, w, 0.375)
+    got8, got_w8 = k.index_query(q, cos, sin, interleaved, w, 0.375, quantize=True)
+    assert torch.equal(got8.view(torch.uint8), want8.view(torch.uint8)) and torch.equal(got_w8, want_w8)
+    want_keys, want_scales = quantize_index_keys(fused_ops.rotate_index_heads(keys_in, cos, sin, 64, interleaved))
+    got_keys, got_scales = k.index_keys(keys_in, cos, sin, interleaved)
+    assert torch.equal(got_keys.view(torch.uint8), want_keys.view(torch.uint8))
+    assert torch.equal(got_scales, want_scales)
 
 
 def _near_power_of_two_rows(rows: int, width: int, gen: torch.Generator) -> torch.Tensor:

@@ -37,6 +37,23 @@ def test_hadamard_is_orthogonal_and_symmetric() -> None:
     torch.testing.assert_close(h, h.T)
 
 
+def test_walsh_hadamard_is_the_matrix_product_row_by_row() -> None:
+    """The fast transform the model rotates by equals the product with the normalized Hadamard matrix to float32
+    rounding, is row-local (a row alone gives the bits it gives in a batch), and leaves a dimension that is not a
+    power of two unchanged (as hadamard_matrix's identity)."""
+    from kernels.indexer_ref import walsh_hadamard
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(33, 4, 128, generator=gen) * 7
+    got = walsh_hadamard(x)
+    want = x.double() @ hadamard_matrix(128).double()
+    assert (got.double() - want).abs().max().item() <= 1e-5 * x.abs().max().item()
+    assert torch.equal(walsh_hadamard(x[5:6, 2:3]), got[5:6, 2:3])
+    assert (walsh_hadamard(got) - x).abs().max().item() <= 1e-5 * x.abs().max().item()  # H·H = I
+    odd = torch.randn(3, 96, generator=gen)
+    assert torch.equal(walsh_hadamard(odd), odd)
+
+
 def test_indexer_outputs_follow_the_formula() -> None:
     """Keys = H·RoPE_half(LayerNorm(wk x)); weights = weights_proj(x)·Hi^-0.5·128^-0.5; q·k preserved by H."""
     model = small_model(torch.float64)
