@@ -69,6 +69,9 @@ _AGREEMENT = 2.0**-6  # candidates must agree with the default Triton kernel wit
 # kernel's fused variants are not offered: every (column tile, expert) program repeats the quantization, and they
 # measured 1.2-3x slower than quantizing once at every tuned shape (H100, 2026-11-26).
 FUSED_MAX_ROWS = 16
+# The one-row kernel's launch shapes (rows a program, 128-channel groups a loop step, warps, quantization inside):
+# the winners of a sweep of 10 over the DeepSeek-V3.2 projections at M = 1 (H100, 2026-11-27; docs/kernels.md).
+GEMV_CANDIDATES = ((8, 4, 4, False), (16, 4, 4, False), (16, 8, 8, False), (32, 4, 4, True), (16, 4, 4, True))
 
 Weights = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -224,6 +227,9 @@ def triton_candidates(kind: str, bucket: int, n: int, k: int, experts: int, devi
             if kind == "dense" and rows <= FUSED_MAX_ROWS:  # the fused variants: one kernel instead of up to three
                 out += [GemmChoice("triton", config(bm, bn, s, warps, stages, m_programs, fuse_quant=True,
                                                     fuse_reduce=s > 1)) for s in splits]
+    if kind == "dense" and bucket == 1:  # one row: the kernel without tensor cores (`fp8_gemv`)
+        out += [GemmChoice("triton", config(block_n=bn, num_warps=warps, gemv_groups=groups, fuse_quant=fused))
+                for bn, groups, warps, fused in GEMV_CANDIDATES]
     return out
 
 
@@ -436,10 +442,11 @@ def _run_dense(choice: GemmChoice, rows: torch.Tensor, w: torch.Tensor, w_scale:
     if choice.backend == "scaled_mm":
         q, scales = tri.quantize_activations(rows, pad_rows_to=SCALED_MM_ROW_ALIGN)
         return _scaled_mm(q, scales, w, w_scale, out_dtype)[:m]
+    gemm = tri.fp8_gemv if choice.config.gemv_groups else tri.fp8_gemm
     if choice.config.fuse_quant:
-        return tri.fp8_gemm(rows, None, m, w, w_scale, out_dtype, choice.config, block)
+        return gemm(rows, None, m, w, w_scale, out_dtype, choice.config, block)
     q, scales = tri.quantize_activations(rows)
-    return tri.fp8_gemm(q, scales, m, w, w_scale, out_dtype, choice.config, block)
+    return gemm(q, scales, m, w, w_scale, out_dtype, choice.config, block)
 
 
 def _run_grouped(choice: GemmChoice, rows: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,

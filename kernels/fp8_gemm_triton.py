@@ -67,8 +67,12 @@ class TritonGemmConfig:
     m_programs: int = 1  # grouped kernel: programs per expert along M (each takes every m_programs-th row tile)
     fuse_quant: bool = False  # quantize the activations inside the GEMM (no quantization kernel)
     fuse_reduce: bool = False  # split-K: the last split of a tile sums the partials (no sum kernel)
+    gemv_groups: int = 0  # > 0: the one-row kernel (`fp8_gemv`), this many 128-channel groups a loop step
 
     def label(self) -> str:
+        if self.gemv_groups:
+            return (f"triton gemv bn{self.block_n} g{self.gemv_groups} w{self.num_warps}"
+                    f"{' fq' if self.fuse_quant else ''}")
         grouped = f" mp{self.m_programs}" if self.m_programs != 1 else ""
         fused = (" fq" if self.fuse_quant else "") + (" fr" if self.fuse_reduce and self.split_k > 1 else "")
         return (f"triton bm{self.block_m} bn{self.block_n} sk{self.split_k} w{self.num_warps} "
@@ -212,6 +216,42 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, counters_ptr, 
     counter = counters_ptr + pid_m * tl.num_programs(0) + pid_n
     _store_tile(acc, c_ptr, ws_ptr, counter, offs_m, row_ok, offs_n, n_ok, pid_k, tl.num_programs(2),
                 stride_cm, stride_ws_split, stride_ws_m, FUSE_REDUCE)
+
+
+@triton.jit
+def _fp8_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, n, k, stride_asg, stride_bn, stride_bsn, stride_bsk,
+                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SCALE_BN: tl.constexpr, FUSE_QUANT: tl.constexpr):
+    """One activation row against BLOCK_N weight rows, without tensor cores: each loop step loads a [BLOCK_N,
+    GROUPS·128] weight tile and the row's GROUPS groups, folds each group's scales into the row
+    (x_q · s_x · s_w, float32) and accumulates the elementwise products; one row sum at the end. BLOCK_N divides
+    the weight block's rows, so one weight scale per group serves the whole tile."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < n
+    BLOCK_K: tl.constexpr = GROUPS * 128
+    offs = tl.arange(0, BLOCK_K)
+    k_groups = tl.cdiv(k, 128)
+    w_rows = b_ptr + rows.to(tl.int64)[:, None] * stride_bn
+    w_scales = bs_ptr + ((pid * BLOCK_N) // SCALE_BN) * stride_bsn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for step in range(0, tl.cdiv(k, BLOCK_K)):
+        cols = step * BLOCK_K + offs
+        k_ok = cols < k
+        groups = step * GROUPS + tl.arange(0, GROUPS)
+        group_ok = groups < k_groups
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        s_w = tl.load(w_scales + groups * stride_bsk, mask=group_ok, other=0.0)
+        if FUSE_QUANT:
+            x = tl.load(a_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+            x_q, s_x = _quantize_values(tl.reshape(x, [GROUPS, 128]))
+            x_q = x_q.to(tl.float32)
+        else:
+            x_q = tl.reshape(tl.load(a_ptr + cols, mask=k_ok, other=0.0).to(tl.float32), [GROUPS, 128])
+            s_x = tl.load(as_ptr + groups * stride_asg, mask=group_ok, other=0.0)
+        x_scaled = tl.reshape(x_q * (s_x * s_w)[:, None], [BLOCK_K])
+        acc += w * x_scaled[None, :]
+    out = tl.sum(acc, axis=1)
+    tl.store(c_ptr + rows, out.to(c_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["tiles_per_split", "m_progs", "counters_per_column"])
@@ -378,6 +418,30 @@ def fp8_gemm(a: torch.Tensor, a_scales: torch.Tensor | None, m: int, w: torch.Te
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return target if fuse_reduce else _reduce(target, out_dtype)
+
+
+def fp8_gemv(a: torch.Tensor, a_scales: torch.Tensor | None, m: int, w: torch.Tensor, w_scale: torch.Tensor,
+             out_dtype: torch.dtype, config: TritonGemmConfig, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """`fp8_gemm` for one row (m ≤ 1: decode at batch 1) with the one-row kernel `config` describes
+    (`gemv_groups` > 0): (a [≥1, K] e4m3, a_scales [G, ≥1]) or, with `config.fuse_quant`, the unquantized row."""
+    if m > 1 or not config.gemv_groups:
+        raise ValueError(f"fp8_gemv takes one row and a gemv configuration, got m={m}, {config.label()}")
+    if block[0] % config.block_n:
+        raise ValueError(f"BLOCK_N {config.block_n} must divide the weight block's {block[0]} rows")
+    if config.fuse_quant and a.stride(-1) != 1:
+        a = a.contiguous()
+    k = a.shape[1]
+    _check_weight(w, w_scale, k, block)
+    a_arg, s_arg, stride_asg = _activation_args(a, a_scales, config)
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m and n:
+        _fp8_gemv_kernel[(triton.cdiv(n, config.block_n),)](
+            a_arg, s_arg, w, w_scale, out, n, k, stride_asg, w.stride(0), w_scale.stride(0), w_scale.stride(1),
+            BLOCK_N=config.block_n, GROUPS=config.gemv_groups, SCALE_BN=block[0], FUSE_QUANT=config.fuse_quant,
+            num_warps=config.num_warps,
+        )
+    return out
 
 
 def fp8_grouped_gemm(a: torch.Tensor, a_scales: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,

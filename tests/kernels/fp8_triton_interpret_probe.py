@@ -131,6 +131,32 @@ def test_dense_fused() -> None:
     print("ok fused reduce: every tile counter back at 0")
 
 
+def test_gemv() -> None:
+    """The one-row kernel: within the summation tolerance of the reference (ragged N — a program's rows past N —
+    ragged K, K not a multiple of a loop step, bf16 and float32 outputs), and the quantization inside it gives the
+    bits of the kernel reading the quantization kernel's output."""
+    cases = [  # (N, K, BLOCK_N, groups, output dtype)
+        (200, 640, 8, 4, torch.float32),  # 5 groups: one full step of 4 and a step with one group
+        (576, 256, 32, 2, torch.bfloat16),  # kv_a's ragged 576 rows
+        (64, 100, 16, 4, torch.float32),  # ragged K: one partial group
+        (128, 1152, 16, 8, torch.bfloat16),
+    ]
+    for i, (n, k, block_n, groups, out_dtype) in enumerate(cases):
+        x = activations(1, k, seed=70 + i, dtype=torch.bfloat16)
+        w, s = weights(n, k, seed=80 + i)
+        q, scales = tri.quantize_activations(x)
+        config = tri.TritonGemmConfig(block_n=block_n, gemv_groups=groups)
+        got = tri.fp8_gemv(q, scales, 1, w, s, out_dtype, config)
+        assert got.shape == (1, n) and got.dtype == out_dtype
+        ref = fp8_linear_ref(x, w, s)
+        check(f"gemv 1x{n}x{k} {config.label()} {out_dtype}", got, ref, tolerance(x, w, s, ref, out_dtype))
+        fused = tri.TritonGemmConfig(block_n=block_n, gemv_groups=groups, fuse_quant=True)
+        same_bits(f"gemv 1x{n}x{k} {fused.label()}", tri.fp8_gemv(x, None, 1, w, s, out_dtype, fused), got)
+    empty = tri.fp8_gemv(activations(1, 256, seed=1)[:0], None, 0, *weights(64, 256, seed=2), torch.float32,
+                         tri.TritonGemmConfig(block_n=8, gemv_groups=2, fuse_quant=True))
+    assert empty.shape == (0, 64)
+
+
 def test_grouped() -> None:
     experts, n, k = 4, 192, 384
     pairs = [weights(n, k, seed=30 + e) for e in range(experts)]
@@ -161,5 +187,6 @@ if __name__ == "__main__":
     test_quantize()
     test_dense()
     test_dense_fused()
+    test_gemv()
     test_grouped()
     print("all interpreter cases passed")

@@ -280,6 +280,34 @@ def test_fused_quantization_and_reduction_give_the_unfused_bits(shape: str, m: i
     assert not any(int(t.abs().sum()) for t in tri._counters.values()), "tile counters left non-zero"
 
 
+@pytest.mark.parametrize("shape", ["kv_a", "q_b", "o_proj", "ragged"])
+def test_gemv_quantizing_inside_gives_the_quantization_kernels_bits(shape: str) -> None:
+    """The one-row kernel with the quantization inside gives the bits of the kernel reading the quantization
+    kernel's output (the same values, the same products), for every launch shape the tuner may pick; also under a
+    CUDA graph replayed on new inputs."""
+    from kernels import fp8_gemm_triton as tri
+
+    n, k = SHAPES[shape]
+    w, s, _ = weight(n, k)
+    x = activations(1, k)
+    for block_n, groups, warps, _fused in fp8_gemm.GEMV_CANDIDATES:
+        plain = tri.TritonGemmConfig(block_n=block_n, num_warps=warps, gemv_groups=groups)
+        fused = tri.TritonGemmConfig(block_n=block_n, num_warps=warps, gemv_groups=groups, fuse_quant=True)
+        q, scales = tri.quantize_activations(x)
+        want = tri.fp8_gemv(q, scales, 1, w, s, torch.bfloat16, plain)
+        assert torch.equal(tri.fp8_gemv(x, None, 1, w, s, torch.bfloat16, fused), want), fused.label()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=stream):
+        captured = tri.fp8_gemv(x, None, 1, w, s, torch.bfloat16, fused)
+    for seed in range(1, 4):
+        x.copy_(activations(1, k, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        q, scales = tri.quantize_activations(x)
+        assert torch.equal(captured, tri.fp8_gemv(q, scales, 1, w, s, torch.bfloat16, plain))
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 4])
 def test_fused_grouped_gemm_gives_the_unfused_bits(tokens: int) -> None:
     """The grouped kernel's fused variant (per (expert, row tile) counters) against the unfused one, with
