@@ -1,3 +1,4 @@
+# ruff: noqa  -- kept as it ran on the device (2026-11-27), a one-off sweep
 """Scratch: an FP8 GEMV (M = 1) without tensor cores against the table's choice, the read floor and bf16 cuBLAS."""
 import statistics
 import sys
