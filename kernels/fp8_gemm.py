@@ -72,6 +72,9 @@ FUSED_MAX_ROWS = 16
 # The one-row kernel's launch shapes (rows a program, 128-channel groups a loop step, warps, quantization inside):
 # the winners of a sweep of 10 over the DeepSeek-V3.2 projections at M = 1 (H100, 2026-11-27; docs/kernels.md).
 GEMV_CANDIDATES = ((8, 4, 4, False), (16, 4, 4, False), (16, 8, 8, False), (32, 4, 4, True), (16, 4, 4, True))
+# The grouped one-row kernel reads an expert's weights once per row: offered while the rows an active expert gets
+# average at most this many (decode's small batches).
+GEMV_MAX_ROWS_PER_EXPERT = 2
 
 Weights = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -227,7 +230,8 @@ def triton_candidates(kind: str, bucket: int, n: int, k: int, experts: int, devi
             if kind == "dense" and rows <= FUSED_MAX_ROWS:  # the fused variants: one kernel instead of up to three
                 out += [GemmChoice("triton", config(bm, bn, s, warps, stages, m_programs, fuse_quant=True,
                                                     fuse_reduce=s > 1)) for s in splits]
-    if kind == "dense" and bucket == 1:  # one row: the kernel without tensor cores (`fp8_gemv`)
+    if (kind == "dense" and bucket == 1) or (kind == "grouped" and rows <= GEMV_MAX_ROWS_PER_EXPERT):
+        # One row (an expert's one or two): the kernel without tensor cores (`fp8_gemv`, `fp8_grouped_gemv`)
         out += [GemmChoice("triton", config(block_n=bn, num_warps=warps, gemv_groups=groups, fuse_quant=fused))
                 for bn, groups, warps, fused in GEMV_CANDIDATES]
     return out
@@ -236,7 +240,7 @@ def triton_candidates(kind: str, bucket: int, n: int, k: int, experts: int, devi
 def default_choice(kind: str, bucket: int, n: int, k: int, experts: int, device: torch.device) -> GemmChoice:
     """The untimed choice: the first column tile, split-K up to about one wave; fused where the fused variants
     are candidates (small M)."""
-    candidates = triton_candidates(kind, bucket, n, k, experts, device)
+    candidates = [c for c in triton_candidates(kind, bucket, n, k, experts, device) if not c.config.gemv_groups]
     bn = candidates[0].config.block_n
     fused = any(c.config.fuse_quant for c in candidates)
     candidates = [c for c in candidates if c.config.block_n == bn and c.config.block_m == candidates[0].config.block_m
@@ -453,10 +457,11 @@ def _run_grouped(choice: GemmChoice, rows: torch.Tensor, w: torch.Tensor, w_scal
                  end_offsets: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype,
                  quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     tri = _triton()
+    gemm = tri.fp8_grouped_gemv if choice.config.gemv_groups else tri.fp8_grouped_gemm
     if choice.config.fuse_quant:  # quantizes inside the GEMM; a shared quantized form is not needed
-        return tri.fp8_grouped_gemm(rows, None, w, w_scale, end_offsets, out_dtype, choice.config, block)
+        return gemm(rows, None, w, w_scale, end_offsets, out_dtype, choice.config, block)
     q, scales = quantized if quantized is not None else tri.quantize_activations(rows)
-    return tri.fp8_grouped_gemm(q, scales, w, w_scale, end_offsets, out_dtype, choice.config, block)
+    return gemm(q, scales, w, w_scale, end_offsets, out_dtype, choice.config, block)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -219,27 +219,22 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, counters_ptr, 
 
 
 @triton.jit
-def _fp8_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, n, k, stride_asg, stride_bn, stride_bsn, stride_bsk,
-                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SCALE_BN: tl.constexpr, FUSE_QUANT: tl.constexpr):
-    """One activation row against BLOCK_N weight rows, without tensor cores: each loop step loads a [BLOCK_N,
-    GROUPS·128] weight tile and the row's GROUPS groups, folds each group's scales into the row
-    (x_q · s_x · s_w, float32) and accumulates the elementwise products; one row sum at the end. BLOCK_N divides
-    the weight block's rows, so one weight scale per group serves the whole tile."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < n
+def _row_dot(a_ptr, as_ptr, stride_asg, w_rows, w_scales, row_ok, k, stride_bsk,
+             BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, FUSE_QUANT: tl.constexpr):
+    """One activation row (a_ptr: its first channel; as_ptr: its group-0 scale) against BLOCK_N weight rows
+    (w_rows: their row pointers; w_scales: their block row's scales), without tensor cores → [BLOCK_N] float32.
+    Each loop step loads a [BLOCK_N, GROUPS·128] weight tile and the row's GROUPS groups, folds each group's scales
+    into the row (x_q · s_x · s_w, float32) and accumulates the elementwise products; one row sum at the end."""
     BLOCK_K: tl.constexpr = GROUPS * 128
     offs = tl.arange(0, BLOCK_K)
     k_groups = tl.cdiv(k, 128)
-    w_rows = b_ptr + rows.to(tl.int64)[:, None] * stride_bn
-    w_scales = bs_ptr + ((pid * BLOCK_N) // SCALE_BN) * stride_bsn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for step in range(0, tl.cdiv(k, BLOCK_K)):
         cols = step * BLOCK_K + offs
         k_ok = cols < k
         groups = step * GROUPS + tl.arange(0, GROUPS)
         group_ok = groups < k_groups
-        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_rows[:, None] + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         s_w = tl.load(w_scales + groups * stride_bsk, mask=group_ok, other=0.0)
         if FUSE_QUANT:
             x = tl.load(a_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
@@ -249,9 +244,44 @@ def _fp8_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, n, k, stride_asg, stri
             x_q = tl.reshape(tl.load(a_ptr + cols, mask=k_ok, other=0.0).to(tl.float32), [GROUPS, 128])
             s_x = tl.load(as_ptr + groups * stride_asg, mask=group_ok, other=0.0)
         x_scaled = tl.reshape(x_q * (s_x * s_w)[:, None], [BLOCK_K])
-        acc += w * x_scaled[None, :]
-    out = tl.sum(acc, axis=1)
+        acc += w.to(tl.float32) * x_scaled[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _fp8_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, n, k, stride_asg, stride_bn, stride_bsn, stride_bsk,
+                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SCALE_BN: tl.constexpr, FUSE_QUANT: tl.constexpr):
+    """One activation row against BLOCK_N weight rows (`_row_dot`). BLOCK_N divides the weight block's rows, so
+    one weight scale per group serves the whole tile."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < n
+    w_rows = b_ptr + rows.to(tl.int64) * stride_bn
+    w_scales = bs_ptr + ((pid * BLOCK_N) // SCALE_BN) * stride_bsn
+    out = _row_dot(a_ptr, as_ptr, stride_asg, w_rows, w_scales, row_ok, k, stride_bsk, BLOCK_N, GROUPS, FUSE_QUANT)
     tl.store(c_ptr + rows, out.to(c_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _fp8_grouped_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ends_ptr, n, k, stride_am, stride_asg,
+                             stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk, stride_cm,
+                             BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SCALE_BN: tl.constexpr,
+                             FUSE_QUANT: tl.constexpr):
+    """Program (n block, expert): each of the expert's rows (usually one at decode) against BLOCK_N rows of its
+    weight (`_row_dot`); an expert without rows reads no weights, one with several reads them once per row."""
+    pid_n = tl.program_id(0)
+    expert = tl.program_id(1)
+    end = tl.load(ends_ptr + expert)
+    row = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    w_rows = b_ptr + expert.to(tl.int64) * stride_be + cols.to(tl.int64) * stride_bn
+    w_scales = bs_ptr + expert.to(tl.int64) * stride_bse + ((pid_n * BLOCK_N) // SCALE_BN) * stride_bsn
+    while row < end:  # bounds from device memory: a while loop (see _fp8_grouped_gemm_kernel)
+        out = _row_dot(a_ptr + row.to(tl.int64) * stride_am, as_ptr + row, stride_asg, w_rows, w_scales, col_ok, k,
+                       stride_bsk, BLOCK_N, GROUPS, FUSE_QUANT)
+        tl.store(c_ptr + row.to(tl.int64) * stride_cm + cols, out.to(c_ptr.dtype.element_ty), mask=col_ok)
+        row += 1
 
 
 @triton.jit(do_not_specialize=["tiles_per_split", "m_progs", "counters_per_column"])
@@ -438,6 +468,35 @@ def fp8_gemv(a: torch.Tensor, a_scales: torch.Tensor | None, m: int, w: torch.Te
     if m and n:
         _fp8_gemv_kernel[(triton.cdiv(n, config.block_n),)](
             a_arg, s_arg, w, w_scale, out, n, k, stride_asg, w.stride(0), w_scale.stride(0), w_scale.stride(1),
+            BLOCK_N=config.block_n, GROUPS=config.gemv_groups, SCALE_BN=block[0], FUSE_QUANT=config.fuse_quant,
+            num_warps=config.num_warps,
+        )
+    return out
+
+
+def fp8_grouped_gemv(a: torch.Tensor, a_scales: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
+                     end_offsets: torch.Tensor, out_dtype: torch.dtype, config: TritonGemmConfig,
+                     block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """`fp8_grouped_gemm` with the one-row kernel (`config.gemv_groups` > 0): each expert's rows one at a time, for
+    decode's few rows per expert; same arguments and contract (rows past end_offsets[E-1] left undefined)."""
+    if not config.gemv_groups:
+        raise ValueError(f"fp8_grouped_gemv takes a gemv configuration, got {config.label()}")
+    if block[0] % config.block_n:
+        raise ValueError(f"BLOCK_N {config.block_n} must divide the weight block's {block[0]} rows")
+    if config.fuse_quant and a.stride(-1) != 1:
+        a = a.contiguous()
+    m, k = a.shape
+    _check_weight(w, w_scale, k, block)
+    if w.dim() != 3 or w_scale.dim() != 3 or end_offsets.numel() != w.shape[0]:
+        raise ValueError(f"grouped weights must be [E, N, K] with E end offsets; got {tuple(w.shape)}, "
+                         f"{tuple(w_scale.shape)}, {end_offsets.numel()} offsets")
+    a_arg, s_arg, stride_asg = _activation_args(a, a_scales, config)
+    experts, n = w.shape[0], w.shape[1]
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m and n and experts:
+        _fp8_grouped_gemv_kernel[(triton.cdiv(n, config.block_n), experts)](
+            a_arg, s_arg, w, w_scale, out, end_offsets, n, k, a.stride(0), stride_asg,
+            w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), out.stride(0),
             BLOCK_N=config.block_n, GROUPS=config.gemv_groups, SCALE_BN=block[0], FUSE_QUANT=config.fuse_quant,
             num_warps=config.num_warps,
         )

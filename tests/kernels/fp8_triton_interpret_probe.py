@@ -181,6 +181,21 @@ def test_grouped() -> None:
             same_bits(f"grouped E={experts} {fused.label()} call {call}", again[:39], got[:39])
     if any(int(t.abs().sum()) for t in tri._counters.values()):
         sys.exit("FAIL grouped fused reduce: tile counters not back at 0")
+    # The grouped one-row kernel on decode-like rows: expert 0 one row, expert 1 none, expert 2 three rows (its
+    # weights read once per row), expert 3 one row, row 5.. past the last expert (left undefined).
+    ends = torch.tensor([1, 1, 4, 5], dtype=torch.int32)
+    x = activations(7, k, seed=6, dtype=torch.bfloat16)
+    ref = fp8_grouped_ref(x, w, s, ends)
+    xq = dequantize_activations_ref(*quantize_activations_ref(x)).abs()
+    tol = 2.0**-16 * torch.cat([xq[a:b] @ wabs[e].t() for e, (a, b) in enumerate([(0, 1), (1, 1), (1, 4), (4, 5)])])
+    q, scales = tri.quantize_activations(x)
+    for block_n, groups in ((16, 2), (32, 4)):
+        config = tri.TritonGemmConfig(block_n=block_n, gemv_groups=groups)
+        got = tri.fp8_grouped_gemv(q, scales, w, s, ends, torch.float32, config)
+        check(f"grouped one-row E={experts} {config.label()}", got[:5], ref[:5], tol + 1e-30)
+        fused = tri.TritonGemmConfig(block_n=block_n, gemv_groups=groups, fuse_quant=True)
+        again = tri.fp8_grouped_gemv(x, None, w, s, ends, torch.float32, fused)
+        same_bits(f"grouped one-row E={experts} {fused.label()}", again[:5], got[:5])
 
 
 if __name__ == "__main__":

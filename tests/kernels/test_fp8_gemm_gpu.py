@@ -308,6 +308,40 @@ def test_gemv_quantizing_inside_gives_the_quantization_kernels_bits(shape: str) 
         assert torch.equal(captured, tri.fp8_gemv(q, scales, 1, w, s, torch.bfloat16, plain))
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_grouped_gemv_quantizing_inside_gives_the_quantization_kernels_bits(tokens: int) -> None:
+    """The grouped one-row kernel, decode-like (top-8 of 32 experts for 1 or 3 tokens: some experts get two or
+    three rows, others none), quantizing inside against reading the quantization kernel's output: the same bits
+    for every launch shape the tuner may pick, and under a CUDA graph replayed on new rows."""
+    from kernels import fp8_gemm_triton as tri
+
+    n, k, experts, top_k = 2048, 7168, 32, 8
+    base_w, base_s, _ = weight(n, k)
+    w = base_w.unsqueeze(0).repeat(experts, 1, 1)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    s = base_s.unsqueeze(0) * torch.rand(experts, 1, 1, device="cuda", generator=gen).add(0.5)
+    ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=-1).indices.flatten()
+    sorted_ids, order = torch.sort(ids, stable=True)
+    ends = torch.searchsorted(sorted_ids, torch.arange(experts, device="cuda"), right=True).to(torch.int32)
+    x = activations(tokens, k)[order // top_k]
+    for block_n, groups, warps, _fused in fp8_gemm.GEMV_CANDIDATES:
+        plain = tri.TritonGemmConfig(block_n=block_n, num_warps=warps, gemv_groups=groups)
+        fused = tri.TritonGemmConfig(block_n=block_n, num_warps=warps, gemv_groups=groups, fuse_quant=True)
+        q, scales = tri.quantize_activations(x)
+        want = tri.fp8_grouped_gemv(q, scales, w, s, ends, torch.bfloat16, plain)
+        assert torch.equal(tri.fp8_grouped_gemv(x, None, w, s, ends, torch.bfloat16, fused), want), fused.label()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=stream):
+        captured = tri.fp8_grouped_gemv(x, None, w, s, ends, torch.bfloat16, fused)
+    for seed in range(1, 4):
+        x.copy_(activations(tokens, k, seed=seed)[order // top_k])
+        graph.replay()
+        torch.cuda.synchronize()
+        q, scales = tri.quantize_activations(x)
+        assert torch.equal(captured, tri.fp8_grouped_gemv(q, scales, w, s, ends, torch.bfloat16, plain))
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 4])
 def test_fused_grouped_gemm_gives_the_unfused_bits(tokens: int) -> None:
     """The grouped kernel's fused variant (per (expert, row tile) counters) against the unfused one, with
