@@ -450,27 +450,36 @@ def fp8_gemm(a: torch.Tensor, a_scales: torch.Tensor | None, m: int, w: torch.Te
     return target if fuse_reduce else _reduce(target, out_dtype)
 
 
-def fp8_gemv(a: torch.Tensor, a_scales: torch.Tensor | None, m: int, w: torch.Tensor, w_scale: torch.Tensor,
-             out_dtype: torch.dtype, config: TritonGemmConfig, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """`fp8_gemm` for one row (m ≤ 1: decode at batch 1) with the one-row kernel `config` describes
-    (`gemv_groups` > 0): (a [≥1, K] e4m3, a_scales [G, ≥1]) or, with `config.fuse_quant`, the unquantized row."""
-    if m > 1 or not config.gemv_groups:
-        raise ValueError(f"fp8_gemv takes one row and a gemv configuration, got m={m}, {config.label()}")
+def _gemv_operands(a: torch.Tensor, a_scales: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
+                   config: TritonGemmConfig, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, int, dict]:
+    """Checks shared by the one-row kernels → (activation pointer, scale pointer, scale group stride, launch
+    meta-parameters)."""
+    if not config.gemv_groups:
+        raise ValueError(f"the one-row kernels take a gemv configuration, got {config.label()}")
     if block[0] % config.block_n:
         raise ValueError(f"BLOCK_N {config.block_n} must divide the weight block's {block[0]} rows")
     if config.fuse_quant and a.stride(-1) != 1:
         a = a.contiguous()
-    k = a.shape[1]
-    _check_weight(w, w_scale, k, block)
+    _check_weight(w, w_scale, a.shape[1], block)
     a_arg, s_arg, stride_asg = _activation_args(a, a_scales, config)
-    n = w.shape[0]
+    meta = {"BLOCK_N": config.block_n, "GROUPS": config.gemv_groups, "SCALE_BN": block[0],
+            "FUSE_QUANT": config.fuse_quant, "num_warps": config.num_warps}
+    return a_arg, s_arg, stride_asg, meta
+
+
+def fp8_gemv(a: torch.Tensor, a_scales: torch.Tensor | None, m: int, w: torch.Tensor, w_scale: torch.Tensor,
+             out_dtype: torch.dtype, config: TritonGemmConfig, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """`fp8_gemm` for one row (m ≤ 1: decode at batch 1) with the one-row kernel `config` describes
+    (`gemv_groups` > 0): (a [≥1, K] e4m3, a_scales [G, ≥1]) or, with `config.fuse_quant`, the unquantized row."""
+    if m > 1:
+        raise ValueError(f"fp8_gemv takes one row, got m={m}")
+    a_arg, s_arg, stride_asg, meta = _gemv_operands(a, a_scales, w, w_scale, config, block)
+    n, k = w.shape
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m and n:
         _fp8_gemv_kernel[(triton.cdiv(n, config.block_n),)](
             a_arg, s_arg, w, w_scale, out, n, k, stride_asg, w.stride(0), w_scale.stride(0), w_scale.stride(1),
-            BLOCK_N=config.block_n, GROUPS=config.gemv_groups, SCALE_BN=block[0], FUSE_QUANT=config.fuse_quant,
-            num_warps=config.num_warps,
-        )
+            **meta)
     return out
 
 
@@ -479,27 +488,17 @@ def fp8_grouped_gemv(a: torch.Tensor, a_scales: torch.Tensor | None, w: torch.Te
                      block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """`fp8_grouped_gemm` with the one-row kernel (`config.gemv_groups` > 0): each expert's rows one at a time, for
     decode's few rows per expert; same arguments and contract (rows past end_offsets[E-1] left undefined)."""
-    if not config.gemv_groups:
-        raise ValueError(f"fp8_grouped_gemv takes a gemv configuration, got {config.label()}")
-    if block[0] % config.block_n:
-        raise ValueError(f"BLOCK_N {config.block_n} must divide the weight block's {block[0]} rows")
-    if config.fuse_quant and a.stride(-1) != 1:
-        a = a.contiguous()
-    m, k = a.shape
-    _check_weight(w, w_scale, k, block)
     if w.dim() != 3 or w_scale.dim() != 3 or end_offsets.numel() != w.shape[0]:
         raise ValueError(f"grouped weights must be [E, N, K] with E end offsets; got {tuple(w.shape)}, "
                          f"{tuple(w_scale.shape)}, {end_offsets.numel()} offsets")
-    a_arg, s_arg, stride_asg = _activation_args(a, a_scales, config)
-    experts, n = w.shape[0], w.shape[1]
+    a_arg, s_arg, stride_asg, meta = _gemv_operands(a, a_scales, w, w_scale, config, block)
+    experts, n, k = w.shape
+    m = a.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m and n and experts:
         _fp8_grouped_gemv_kernel[(triton.cdiv(n, config.block_n), experts)](
-            a_arg, s_arg, w, w_scale, out, end_offsets, n, k, a.stride(0), stride_asg,
-            w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), out.stride(0),
-            BLOCK_N=config.block_n, GROUPS=config.gemv_groups, SCALE_BN=block[0], FUSE_QUANT=config.fuse_quant,
-            num_warps=config.num_warps,
-        )
+            a_arg, s_arg, w, w_scale, out, end_offsets, n, k, a_arg.stride(0), stride_asg,
+            w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), out.stride(0), **meta)
     return out
 
 
