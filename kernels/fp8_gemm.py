@@ -69,9 +69,13 @@ _AGREEMENT = 2.0**-6  # candidates must agree with the default Triton kernel wit
 # kernel's fused variants are not offered: every (column tile, expert) program repeats the quantization, and they
 # measured 1.2-3x slower than quantizing once at every tuned shape (H100, 2026-11-26).
 FUSED_MAX_ROWS = 16
-# The one-row kernel's launch shapes (rows a program, 128-channel groups a loop step, warps, quantization inside):
-# the winners of a sweep of 10 over the DeepSeek-V3.2 projections at M = 1 (H100, 2026-11-27; docs/kernels.md).
-GEMV_CANDIDATES = ((8, 4, 4, False), (16, 4, 4, False), (16, 8, 8, False), (32, 4, 4, True), (16, 4, 4, True))
+# The one-row kernel's launch shapes (rows a program, 128-channel groups a loop step, warps, quantization inside,
+# loop stages): the winners of a sweep of 10 over the DeepSeek-V3.2 projections at M = 1 (H100, 2026-11-27;
+# docs/kernels.md), each also with its loop pipelined 3 deep (`gemv_stages`) for the dense kernel. The grouped
+# kernel's loop sits inside its loop over an expert's rows, where Triton 3.6 does not pipeline the weight tiles.
+_GEMV_SHAPES = ((8, 4, 4, False), (16, 4, 4, False), (16, 8, 8, False), (32, 4, 4, True), (16, 4, 4, True))
+GEMV_CANDIDATES = tuple((*shape, stages) for stages in (1, 3) for shape in _GEMV_SHAPES)
+GROUPED_GEMV_CANDIDATES = tuple((*shape, 1) for shape in _GEMV_SHAPES)
 # The grouped one-row kernel reads an expert's weights once per row: offered while the rows an active expert gets
 # average at most this many (decode's small batches).
 GEMV_MAX_ROWS_PER_EXPERT = 2
@@ -232,8 +236,9 @@ def triton_candidates(kind: str, bucket: int, n: int, k: int, experts: int, devi
                                                     fuse_reduce=s > 1)) for s in splits]
     if (kind == "dense" and bucket == 1) or (kind == "grouped" and rows <= GEMV_MAX_ROWS_PER_EXPERT):
         # One row (an expert's one or two): the kernel without tensor cores (`fp8_gemv`, `fp8_grouped_gemv`)
-        out += [GemmChoice("triton", config(block_n=bn, num_warps=warps, gemv_groups=groups, fuse_quant=fused))
-                for bn, groups, warps, fused in GEMV_CANDIDATES]
+        out += [GemmChoice("triton", config(block_n=bn, num_warps=warps, gemv_groups=groups, fuse_quant=fused,
+                                            gemv_stages=stages))
+                for bn, groups, warps, fused, stages in (GEMV_CANDIDATES if kind == "dense" else GROUPED_GEMV_CANDIDATES)]
     return out
 
 

@@ -68,11 +68,12 @@ class TritonGemmConfig:
     fuse_quant: bool = False  # quantize the activations inside the GEMM (no quantization kernel)
     fuse_reduce: bool = False  # split-K: the last split of a tile sums the partials (no sum kernel)
     gemv_groups: int = 0  # > 0: the one-row kernel (`fp8_gemv`), this many 128-channel groups a loop step
+    gemv_stages: int = 1  # the one-row kernel's loop: > 1 keeps that many steps' weight tiles in flight (cp.async)
 
     def label(self) -> str:
         if self.gemv_groups:
             return (f"triton gemv bn{self.block_n} g{self.gemv_groups} w{self.num_warps}"
-                    f"{' fq' if self.fuse_quant else ''}")
+                    f"{f' ls{self.gemv_stages}' if self.gemv_stages > 1 else ''}{' fq' if self.fuse_quant else ''}")
         grouped = f" mp{self.m_programs}" if self.m_programs != 1 else ""
         fused = (" fq" if self.fuse_quant else "") + (" fr" if self.fuse_reduce and self.split_k > 1 else "")
         return (f"triton bm{self.block_m} bn{self.block_n} sk{self.split_k} w{self.num_warps} "
@@ -220,16 +221,18 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, counters_ptr, 
 
 @triton.jit
 def _row_dot(a_ptr, as_ptr, stride_asg, w_rows, w_scales, row_ok, k, stride_bsk,
-             BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, FUSE_QUANT: tl.constexpr):
+             BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, FUSE_QUANT: tl.constexpr, STAGES: tl.constexpr):
     """One activation row (a_ptr: its first channel; as_ptr: its group-0 scale) against BLOCK_N weight rows
     (w_rows: their row pointers; w_scales: their block row's scales), without tensor cores → [BLOCK_N] float32.
     Each loop step loads a [BLOCK_N, GROUPS·128] weight tile and the row's GROUPS groups, folds each group's scales
-    into the row (x_q · s_x · s_w, float32) and accumulates the elementwise products; one row sum at the end."""
+    into the row (x_q · s_x · s_w, float32) and accumulates the elementwise products; one row sum at the end.
+    STAGES > 1: Triton's pipeliner copies the tiles of the next STAGES - 1 steps to shared memory asynchronously
+    while this one is summed (a plain loop has a program's loads in flight only between its steps)."""
     BLOCK_K: tl.constexpr = GROUPS * 128
     offs = tl.arange(0, BLOCK_K)
     k_groups = tl.cdiv(k, 128)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for step in range(0, tl.cdiv(k, BLOCK_K)):
+    for step in tl.range(0, tl.cdiv(k, BLOCK_K), num_stages=STAGES):
         cols = step * BLOCK_K + offs
         k_ok = cols < k
         groups = step * GROUPS + tl.arange(0, GROUPS)
@@ -250,7 +253,8 @@ def _row_dot(a_ptr, as_ptr, stride_asg, w_rows, w_scales, row_ok, k, stride_bsk,
 
 @triton.jit
 def _fp8_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, n, k, stride_asg, stride_bn, stride_bsn, stride_bsk,
-                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SCALE_BN: tl.constexpr, FUSE_QUANT: tl.constexpr):
+                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SCALE_BN: tl.constexpr, FUSE_QUANT: tl.constexpr,
+                     STAGES: tl.constexpr):
     """One activation row against BLOCK_N weight rows (`_row_dot`). BLOCK_N divides the weight block's rows, so
     one weight scale per group serves the whole tile."""
     pid = tl.program_id(0)
@@ -258,7 +262,8 @@ def _fp8_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, n, k, stride_asg, stri
     row_ok = rows < n
     w_rows = b_ptr + rows.to(tl.int64) * stride_bn
     w_scales = bs_ptr + ((pid * BLOCK_N) // SCALE_BN) * stride_bsn
-    out = _row_dot(a_ptr, as_ptr, stride_asg, w_rows, w_scales, row_ok, k, stride_bsk, BLOCK_N, GROUPS, FUSE_QUANT)
+    out = _row_dot(a_ptr, as_ptr, stride_asg, w_rows, w_scales, row_ok, k, stride_bsk, BLOCK_N, GROUPS, FUSE_QUANT,
+                   STAGES)
     tl.store(c_ptr + rows, out.to(c_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -266,7 +271,7 @@ def _fp8_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, n, k, stride_asg, stri
 def _fp8_grouped_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ends_ptr, n, k, stride_am, stride_asg,
                              stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk, stride_cm,
                              BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SCALE_BN: tl.constexpr,
-                             FUSE_QUANT: tl.constexpr):
+                             FUSE_QUANT: tl.constexpr, STAGES: tl.constexpr):
     """Program (n block, expert): each of the expert's rows (usually one at decode) against BLOCK_N rows of its
     weight (`_row_dot`); an expert without rows reads no weights, one with several reads them once per row."""
     pid_n = tl.program_id(0)
@@ -279,7 +284,7 @@ def _fp8_grouped_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ends_ptr, n, k
     w_scales = bs_ptr + expert.to(tl.int64) * stride_bse + ((pid_n * BLOCK_N) // SCALE_BN) * stride_bsn
     while row < end:  # bounds from device memory: a while loop (see _fp8_grouped_gemm_kernel)
         out = _row_dot(a_ptr + row.to(tl.int64) * stride_am, as_ptr + row, stride_asg, w_rows, w_scales, col_ok, k,
-                       stride_bsk, BLOCK_N, GROUPS, FUSE_QUANT)
+                       stride_bsk, BLOCK_N, GROUPS, FUSE_QUANT, STAGES)
         tl.store(c_ptr + row.to(tl.int64) * stride_cm + cols, out.to(c_ptr.dtype.element_ty), mask=col_ok)
         row += 1
 
@@ -463,7 +468,7 @@ def _gemv_operands(a: torch.Tensor, a_scales: torch.Tensor | None, w: torch.Tens
     _check_weight(w, w_scale, a.shape[1], block)
     a_arg, s_arg, stride_asg = _activation_args(a, a_scales, config)
     meta = {"BLOCK_N": config.block_n, "GROUPS": config.gemv_groups, "SCALE_BN": block[0],
-            "FUSE_QUANT": config.fuse_quant, "num_warps": config.num_warps}
+            "FUSE_QUANT": config.fuse_quant, "STAGES": config.gemv_stages, "num_warps": config.num_warps}
     return a_arg, s_arg, stride_asg, meta
 
 

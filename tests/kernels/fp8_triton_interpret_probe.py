@@ -145,12 +145,13 @@ def test_gemv() -> None:
         x = activations(1, k, seed=70 + i, dtype=torch.bfloat16)
         w, s = weights(n, k, seed=80 + i)
         q, scales = tri.quantize_activations(x)
-        config = tri.TritonGemmConfig(block_n=block_n, gemv_groups=groups)
+        config = tri.TritonGemmConfig(block_n=block_n, gemv_groups=groups, gemv_stages=1 + 2 * (i % 2))
         got = tri.fp8_gemv(q, scales, 1, w, s, out_dtype, config)
         assert got.shape == (1, n) and got.dtype == out_dtype
         ref = fp8_linear_ref(x, w, s)
         check(f"gemv 1x{n}x{k} {config.label()} {out_dtype}", got, ref, tolerance(x, w, s, ref, out_dtype))
-        fused = tri.TritonGemmConfig(block_n=block_n, gemv_groups=groups, fuse_quant=True)
+        fused = tri.TritonGemmConfig(block_n=block_n, gemv_groups=groups, gemv_stages=config.gemv_stages,
+                                     fuse_quant=True)
         same_bits(f"gemv 1x{n}x{k} {fused.label()}", tri.fp8_gemv(x, None, 1, w, s, out_dtype, fused), got)
     empty = tri.fp8_gemv(activations(1, 256, seed=1)[:0], None, 0, *weights(64, 256, seed=2), torch.float32,
                          tri.TritonGemmConfig(block_n=8, gemv_groups=2, fuse_quant=True))

@@ -290,9 +290,10 @@ def test_gemv_quantizing_inside_gives_the_quantization_kernels_bits(shape: str) 
     n, k = SHAPES[shape]
     w, s, _ = weight(n, k)
     x = activations(1, k)
-    for block_n, groups, warps, _fused in fp8_gemm.GEMV_CANDIDATES:
-        plain = tri.TritonGemmConfig(block_n=block_n, num_warps=warps, gemv_groups=groups)
-        fused = tri.TritonGemmConfig(block_n=block_n, num_warps=warps, gemv_groups=groups, fuse_quant=True)
+    for block_n, groups, warps, _fused, stages in fp8_gemm.GEMV_CANDIDATES:
+        plain = tri.TritonGemmConfig(block_n=block_n, num_warps=warps, gemv_groups=groups, gemv_stages=stages)
+        fused = tri.TritonGemmConfig(block_n=block_n, num_warps=warps, gemv_groups=groups, gemv_stages=stages,
+                                     fuse_quant=True)
         q, scales = tri.quantize_activations(x)
         want = tri.fp8_gemv(q, scales, 1, w, s, torch.bfloat16, plain)
         assert torch.equal(tri.fp8_gemv(x, None, 1, w, s, torch.bfloat16, fused), want), fused.label()
@@ -324,9 +325,10 @@ def test_grouped_gemv_quantizing_inside_gives_the_quantization_kernels_bits(toke
     sorted_ids, order = torch.sort(ids, stable=True)
     ends = torch.searchsorted(sorted_ids, torch.arange(experts, device="cuda"), right=True).to(torch.int32)
     x = activations(tokens, k)[order // top_k]
-    for block_n, groups, warps, _fused in fp8_gemm.GEMV_CANDIDATES:
-        plain = tri.TritonGemmConfig(block_n=block_n, num_warps=warps, gemv_groups=groups)
-        fused = tri.TritonGemmConfig(block_n=block_n, num_warps=warps, gemv_groups=groups, fuse_quant=True)
+    for block_n, groups, warps, _fused, stages in fp8_gemm.GROUPED_GEMV_CANDIDATES:
+        plain = tri.TritonGemmConfig(block_n=block_n, num_warps=warps, gemv_groups=groups, gemv_stages=stages)
+        fused = tri.TritonGemmConfig(block_n=block_n, num_warps=warps, gemv_groups=groups, gemv_stages=stages,
+                                     fuse_quant=True)
         q, scales = tri.quantize_activations(x)
         want = tri.fp8_grouped_gemv(q, scales, w, s, ends, torch.bfloat16, plain)
         assert torch.equal(tri.fp8_grouped_gemv(x, None, w, s, ends, torch.bfloat16, fused), want), fused.label()

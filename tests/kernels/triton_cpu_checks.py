@@ -308,6 +308,37 @@ def compile_topk() -> None:
     print(f"top-k: compiled for sm_90 in {time.time() - t0:.0f} s, {_resources(kernel)}; scan loops pipelined")
 
 
+def compile_gemv() -> None:
+    """The FP8 one-row kernels (kernels/fp8_gemm_triton.py) at every launch shape the tuner offers: no spills, and
+    with `gemv_stages` > 1 the weight tiles of the loop are copied asynchronously into shared memory, stages − 1
+    tiles ahead (the pipeliner took the loop; a plain loop has no asynchronous copy)."""
+    from kernels.fp8_gemm import GEMV_CANDIDATES, GROUPED_GEMV_CANDIDATES
+    from kernels.fp8_gemm_triton import _fp8_gemv_kernel, _fp8_grouped_gemv_kernel
+
+    common = {"b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16", "n": "i32", "k": "i32", "stride_asg": "i32",
+              "stride_bn": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "ends_ptr": "*i32", "stride_am": "i32",
+              "stride_be": "i32", "stride_bse": "i32", "stride_cm": "i32"}
+    for kernel_fn, candidates in ((_fp8_gemv_kernel, GEMV_CANDIDATES),
+                                  (_fp8_grouped_gemv_kernel, GROUPED_GEMV_CANDIDATES)):
+        for block_n, groups, warps, fused, stages in candidates:
+            types = {**common, "a_ptr": "*bf16" if fused else "*fp8e4nv", "as_ptr": "*bf16" if fused else "*fp32"}
+            aligned = [n for n in kernel_fn.arg_names if n.endswith("_ptr")] + ["n", "k", "stride_bn", "stride_am"]
+            constexprs = {"BLOCK_N": block_n, "GROUPS": groups, "SCALE_BN": 128, "FUSE_QUANT": fused,
+                          "STAGES": stages}
+            kernel = _compile_sm90(kernel_fn, {n: types[n] for n in kernel_fn.arg_names if n in types}, constexprs,
+                                   [n for n in aligned if n in kernel_fn.arg_names], warps, 3)
+            copies = sum(body.count("async_copy_global_to_local") for body in _loops(kernel.asm["ttgir"]))
+            label = f"{kernel_fn.__name__} bn{block_n} g{groups} w{warps} ls{stages}{' fq' if fused else ''}"
+            resources = _resources(kernel)
+            if re.search(r", [1-9]\d* B spilled", resources):
+                _fail(f"{label} spills: {resources}")
+            tiles_ahead = (stages - 1) * block_n * groups * 128  # bytes of weight tiles the pipeline holds
+            if (stages > 1) != (copies > 0) or kernel.metadata.shared < tiles_ahead:
+                _fail(f"{label}: {copies} asynchronous copies in its loops, {kernel.metadata.shared} B of shared "
+                      f"memory for {tiles_ahead} B of weight tiles ahead")
+            print(f"{label}: {resources}; {copies} asynchronous copies in the loop")
+
+
 def interpret_norm_rope() -> None:
     """The one-kernel RMSNorm and rotary embedding (kernels/norm_rope_triton.py) in float32, where the
     interpreter's arithmetic is the GPU's (its bfloat16 casts are not: the GPU tests check bf16): rope equals the
@@ -517,6 +548,7 @@ CHECKS = {
     "interpret-topk": interpret_topk,
     "interpret-scores": interpret_scores,
     "compile-topk": compile_topk,
+    "compile-gemv": compile_gemv,
     **{f"compile-scores-{p}": (lambda p=p: compile_scores(p)) for p in ("fp16", "fp16x2", "fp8")},
     "compile-scores-fp8-e4m3-q": lambda: compile_scores("fp8", q_e4m3=True),
 }
