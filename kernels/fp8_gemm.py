@@ -458,20 +458,31 @@ def _run_dense(choice: GemmChoice, rows: torch.Tensor, w: torch.Tensor, w_scale:
     return gemm(q, scales, m, w, w_scale, out_dtype, choice.config, block)
 
 
+class SharedInput:
+    """One activation tensor that several grouped FP8 GEMMs read (the MoE's gate and up projections): quantized at
+    most once, and only when a chosen kernel reads it quantized — a kernel that quantizes inside needs nothing, so
+    when both pick such kernels no quantization kernel runs."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+        self._quantized: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def quantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [M, K] e4m3, scales [K/128, M] group-major), computed on the first call."""
+        if self._quantized is None:
+            self._quantized = _triton().quantize_activations(self.x)
+        return self._quantized
+
+
 def _run_grouped(choice: GemmChoice, rows: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                  end_offsets: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype,
-                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 shared: SharedInput | None = None) -> torch.Tensor:
     tri = _triton()
     gemm = tri.fp8_grouped_gemv if choice.config.gemv_groups else tri.fp8_grouped_gemm
     if choice.config.fuse_quant:  # quantizes inside the GEMM; a shared quantized form is not needed
         return gemm(rows, None, w, w_scale, end_offsets, out_dtype, choice.config, block)
-    q, scales = quantized if quantized is not None else tri.quantize_activations(rows)
+    q, scales = shared.quantized() if shared is not None else tri.quantize_activations(rows)
     return gemm(q, scales, w, w_scale, end_offsets, out_dtype, choice.config, block)
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] → (q [M, K] e4m3, scales [K/128, M] group-major), for several grouped GEMMs on one input."""
-    return _triton().quantize_activations(x)
 
 
 def dense_shape_tuned(n: int, k: int, device: torch.device) -> bool:
@@ -503,16 +514,15 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
 
 
 def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, end_offsets: torch.Tensor,
-                       block: tuple[int, int] = (128, 128),
-                       quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                       block: tuple[int, int] = (128, 128), shared: SharedInput | None = None) -> torch.Tensor:
     """Rows of x [M, K] sorted by expert, expert e owning rows [end_offsets[e-1], end_offsets[e]) → [M, N] in x's
     dtype (w [E, N, K] FP8, w_scale [E, N/128, K/128]); rows past end_offsets[-1] are undefined on CUDA (zeros on
-    CPU). `quantized`: x's FP8 form from `quantize_activations`, when several GEMMs share the input."""
+    CPU). `shared`: x as a `SharedInput`, when several GEMMs read it (quantized at most once)."""
     if not x.is_cuda:
         return fp8_grouped_ref(x, w, w_scale, end_offsets, block).to(x.dtype)
     experts, n, k = w.shape
     choice = _TUNER.choose("grouped", n, k, experts, x.shape[0], x.dtype, x.device, [(w, w_scale)], block)
-    return _run_grouped(choice, x, w, w_scale, end_offsets, block, x.dtype, quantized)
+    return _run_grouped(choice, x, w, w_scale, end_offsets, block, x.dtype, shared)
 
 
 def tune(kind: str, weights: Weights, m: int, dtype: torch.dtype, block: tuple[int, int] = (128, 128)) -> GemmChoice:

@@ -28,7 +28,7 @@ from decode_server.model.layers import MLP, narrow_linear
 from decode_server.parallel.comm import all_reduce
 from decode_server.parallel.layers import split_size
 from decode_server.parallel.state import ParallelState, resolve
-from kernels.fp8_gemm import fp8_grouped_linear, quantize_activations
+from kernels.fp8_gemm import SharedInput, fp8_grouped_linear
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # (stacked weight, stacked FP8 block scales or None) for gate, up, down.
@@ -249,9 +249,9 @@ class MoE(nn.Module):
         xs = x[order // top_k]
         if gate_s is not None:
             block = self.local_experts()[0].gate_proj.weight_block
-            xq = quantize_activations(xs) if xs.is_cuda else None
-            hidden = F.silu(fp8_grouped_linear(xs, gate_w, gate_s, offsets, block, xq))
-            hidden = hidden * fp8_grouped_linear(xs, up_w, up_s, offsets, block, xq)
+            shared = SharedInput(xs)  # gate and up read one quantization, made only if their kernels need it
+            hidden = F.silu(fp8_grouped_linear(xs, gate_w, gate_s, offsets, block, shared))
+            hidden = hidden * fp8_grouped_linear(xs, up_w, up_s, offsets, block, shared)
             out_sorted = fp8_grouped_linear(hidden, down_w, down_s, offsets, block)
         else:
             # grouped_mm(a [M, K], b [E, K, N]): the transposed views make each expert's weight column-major.

@@ -216,3 +216,37 @@ def test_tensor_parallel_ranks_adopt_rank0s_decisions_and_freeze(monkeypatch) ->
     other = rank1.choose("dense", 576, 1024, 0, 64, torch.bfloat16, torch.device("cpu"), [(w, s)], (128, 128))
     assert other == fp8_gemm.default_choice("dense", 64, 576, 1024, 0, torch.device("cpu"))
     assert rank1.records[-1].timings_us == {}
+
+
+def test_shared_input_is_quantized_once_and_only_for_kernels_that_read_it(monkeypatch) -> None:
+    """The MoE's gate and up GEMMs read one `SharedInput`: no quantization kernel when both chosen kernels quantize
+    inside, one when either reads the quantized rows, and each GEMM gets the same quantized tensors."""
+    from types import SimpleNamespace
+
+    from kernels.fp8_gemm_triton import TritonGemmConfig
+
+    made, seen = [], []
+
+    def quantize(x):
+        made.append(x)
+        return torch.zeros_like(x), torch.ones(1)
+
+    def gemm(a, scales, w, w_scale, ends, out_dtype, config, block):
+        seen.append((a, scales))
+        return torch.zeros(a.shape[0], w.shape[1])
+
+    monkeypatch.setattr(fp8_gemm, "_triton", lambda: SimpleNamespace(
+        quantize_activations=quantize, fp8_grouped_gemm=gemm, fp8_grouped_gemv=gemm))
+    x, w, s, ends = torch.randn(3, 256), torch.zeros(2, 128, 256), torch.ones(2, 1, 2), torch.tensor([1, 3])
+    inside = fp8_gemm.GemmChoice("triton", TritonGemmConfig(block_n=16, gemv_groups=2, fuse_quant=True))
+    reads = fp8_gemm.GemmChoice("triton", TritonGemmConfig(16, 64, 1))
+    for first, second, kernels in ((inside, inside, 0), (inside, reads, 1), (reads, reads, 1)):
+        made.clear()
+        seen.clear()
+        shared = fp8_gemm.SharedInput(x)
+        for choice in (first, second):
+            fp8_gemm._run_grouped(choice, x, w, s, ends, (128, 128), torch.float32, shared)
+        assert len(made) == kernels
+        quantized = [a for a, scales in seen if scales is not None]
+        assert all(a is quantized[0] for a in quantized)
+        assert all(a is x for a, scales in seen if scales is None)
