@@ -1,4 +1,5 @@
-"""Block-FP8 linear layers: `fp8_linear` (dense) and `fp8_grouped_linear` (the experts of a MoE batch), and the
+"""Block-FP8 linear layers: `fp8_linear` (dense), `fp8_grouped_linear` (the experts of a MoE batch) and
+`fp8_batched_linear` (one matrix per group: MLA's absorbed products per head, kernels/fp8_bmm_triton.py), and the
 per-process autotuner that picks, by measurement, which GPU backend runs each shape.
 
 Backends (both take the same FP8 activations from `fp8_gemm_triton.quantize_activations`, so they differ only by
@@ -12,8 +13,8 @@ their accumulation order):
     K blocks padded. Dense only (torch has no block-scaled grouped GEMM).
   - "triton": kernels/fp8_gemm_triton.py (any shape, grouped too), with a launch configuration per shape.
 
-Choice per shape (`Fp8GemmTuner`): the key is (kind, N, K, experts, M bucket, output dtype, device, block); M
-buckets are powers of two. Two modes ($HISPARSE_FP8_GEMM_TUNING):
+Choice per shape (`Fp8GemmTuner`): the key is (kind "dense" / "grouped" / "batched", N, K, experts (batched: the
+groups), M bucket (batched: rows per group), output dtype, device, block); M buckets are powers of two. Two modes ($HISPARSE_FP8_GEMM_TUNING):
   - "table" (the default): the choice comes from the GPU model's tuned table (kernels/fp8_gemm_table.py,
     kernels/fp8_gemm_tables/), else the untimed default Triton configuration. Nothing is timed, so every process
     on the same GPU model decides the same: replicas, and servers with and without CUDA graphs, give the same bits.
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.fp8_gemm_ref import fp8_grouped_ref, fp8_linear_ref
+from kernels.fp8_gemm_ref import fp8_bmm_ref, fp8_grouped_ref, fp8_linear_ref
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +208,8 @@ def triton_candidates(kind: str, bucket: int, n: int, k: int, experts: int, devi
     config = _triton().TritonGemmConfig
     sms = _sm_count(_index(device))
     k_tiles = max(1, math.ceil(k / 128))
+    if kind == "batched":
+        return _batched_candidates(bucket, n, k, config)
     if kind == "grouped":
         active = max(1, min(experts, bucket))  # experts that `bucket` routed rows can reach
         rows = math.ceil(bucket / active)
@@ -242,10 +245,30 @@ def triton_candidates(kind: str, bucket: int, n: int, k: int, experts: int, devi
     return out
 
 
+def _batched_candidates(rows: int, n: int, k: int, config: type) -> list[GemmChoice]:
+    """The batched kernel's configurations (kernels/fp8_bmm_triton.py; `rows` per group): tensor-core tiles by the
+    rows, both column tiles, quantization always inside, no split-K (the groups fill the GPU); up to
+    GEMV_MAX_ROWS_PER_EXPERT rows also the one-row kernel, reading 1 or up to 4 of K's 128-channel groups a step."""
+    bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
+    # Also half the row tile above 16 rows: twice the programs, since a group with few column tiles (W_UV: N = 128)
+    # gives the GPU only about one program per group (measured: 128 programs for 128 heads lost to bf16 at 64 rows).
+    out = [GemmChoice("triton", config(tile, bn, 1, 8 if tile >= 128 else 4, 3 if tile >= 128 else 4,
+                                       fuse_quant=True))
+           for tile in ((bm, bm // 2) if bm > 16 else (bm,)) for bn in (64, 128) if bn <= max(64, n)]
+    if rows <= GEMV_MAX_ROWS_PER_EXPERT:
+        k_groups = max(1, math.ceil(k / 128))
+        steps = sorted({1, 1 << (min(4, k_groups).bit_length() - 1)})  # power-of-two loop steps
+        out += [GemmChoice("triton", config(block_n=bn, num_warps=4, gemv_groups=g, fuse_quant=True))
+                for bn in (16, 32, 64) for g in steps]
+    return out
+
+
 def default_choice(kind: str, bucket: int, n: int, k: int, experts: int, device: torch.device) -> GemmChoice:
     """The untimed choice: the first column tile, split-K up to about one wave; fused where the fused variants
-    are candidates (small M)."""
+    are candidates (small M). Batched: the first tensor-core tile."""
     candidates = [c for c in triton_candidates(kind, bucket, n, k, experts, device) if not c.config.gemv_groups]
+    if kind == "batched":
+        return candidates[0]
     bn = candidates[0].config.block_n
     fused = any(c.config.fuse_quant for c in candidates)
     candidates = [c for c in candidates if c.config.block_n == bn and c.config.block_m == candidates[0].config.block_m
@@ -389,7 +412,8 @@ class Fp8GemmTuner:
         per_weight = pool[0][0].numel() + 4 * pool[0][1].numel()
         while len(pool) < _MAX_RANDOM_COPIES and len(pool) * per_weight < 2 * _l2_bytes(_index(device)):
             pool.append(_random_weights(tuple(pool[0][0].shape), block, device, gen))
-        x = torch.randn(bucket, record.k, device=device, generator=gen, dtype=torch.float32).to(dtype)
+        rows = (record.experts, bucket) if kind == "batched" else (bucket,)
+        x = torch.randn(*rows, record.k, device=device, generator=gen, dtype=torch.float32).to(dtype)
         offsets = None
         if kind == "grouped":
             ids = torch.randint(0, record.experts, (bucket,), device=device, generator=gen).sort().values
@@ -399,6 +423,8 @@ class Fp8GemmTuner:
             w, s = pool[i % len(pool)]
             if kind == "grouped":
                 return _run_grouped(choice, x, w, s, offsets, block, dtype)
+            if kind == "batched":
+                return _run_batched(choice, x, w, s, x.new_empty(record.experts, bucket, record.n), block)
             return _run_dense(choice, x, w, s, block, dtype)
 
         reference = call(default, 0).float()
@@ -485,6 +511,13 @@ def _run_grouped(choice: GemmChoice, rows: torch.Tensor, w: torch.Tensor, w_scal
     return gemm(q, scales, w, w_scale, end_offsets, out_dtype, choice.config, block)
 
 
+def _run_batched(choice: GemmChoice, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
+                 block: tuple[int, int]) -> torch.Tensor:
+    from kernels.fp8_bmm_triton import fp8_bmm
+
+    return fp8_bmm(x, w, w_scale, out, choice.config, block)
+
+
 def dense_shape_tuned(n: int, k: int, device: torch.device) -> bool:
     """Whether a dense FP8 GEMM of N × K runs a measured choice on `device`: always off CUDA (the reference path)
     and in "measure" mode (the process times it); in "table" mode when this GPU model's table has the shape. Callers
@@ -525,11 +558,27 @@ def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, 
     return _run_grouped(choice, x, w, w_scale, end_offsets, block, x.dtype, shared)
 
 
+def fp8_batched_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor | None = None,
+                       block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """Per group g: x[g] [M, K] @ dequant(w[g] [N, K])ᵀ → out[g] [M, N] (G groups: MLA's heads). x, w and `out`
+    may be strided views (contiguous last dims); `out` (default: a new [G, M, N] tensor in x's dtype) is written
+    in place and returned. On CUDA the batched Triton kernel (quantizing x inside) with the tuned configuration of
+    (N, K, G, M bucket); elsewhere the reference."""
+    groups, m, k = x.shape
+    n = w.shape[1]
+    if out is None:
+        out = torch.empty(groups, m, n, dtype=x.dtype, device=x.device)
+    if not x.is_cuda:
+        return out.copy_(fp8_bmm_ref(x, w, w_scale, block))
+    choice = _TUNER.choose("batched", n, k, groups, m, x.dtype, x.device, [(w, w_scale)], block)
+    return _run_batched(choice, x, w, w_scale, out, block)
+
+
 def tune(kind: str, weights: Weights, m: int, dtype: torch.dtype, block: tuple[int, int] = (128, 128)) -> GemmChoice:
     """Decide the backend of one shape at one M (the engine's warm-up); `weights` are every weight of that shape
     (the timing rotates over them)."""
     w = weights[0][0]
-    if kind == "grouped":
+    if kind in ("grouped", "batched"):
         experts, n, k = w.shape
     else:
         experts, (n, k) = 0, w.shape

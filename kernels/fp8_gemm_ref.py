@@ -90,6 +90,18 @@ def fp8_grouped_ref(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, e
     return out
 
 
+def fp8_bmm_ref(a: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                *, quantize_input: bool = True) -> torch.Tensor:
+    """Batched: a [G, M, K] (any strides) @ dequant(w[g] [N, K])ᵀ per group g → float32 [G, M, N] (the oracle of
+    kernels/fp8_bmm_triton.py: each group is `fp8_linear_ref` of its own rows and weight)."""
+    if a.dim() != 3 or w.dim() != 3 or a.shape[0] != w.shape[0]:
+        raise ValueError(f"batched operands are a [G, M, K] and w [G, N, K], got {tuple(a.shape)}, {tuple(w.shape)}")
+    out = torch.empty(a.shape[0], a.shape[1], w.shape[1], dtype=torch.float32, device=a.device)
+    for g in range(a.shape[0]):
+        out[g] = fp8_linear_ref(a[g], w[g], scale_inv[g], block, quantize_input=quantize_input)
+    return out
+
+
 def activation_rounding_bound(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
                               block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """Worst-case |y_fp8 − y_exact| [M, N] caused by rounding x to FP8 (the weights are exact in both).

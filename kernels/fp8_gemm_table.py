@@ -8,7 +8,7 @@ device) makes the choice a pure function of (GPU model, shape, M bucket): every 
 table lacks take the untimed default Triton configuration, which is deterministic too.
 
 File format: {"device": "<torch.cuda.get_device_name>", "torch": ..., "triton": ..., "measured": ..., "entries":
-[{"kind": "dense"|"grouped", "n": N, "k": K, "experts": E, "bucket": M, "dtype": "bfloat16", "backend": "triton"|
+[{"kind": "dense"|"grouped"|"batched", "n": N, "k": K, "experts": E, "bucket": M, "dtype": "bfloat16", "backend": "triton"|
 "scaled_mm", "config": {TritonGemmConfig fields} | null, "us": {label: µs, ...}}]}.
 `$HISPARSE_FP8_GEMM_TABLE=PATH` reads another file instead (any device).
 """

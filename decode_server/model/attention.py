@@ -22,7 +22,7 @@ from torch import nn
 
 from decode_server.engine.forward_context import get_forward_context
 from decode_server.model import fused_ops
-from decode_server.model.batch_invariant import Linear, batched_matmul
+from decode_server.model.batch_invariant import Linear, batched_matmul, fp8_batched_matmul
 from decode_server.model.config import ModelConfig
 from decode_server.model.fp8 import dequantize_block_fp8
 from decode_server.model.fused_linear import FusedLinear, worth_stacking
@@ -62,9 +62,14 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = column_linear(config.kv_lora_rank, heads * (self.nope_dim + self.v_dim), False, parallel)
         self.o_proj = row_linear(heads * self.v_dim, config.hidden_size, bias, parallel)
         self.indexer = Indexer(config) if config.is_index_layer(layer_id) else None
-        # Absorbed up-projections, [H, nope, 512] and [H, v, 512]: filled from kv_b_proj by `absorb_weights`.
+        # Absorbed up-projections, filled from kv_b_proj by `absorb_weights`: model dtype W_UK [H, nope, 512] and
+        # W_UV [H, v, 512], or (absorbed_fp8) block FP8 W_UKᵀ [H, 512, nope] and W_UV [H, v, 512] (a view of
+        # kv_b_proj's rows) with their block scales.
         self.register_buffer("w_uk", torch.empty(0), persistent=False)
         self.register_buffer("w_uv", torch.empty(0), persistent=False)
+        self.register_buffer("w_uk_scale", torch.empty(0), persistent=False)
+        self.register_buffer("w_uv_scale", torch.empty(0), persistent=False)
+        self.absorbed_fp8 = False
         # q_a, the indexer's wk and kv_a as one GEMM (`fuse_input_projections`); None: three GEMMs.
         self.fused_inputs: FusedLinear | None = None
 
@@ -97,18 +102,42 @@ class MLAAttention(nn.Module):
         outs = fused(x) if fused is not None else [proj(x) for proj in self.input_projections()]
         return outs[0], (outs[1] if self.indexer is not None else None), outs[-1]
 
+    def absorbed_fp8_fits(self) -> bool:
+        """Whether a block-FP8 kv_b_proj can serve the absorbed products in FP8 as it is stored: 128×128 blocks
+        and every head's nope rows, v rows and the latent columns whole blocks (DeepSeek-V3.2: 128 / 128 / 512).
+        GLM-5's heads (nope 192, v 256) cut through blocks: its W_UK / W_UV are dequantized instead."""
+        block = self.kv_b_proj.weight_block
+        return (self.kv_b_proj.fp8_scale is not None and tuple(block) == (128, 128)
+                and self.nope_dim % 128 == 0 and self.v_dim % 128 == 0 and self.kv_lora_rank % 128 == 0)
+
     @torch.no_grad()
     def absorb_weights(self) -> None:
-        """Split kv_b_proj per head into W_UK and W_UV once (after loading; the weight itself is kept). A block-FP8
-        kv_b_proj is dequantized into the model dtype for them (what SGLang keeps for 128×128 block-FP8
-        checkpoints on CUDA): the absorbed products stay bf16 batched matmuls."""
+        """Split kv_b_proj per head into W_UK and W_UV once (after loading; the weight itself is kept).
+
+        Block-FP8 kv_b_proj whose heads are whole blocks (`absorbed_fp8_fits`): the products run as batched
+        block-FP8 GEMMs (kernels/fp8_bmm_triton.py, the activations quantized per 128 channels inside) on the
+        checkpoint's own values — W_UV is a view of kv_b_proj's rows, W_UKᵀ a transposed FP8 copy (the kernel reads
+        the reduction dimension contiguously), a quarter of the two bf16 matrices' bytes. SGLang offers the same
+        with DeepGEMM (SGLANG_USE_DEEPGEMM_BMM); without it, and here for other layouts, kv_b_proj is dequantized
+        into the model dtype for bf16 batched matmuls."""
         w = self.kv_b_proj.weight
         scale = self.kv_b_proj.fp8_scale
+        heads, nope, lora = self.num_heads, self.nope_dim, self.kv_lora_rank
+        self.absorbed_fp8 = self.absorbed_fp8_fits()
+        if self.absorbed_fp8:
+            blocks = scale.view(heads, (nope + self.v_dim) // 128, lora // 128)
+            w = w.view(heads, nope + self.v_dim, lora)
+            self.w_uk = w[:, :nope].transpose(1, 2).contiguous()
+            self.w_uk_scale = blocks[:, : nope // 128].transpose(1, 2).contiguous()
+            self.w_uv = w[:, nope:]
+            self.w_uv_scale = blocks[:, nope // 128 :]
+            return
         if scale is not None:
             w = dequantize_block_fp8(w, scale, self.kv_b_proj.weight_block).to(self.kv_a_layernorm.weight.dtype)
-        w = w.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        self.w_uk = w[:, : self.nope_dim].contiguous()
-        self.w_uv = w[:, self.nope_dim :].contiguous()
+        w = w.view(heads, nope + self.v_dim, lora)
+        self.w_uk = w[:, :nope].contiguous()
+        self.w_uv = w[:, nope:].contiguous()
+        self.w_uk_scale = self.w_uv_scale = torch.empty(0, device=w.device)
 
     def latent_rows(self, kv_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The cache rows [T, 576] = [RMSNorm(c_kv) ; RoPE(k_pe)] of the new tokens, from kv_a_proj_with_mqa(x)."""
@@ -125,8 +154,11 @@ class MLAAttention(nn.Module):
         q = self.q_b_proj(q_latent).view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
         query = torch.empty(num_tokens, self.num_heads, self.kv_lora_rank + self.rope_dim, dtype=q.dtype,
                             device=q.device)
+        if self.absorbed_fp8:  # written straight into the query's first 512 columns, per head
+            fp8_batched_matmul(q[..., : self.nope_dim].transpose(0, 1), self.w_uk, self.w_uk_scale,
+                               query[..., : self.kv_lora_rank].transpose(0, 1))
         # W_UKᵀ q_nope per head, in token chunks so the temporary stays small for long prefills.
-        for start in range(0, num_tokens, _ABSORB_CHUNK_TOKENS):
+        for start in range(0, 0 if self.absorbed_fp8 else num_tokens, _ABSORB_CHUNK_TOKENS):
             rows = slice(start, start + _ABSORB_CHUNK_TOKENS)
             latent = batched_matmul(q[rows, :, : self.nope_dim].transpose(0, 1), self.w_uk)  # [H, t, 512]
             query[rows, :, : self.kv_lora_rank] = latent.transpose(0, 1)
@@ -172,6 +204,11 @@ class MLAAttention(nn.Module):
         latent_out = backend.sparse_attention(self.layer_id, query, positions, self.softmax_scale)  # [T, H, 512]
         del query
         # [H, T, 512] @ [H, 512, v] → [H, T, v] → [T, H·v]
+        if self.absorbed_fp8:  # written straight into o_proj's input [T, H, v]
+            out = x.new_empty(num_tokens, self.num_heads, self.v_dim)
+            fp8_batched_matmul(latent_out.transpose(0, 1), self.w_uv, self.w_uv_scale, out.transpose(0, 1))
+            del latent_out
+            return self.o_proj(out.view(num_tokens, self.num_heads * self.v_dim)), positions
         out = batched_matmul(latent_out.to(self.w_uv.dtype).transpose(0, 1), self.w_uv.transpose(1, 2))
         del latent_out
         return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * self.v_dim)), positions

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fp8_gemm import fp8_batched_linear as _fp8_batched_linear
 from kernels.fp8_gemm import fp8_linear as _fp8_linear
 
 ROW_TILE = 64
@@ -119,6 +120,23 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
     if not enabled():
         return _fp8_linear(x, weight, scale_inv, bias, block)
     return on_row_tiles(lambda rows: _fp8_linear(rows, weight, scale_inv, bias, block), x)
+
+
+def fp8_batched_matmul(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
+                       block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """Block-FP8 a[g] [M, K] @ dequant(w[g])ᵀ into out[g] [M, N] per group (kernels/fp8_gemm.py
+    `fp8_batched_linear`: MLA's absorbed matmuls with FP8 weights); while the mode is on, ROW_TILE zero-padded rows
+    per call, so the kernel's configuration never depends on the token count."""
+    if not enabled():
+        return _fp8_batched_linear(a, w, w_scale, out, block)
+    groups, m, k = a.shape
+    for start in range(0, m, ROW_TILE):
+        rows = a[:, start : start + ROW_TILE]
+        pad = ROW_TILE - rows.shape[1]
+        if pad:
+            rows = torch.cat((rows, rows.new_zeros(groups, pad, k)), dim=1)
+        out[:, start : start + ROW_TILE] = _fp8_batched_linear(rows, w, w_scale, None, block)[:, : ROW_TILE - pad]
+    return out
 
 
 class Linear(nn.Linear):

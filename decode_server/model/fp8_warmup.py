@@ -4,7 +4,8 @@ The engine calls `warm_up` on CUDA before capturing decode graphs, with every to
 (decode batch sizes, prefill chunks): each FP8 weight shape of the model is timed at each M bucket those counts
 fall in, on the model's own weights of that shape (all layers, rotated), and the fastest backend is fixed for the
 process. Dense shapes cover the attention, indexer and MLP projections (and the experts' own layers, which
-batch-invariant mode runs one by one); grouped shapes the routed experts, at M = tokens × experts per token.
+batch-invariant mode runs one by one); grouped shapes the routed experts, at M = tokens × experts per token;
+batched shapes MLA's absorbed products with FP8 W_UK / W_UV (one matrix per head, M = tokens).
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ def fp8_workloads(model: nn.Module) -> list[Workload]:
             groups.setdefault(("dense", tuple(weight.shape), stack.block), []).append((weight, scale))
             fused.update(id(lin) for lin in stack.linears)
     for name, module in model.named_modules():
+        if isinstance(module, MLAAttention) and module.absorbed_fp8:  # the absorbed products, per head
+            for weight, scale in ((module.w_uk, module.w_uk_scale), (module.w_uv, module.w_uv_scale)):
+                groups.setdefault(("batched", tuple(weight.shape), (128, 128)), []).append((weight, scale))
         if name.endswith("kv_b_proj") or id(module) in fused:
-            continue  # kv_b_proj: never multiplied as stored (absorbed into W_UK / W_UV, bf16, after loading)
+            continue  # kv_b_proj: never multiplied as stored (its heads are the absorbed products' weights)
         if isinstance(module, Linear) and module.fp8_scale is not None:
             key = ("dense", tuple(module.weight.shape), module.weight_block)
             groups.setdefault(key, []).append((module.weight, module.fp8_scale))
@@ -64,8 +68,8 @@ def tuning_config(config: ModelConfig) -> ModelConfig:
 
 def _planned(workloads: list[Workload], token_counts: Iterable[int], experts_per_token: int,
              grouped: bool) -> list[tuple[str, list[tuple[torch.Tensor, torch.Tensor]], int, tuple[int, int]]]:
-    """(kind, weights, M, block) of every decision `warm_up` makes: each dense shape at each M bucket of the token
-    counts, each grouped shape at bucket × experts per token (its rows are token-expert pairs)."""
+    """(kind, weights, M, block) of every decision `warm_up` makes: each dense and batched shape at each M bucket of
+    the token counts, each grouped shape at bucket × experts per token (its rows are token-expert pairs)."""
     planned = []
     for bucket in sorted({m_bucket(max(1, t)) for t in token_counts}):
         for kind, weights, block in workloads:
@@ -84,7 +88,7 @@ def table_keys(model: nn.Module, token_counts: Iterable[int], experts_per_token:
     keys: set[TableKey] = set()
     for kind, weights, m, _ in _planned(fp8_workloads(model), token_counts, experts_per_token, grouped):
         shape = tuple(int(v) for v in weights[0][0].shape)
-        experts, n, k = shape if kind == "grouped" else (0, *shape)
+        experts, n, k = shape if kind in ("grouped", "batched") else (0, *shape)
         keys.add((kind, n, k, experts, m_bucket(m), dtype_name(model.dtype)))
     return keys
 

@@ -5,9 +5,10 @@ block (`quantization_config`: `quant_method` "fp8", `weight_block_size` [128, 12
 projections stay FP8 in device memory — the checkpoint's bytes, cut by the tensor-parallel loader — and run as
 block-FP8 GEMMs (kernels/fp8_gemm.py): MLA q_a / q_b / kv_a / o, the indexer's wq_b and wk, dense MLPs, shared
 experts and routed experts. Stored otherwise, whatever the checkpoint says:
-  - `kv_b_proj` stays FP8 as loaded, but the absorbed MLA path multiplies per head by W_UK / W_UV, which are
-    dequantized to the model dtype once after loading (attention.py `absorb_weights`), as SGLang does on CUDA for
-    128×128 block-FP8 checkpoints (it dequantizes kv_b_proj to bf16 for its absorbed w_kc / w_vc bmm);
+  - `kv_b_proj` stays FP8 as loaded, but the absorbed MLA path multiplies per head by W_UK / W_UV: in FP8 from
+    kv_b_proj's own blocks where every head is whole 128-blocks (DeepSeek-V3.2; batched FP8 GEMMs, as SGLang's
+    DeepGEMM-bmm option), else dequantized to the model dtype once after loading, as SGLang's default does
+    (GLM-5; attention.py `absorb_weights`);
   - the indexer's `weights_proj` (kept float32, read directly), embeddings, the LM head and the router are not
     FP8 in the checkpoints and stay as the model dtype (router and weights_proj float32).
 

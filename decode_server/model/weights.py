@@ -8,8 +8,10 @@ Every parameter and buffer is counted once per storage (tied embeddings, the exp
 storage), whole storages (a view's unused part is still memory). Kinds:
   - "fp8": block-FP8 weights (1 byte per value);
   - "fp8_scales": their float32 `weight_scale_inv` (4 bytes per 128×128 block);
-  - "absorbed": the MLA absorbed W_UK / W_UV, kept in the model dtype next to kv_b_proj (bf16 even with FP8
-    storage, as SGLang keeps them);
+  - "absorbed": the MLA absorbed W_UK / W_UV that live beside kv_b_proj: in the model dtype (unquantized
+    models, and FP8 kv_b_proj whose heads cut through 128-blocks: GLM-5), or with FP8 storage whose heads are whole
+    blocks (DeepSeek-V3.2) only the FP8 W_UKᵀ copy and its scales — W_UV there is a view of kv_b_proj's own FP8 rows
+    and scales, counted once, under "fp8" / "fp8_scales" (decode_server/model/attention.py `absorb_weights`);
   - "other": everything else (embeddings, LM head, norms, router and indexer weights_proj in float32, weights
     stored in the model dtype, RoPE and Hadamard buffers).
 """
@@ -30,16 +32,17 @@ from decode_server.model.config import ModelConfig
 from decode_server.model.quantization import SCALE_SUFFIX
 
 KINDS = ("fp8", "fp8_scales", "absorbed", "other")
+ABSORBED_NAMES = ("w_uk", "w_uv", "w_uk_scale", "w_uv_scale")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _kind(name: str, tensor: torch.Tensor) -> str:
+    if name.endswith(ABSORBED_NAMES):
+        return "absorbed"
     if tensor.dtype == torch.float8_e4m3fn:
         return "fp8"
     if name.endswith("weight_scale_inv"):
         return "fp8_scales"
-    if name.endswith(("w_uk", "w_uv")):
-        return "absorbed"
     return "other"
 
 

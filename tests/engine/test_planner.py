@@ -151,9 +151,15 @@ def test_fp8_weights_count_one_byte_plus_block_scales():
     elements = sum(s.numel() for s in quantized.values())
     scales = sum(4 * r * c for r, c in (scale_shape(tuple(s), (128, 128)) for s in quantized.values()))
     assert fp8.by_kind["fp8"] == elements and fp8.by_kind["fp8_scales"] == scales
-    assert bf16.total - fp8.total == elements - scales  # 2 bytes → 1 byte + scales
+    # The absorbed products: bf16 W_UK and W_UV (2 bytes × kv_b_proj's values) against, with FP8 storage (tiny-dsa's
+    # heads are whole 128-blocks), only the FP8 W_UKᵀ copy (nope rows × latent) and its scales: W_UV is a view.
+    heads, nope, v, lora = (config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim,
+                            config.kv_lora_rank)
+    layers = config.num_hidden_layers
+    assert bf16.by_kind["absorbed"] == layers * 2 * heads * (nope + v) * lora
+    assert fp8.by_kind["absorbed"] == layers * (heads * nope * lora + 4 * heads * (nope // 128) * (lora // 128))
+    assert bf16.total - fp8.total == elements - scales + bf16.by_kind["absorbed"] - fp8.by_kind["absorbed"]
     assert fp8.parameters == bf16.parameters and (fp8.quantization, bf16.quantization) == ("fp8", "none")
-    assert fp8.by_kind["absorbed"] == bf16.by_kind["absorbed"] > 0  # W_UK / W_UV stay bf16
 
 
 def test_fp8_weights_equal_the_loaded_fp8_model():

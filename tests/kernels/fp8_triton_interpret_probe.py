@@ -16,9 +16,11 @@ import triton.runtime.interpreter as interpreter  # noqa: E402
 
 from decode_server.model.fp8 import quantize_block_fp8  # noqa: E402
 from kernels import fp8_gemm_triton as tri  # noqa: E402
+from kernels.fp8_bmm_triton import fp8_bmm  # noqa: E402
 from kernels.fp8_gemm_ref import (  # noqa: E402
     dequantize_activations_ref,
     dequantize_weight_ref,
+    fp8_bmm_ref,
     fp8_grouped_ref,
     fp8_linear_ref,
     quantize_activations_ref,
@@ -199,10 +201,50 @@ def test_grouped() -> None:
         same_bits(f"grouped one-row E={experts} {fused.label()}", again[:5], got[:5])
 
 
+def test_batched() -> None:
+    """The batched kernels (kernels/fp8_bmm_triton.py) on MLA's strided operands: the query's nope columns inside
+    [T, H, nope + rope] times a transposed W_UK into the first columns of [T, H, 576]-like rows (the rest of each
+    row untouched), and the attention output times W_UV taken as a view of kv_b_proj's rows into [T, H, v]; both
+    kernels, one and several row tiles, a ragged K tile, no rows."""
+    heads, nope, rope, lora, v = 4, 128, 64, 384, 128
+    kv_b, kv_b_scale = weights(heads * (nope + v), lora, seed=90)
+    w_uv = kv_b.view(heads, nope + v, lora)[:, nope:]
+    s_uv = kv_b_scale.view(heads, 2, 3)[:, 1:]
+    w_uk = kv_b.view(heads, nope + v, lora)[:, :nope].transpose(1, 2).contiguous()
+    s_uk = kv_b_scale.view(heads, 2, 3)[:, :1].transpose(1, 2).contiguous()
+    tensor_core = [tri.TritonGemmConfig(16, 64), tri.TritonGemmConfig(16, 128), tri.TritonGemmConfig(32, 64)]
+    one_row = [tri.TritonGemmConfig(block_n=16, gemv_groups=1), tri.TritonGemmConfig(block_n=32, gemv_groups=2)]
+    for tokens, configs in ((1, one_row + tensor_core[:1]), (2, one_row[:1]), (3, tensor_core), (33, tensor_core[2:])):
+        q = activations(tokens * heads, nope + rope, seed=tokens, dtype=torch.bfloat16).view(tokens, heads, -1)
+        latent = activations(tokens * heads, lora, seed=100 + tokens, dtype=torch.bfloat16).view(tokens, heads, lora)
+        for config in configs:
+            query = torch.full((tokens, heads, lora + rope), 7.0, dtype=torch.bfloat16)
+            a = q[..., :nope].transpose(0, 1)
+            fp8_bmm(a, w_uk, s_uk, query[..., :lora].transpose(0, 1), config)
+            ref = fp8_bmm_ref(a, w_uk, s_uk)
+            for g in range(heads):
+                check(f"batched W_UK T={tokens} head {g} {config.label()}", query[:, g, :lora], ref[g],
+                      tolerance(a[g], w_uk[g], s_uk[g], ref[g], torch.bfloat16))
+            if not bool((query[..., lora:] == 7.0).all()):
+                sys.exit(f"FAIL batched W_UK {config.label()}: wrote past its columns")
+            out = torch.empty(tokens, heads, v, dtype=torch.float32)
+            a = latent.transpose(0, 1)
+            fp8_bmm(a, w_uv, s_uv, out.transpose(0, 1), config)
+            ref = fp8_bmm_ref(a, w_uv, s_uv)
+            for g in range(heads):
+                check(f"batched W_UV T={tokens} head {g} {config.label()}", out[:, g], ref[g],
+                      tolerance(a[g], w_uv[g], s_uv[g], ref[g], torch.float32))
+            print(f"ok batched T={tokens} {config.label()}: W_UK into the query's columns, W_UV from kv_b's view")
+    untouched = torch.full((heads, 0, v), 3.0)
+    fp8_bmm(latent[:0].transpose(0, 1), w_uv, s_uv, untouched, one_row[0])
+    assert untouched.shape == (heads, 0, v)
+
+
 if __name__ == "__main__":
     test_quantize()
     test_dense()
     test_dense_fused()
     test_gemv()
     test_grouped()
+    test_batched()
     print("all interpreter cases passed")

@@ -29,6 +29,7 @@ from kernels.fp8_gemm_ref import (
     activation_rounding_bound,
     dequantize_activations_ref,
     dequantize_weight_ref,
+    fp8_bmm_ref,
     fp8_grouped_ref,
     fp8_linear_ref,
     quantize_activations_ref,
@@ -369,3 +370,79 @@ def test_fused_grouped_gemm_gives_the_unfused_bits(tokens: int) -> None:
         for _ in range(10):
             assert torch.equal(tri.fp8_grouped_gemm(x, None, w, s, ends, torch.bfloat16, fused)[:rows], want)
     assert not any(int(t.abs().sum()) for t in tri._counters.values()), "tile counters left non-zero"
+
+
+# -- the batched kernel: MLA's absorbed products with FP8 weights (kernels/fp8_bmm_triton.py) ----------------------
+
+HEADS, NOPE, ROPE, LORA, V = 128, 128, 64, 512, 128  # DeepSeek-V3.2 at TP1
+
+
+def absorbed_operands(product: str, tokens: int, seed: int = 0):
+    """(a [H, T, K], w [H, N, K], scales, out [H, T, N], the tensor out is a view of) as the attention layer passes
+    them: W_UK's input the query's nope columns, its output the first 512 columns of [T, H, 576]; W_UV a view of
+    kv_b_proj's v rows, its input the attention output [T, H, 512], its output [T, H, v]."""
+    kv_b, kv_b_s, _ = weight(HEADS * (NOPE + V), LORA)
+    heads = kv_b.view(HEADS, NOPE + V, LORA)
+    blocks = kv_b_s.view(HEADS, 2, LORA // 128)
+    if product == "w_uk":
+        w = heads[:, :NOPE].transpose(1, 2).contiguous()
+        s = blocks[:, :1].transpose(1, 2).contiguous()
+        a = activations(tokens * HEADS, NOPE + ROPE, seed).view(tokens, HEADS, -1)[..., :NOPE].transpose(0, 1)
+        whole = torch.full((tokens, HEADS, LORA + ROPE), 7.0, dtype=torch.bfloat16, device="cuda")
+        return a, w, s, whole[..., :LORA].transpose(0, 1), whole
+    w, s = heads[:, NOPE:], blocks[:, 1:]
+    a = activations(tokens * HEADS, LORA, seed).view(tokens, HEADS, LORA).transpose(0, 1)
+    whole = torch.empty(tokens, HEADS, V, dtype=torch.bfloat16, device="cuda")
+    return a, w, s, whole.transpose(0, 1), whole
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 16, 64])
+@pytest.mark.parametrize("product", ["w_uk", "w_uv"])
+def test_batched_kernel_on_the_absorbed_mla_operands(product: str, tokens: int) -> None:
+    """Every configuration the tuner may pick, against the per-head reference; W_UK's writes stay inside the
+    query's first 512 columns. Tolerance: the dense kernels' output rounding (2⁻⁸·|y|), and for the tensor cores'
+    accumulation 2⁻¹⁰·Σ|x_q||W| instead of their 2⁻¹²: W_UK's K is a single 128-deep tile, so no sum over tiles
+    averages the truncating FP8 accumulator's error (DeepSeek-V3's report: ~14 bits kept), and over 4M outputs its
+    worst case showed — 1.4 × 2⁻¹² with 64-row (wgmma) tiles at 64 tokens (H100, 2026-11-27); 2⁻¹⁰ is 2.9× that."""
+    a, w, s, out, whole = absorbed_operands(product, tokens)
+    ref = fp8_bmm_ref(a, w, s)
+    xq = dequantize_activations_ref(*quantize_activations_ref(a.reshape(-1, a.shape[-1]))).view(a.shape).abs()
+    tol = 2.0**-8 * ref.abs() + 2.0**-10 * torch.bmm(xq, dequantize_weight_ref(w, s).abs().transpose(1, 2)) + 1e-30
+    failures, report = [], []
+    for choice in fp8_gemm.triton_candidates("batched", fp8_gemm.m_bucket(tokens), w.shape[1], w.shape[2], HEADS,
+                                             a.device):
+        out.fill_(0)
+        fp8_gemm._run_batched(choice, a, w, s, out, BLOCK)
+        ratio = worst((out.float() - ref).abs(), tol)
+        report.append(f"{choice.label()}: {ratio:.3f}")
+        if not ratio <= 1:
+            failures.append(f"{choice.label()}: err/tol {ratio:.3g}")
+        if product == "w_uk" and not bool((whole[..., LORA:] == 7.0).all()):
+            failures.append(f"{choice.label()}: wrote past the query's latent columns")
+    print(f"\nbatched {product} tokens={tokens}: " + "; ".join(report))
+    assert not failures, failures
+
+
+def test_batched_kernel_graph_replay_and_batch_invariant_tiles() -> None:
+    """Graph replay of the tuned batched GEMM equals eager; in batch-invariant mode a token's row does not depend on
+    how many tokens share the call."""
+    from decode_server.model.batch_invariant import batch_invariant_mode, fp8_batched_matmul
+
+    fp8_gemm.reset_tuner("measure")
+    a, w, s, out, _ = absorbed_operands("w_uv", 16)
+    eager = fp8_gemm.fp8_batched_linear(a, w, s).clone()  # tuned here, eagerly
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=stream):
+        fp8_gemm.fp8_batched_linear(a, w, s, out)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    a, w, s, _, _ = absorbed_operands("w_uv", 100, seed=1)
+    with batch_invariant_mode():
+        together = fp8_batched_matmul(a, w, s, torch.empty(HEADS, 100, V, dtype=torch.bfloat16, device="cuda"))
+        alone = [fp8_batched_matmul(a[:, i : i + 1], w, s, torch.empty(HEADS, 1, V, dtype=torch.bfloat16,
+                                                                       device="cuda")) for i in (0, 37, 99)]
+    assert all(torch.equal(together[:, i : i + 1], one) for i, one in zip((0, 37, 99), alone, strict=True))

@@ -155,6 +155,29 @@ def test_triton_candidates_split_k_only_while_the_grid_is_small(monkeypatch) -> 
     assert default in kv_a and default.config.split_k > 1
 
 
+def test_batched_candidates_quantize_inside_and_offer_the_one_row_kernel_at_decode(monkeypatch) -> None:
+    """MLA's absorbed products (kind "batched", 128 heads): no split-K and the quantization always inside (the
+    operands are strided views: no quantization kernel can read them as rows); at one or two tokens also the
+    one-row kernel, whose loop step never exceeds K's groups (W_UK: K = 128, one group) and is a power of two; the
+    untimed default is a tensor-core tile."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(fp8_gemm, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    for tokens in (1, 2, 16, 64, 256):
+        for n, k in ((512, 128), (128, 512), (256, 384)):
+            candidates = fp8_gemm.triton_candidates("batched", tokens, n, k, 128, cuda)
+            assert all(c.config.fuse_quant and c.config.split_k == 1 for c in candidates)
+            one_row = [c.config for c in candidates if c.config.gemv_groups]
+            assert bool(one_row) == (tokens <= fp8_gemm.GEMV_MAX_ROWS_PER_EXPERT)
+            for config in one_row:
+                assert config.gemv_groups * 128 <= max(128, k) and config.gemv_groups & (config.gemv_groups - 1) == 0
+            tiles = {c.config.block_m for c in candidates if not c.config.gemv_groups}
+            bm = min(128, max(16, tokens))
+            assert tiles == ({bm, bm // 2} if bm > 16 else {16})
+            default = fp8_gemm.default_choice("batched", tokens, n, k, 128, cuda)
+            assert default in candidates and not default.config.gemv_groups
+
+
 def test_tuner_keeps_the_fastest_candidate_that_agrees(monkeypatch) -> None:
     """The decision logic on CPU (timing and kernels stubbed): the fastest candidate wins unless its output
     disagrees with the default Triton kernel's, the decision is cached, and a restriction is honoured."""

@@ -24,7 +24,7 @@ from decode_server.model.quantization import Fp8LayoutError, is_fp8_projection
 from decode_server.model.weights import weight_bytes
 from decode_server.parallel.layers import parameter_shards
 from decode_server.parallel.state import ParallelState
-from kernels.fp8_gemm_ref import fp8_grouped_ref, fp8_linear_ref
+from kernels.fp8_gemm_ref import fp8_bmm_ref, fp8_grouped_ref, fp8_linear_ref
 
 FP8 = torch.float8_e4m3fn
 # Every tensor-parallel piece at TP=2 falls on 128-block edges (tiny-dsa's 128-wide experts do not).
@@ -74,11 +74,34 @@ def test_tiny_fp8_weights_are_the_checkpoint_bytes(tiny_fp8) -> None:
     assert state["model.layers.1.mlp.gate.weight"].dtype == torch.float32
     assert state["model.layers.0.self_attn.indexer.weights_proj.weight"].dtype == torch.float32
     assert state["model.embed_tokens.weight"].dtype == torch.float32
-    # The absorbed W_UK / W_UV are kv_b_proj dequantized into the model dtype.
+    # tiny-dsa's heads (nope 128, v 128, latent 512) are whole 128-blocks: the absorbed products read kv_b_proj's
+    # own FP8 values — W_UV as a view of its v rows, W_UKᵀ as a transposed copy of its nope rows — and scales.
     attn = model.model.layers[0].self_attn
-    w = dequantize_block_fp8(attn.kv_b_proj.weight, attn.kv_b_proj.weight_scale_inv).view(16, 256, 512)
-    assert attn.w_uk.dtype == torch.float32 and torch.equal(attn.w_uk, w[:, :128])
-    assert torch.equal(attn.w_uv, w[:, 128:])
+    assert attn.absorbed_fp8
+    heads = attn.kv_b_proj.weight.view(16, 256, 512)
+    blocks = attn.kv_b_proj.weight_scale_inv.view(16, 2, 4)
+    assert attn.w_uk.dtype == FP8 and attn.w_uk.shape == (16, 512, 128)
+    assert torch.equal(attn.w_uk.view(torch.uint8), heads[:, :128].transpose(1, 2).view(torch.uint8))
+    assert torch.equal(attn.w_uk_scale, blocks[:, :1].transpose(1, 2))
+    assert attn.w_uv.untyped_storage().data_ptr() == attn.kv_b_proj.weight.untyped_storage().data_ptr()
+    assert torch.equal(attn.w_uv.view(torch.uint8), heads[:, 128:].view(torch.uint8))
+    assert torch.equal(attn.w_uv_scale, blocks[:, 1:])
+
+
+def test_heads_that_cut_through_fp8_blocks_absorb_dequantized() -> None:
+    """GLM-5's heads (nope 192, v 256 rows of kv_b_proj) do not start and end on 128-row blocks: W_UK / W_UV are
+    kv_b_proj dequantized into the model dtype, multiplied as bf16 batched matmuls (no FP8 absorbed products)."""
+    from decode_server.model import load_config
+
+    config = load_config("tiny-glm5")
+    model = build_random_model(config, "cpu", torch.float32, seed=2, quantization="fp8")
+    attn = model.model.layers[0].self_attn
+    assert attn.kv_b_proj.weight.dtype == FP8 and not attn.absorbed_fp8
+    w = dequantize_block_fp8(attn.kv_b_proj.weight, attn.kv_b_proj.weight_scale_inv).view(attn.num_heads, 448, 512)
+    assert attn.w_uk.dtype == torch.float32 and torch.equal(attn.w_uk, w[:, :192])
+    assert torch.equal(attn.w_uv, w[:, 192:])
+    assert weight_bytes(model)["absorbed"] == sum(
+        a.w_uk.nbytes + a.w_uv.nbytes for a in model.attention_layers())
 
 
 def test_cpu_default_dequantizes_as_before(tiny_fp8) -> None:
@@ -107,6 +130,7 @@ def test_fp8_forward_is_the_dequantized_model_up_to_activation_rounding(tiny_fp8
     rounded = _logits(model, config, prompt)
     monkeypatch.setattr(fp8_gemm, "fp8_linear_ref", functools.partial(fp8_linear_ref, quantize_input=False))
     monkeypatch.setattr(fp8_gemm, "fp8_grouped_ref", functools.partial(fp8_grouped_ref, quantize_input=False))
+    monkeypatch.setattr(fp8_gemm, "fp8_bmm_ref", functools.partial(fp8_bmm_ref, quantize_input=False))
     exact = _logits(model, config, prompt)
     # Same weights, same arithmetic once the activations are not rounded: the FP8 layers are wired right.
     assert torch.equal(exact, expected)
@@ -128,9 +152,14 @@ def test_experts_share_one_stacked_storage_and_bytes_are_counted_by_kind(tiny_fp
     params = dict(model.named_parameters())
     fp8 = sum(p.numel() for p in params.values() if p.dtype == FP8)
     scales = sum(4 * p.numel() for n, p in params.items() if n.endswith("weight_scale_inv"))
-    absorbed = sum(a.w_uk.nbytes + a.w_uv.nbytes for a in model.attention_layers())
+    # FP8 absorbed products: the W_UKᵀ copy and its scales are the absorbed bytes; W_UV and its scales are views
+    # of kv_b_proj's (counted there, once).
+    layers = model.attention_layers()
+    assert all(a.absorbed_fp8 for a in layers)
+    absorbed = sum(a.w_uk.nbytes + a.w_uk_scale.nbytes for a in layers)
     assert counted["fp8"] == fp8 and counted["fp8_scales"] == scales and counted["absorbed"] == absorbed
-    every = sum(t.nbytes for t in model.parameters()) + sum(b.nbytes for b in model.buffers())
+    views = sum(a.w_uv.nbytes + a.w_uv_scale.nbytes for a in layers)
+    every = sum(t.nbytes for t in model.parameters()) + sum(b.nbytes for b in model.buffers()) - views
     assert counted["total"] == every == sum(counted[k] for k in ("fp8", "fp8_scales", "absorbed", "other"))
 
 
