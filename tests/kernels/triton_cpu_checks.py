@@ -339,6 +339,41 @@ def compile_gemv() -> None:
             print(f"{label}: {resources}; {copies} asynchronous copies in the loop")
 
 
+def compile_bmm() -> None:
+    """The batched FP8 kernels (kernels/fp8_bmm_triton.py: MLA's absorbed products) at every configuration the
+    tuner offers for DeepSeek-V3.2's two products (W_UK: N 512, K 128; W_UV: N 128, K 512) and token counts 1–256:
+    they compile for sm_90 without spills; the tensor-core form's tiles of 64 rows and more use wgmma."""
+    import torch as _torch
+
+    from kernels import fp8_gemm
+    from kernels.fp8_bmm_triton import _fp8_bmm_gemv_kernel, _fp8_bmm_kernel
+
+    fp8_gemm._sm_count = lambda index: 132  # no GPU here: the H100's SM count (candidates do not depend on it)
+    types = {"a_ptr": "*bf16", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16", "m": "i32", "n": "i32",
+             "k": "i32", "k_tiles": "i32", **{name: "i32" for name in ("stride_ag", "stride_am", "stride_bg",
+                                                                     "stride_bn", "stride_bsg", "stride_bsn",
+                                                                     "stride_bsk", "stride_cg", "stride_cm")}}
+    configs = {c.config for tokens in (1, 2, 16, 32, 64, 128, 256) for n, k in ((512, 128), (128, 512))
+               for c in fp8_gemm.triton_candidates("batched", tokens, n, k, 128, _torch.device("cuda", 0))}
+    for config in sorted(configs, key=lambda c: c.label()):
+        if config.gemv_groups:
+            fn, constexprs = _fp8_bmm_gemv_kernel, {"BLOCK_N": config.block_n, "GROUPS": config.gemv_groups,
+                                                    "SCALE_BN": 128, "STAGES": config.gemv_stages}
+        else:
+            fn, constexprs = _fp8_bmm_kernel, {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": 128,
+                                               "SCALE_BN": 128}
+        aligned = [n for n in fn.arg_names if n.endswith("_ptr")] + ["n", "k", "stride_bn", "stride_am"]
+        kernel = _compile_sm90(fn, {n: types[n] for n in fn.arg_names if n in types}, constexprs,
+                               [n for n in aligned if n in fn.arg_names], config.num_warps, config.num_stages)
+        resources = _resources(kernel)
+        if re.search(r", [1-9]\d* B spilled", resources):
+            _fail(f"batched {config.label()} spills: {resources}")
+        wgmma = "warp_group_dot" in kernel.asm["ttgir"] or "wgmma" in kernel.asm["ptx"]
+        if not config.gemv_groups and config.block_m >= 64 and not wgmma:
+            _fail(f"batched {config.label()}: no wgmma")
+        print(f"batched {config.label()}: {resources}{'; wgmma' if wgmma else ''}")
+
+
 def interpret_norm_rope() -> None:
     """The one-kernel RMSNorm and rotary embedding (kernels/norm_rope_triton.py) in float32, where the
     interpreter's arithmetic is the GPU's (its bfloat16 casts are not: the GPU tests check bf16): rope equals the
@@ -549,6 +584,7 @@ CHECKS = {
     "interpret-scores": interpret_scores,
     "compile-topk": compile_topk,
     "compile-gemv": compile_gemv,
+    "compile-bmm": compile_bmm,
     **{f"compile-scores-{p}": (lambda p=p: compile_scores(p)) for p in ("fp16", "fp16x2", "fp8")},
     "compile-scores-fp8-e4m3-q": lambda: compile_scores("fp8", q_e4m3=True),
 }
