@@ -229,6 +229,23 @@ def test_random_tensor_parallel_fp8_model_is_the_whole_one_cut() -> None:
                                expected.view(torch.uint8) if tensor.dtype == FP8 else expected), name
 
 
+def test_tensor_parallel_fp8_absorbed_products_are_the_ranks_heads() -> None:
+    """With TP each rank's FP8 W_UKᵀ / W_UV (and scales) are its heads' slices of the whole model's: kv_b_proj is
+    cut by heads, whole 128-blocks each."""
+    config = ModelConfig.from_dict(ALIGNED)
+    whole = build_random_model(config, "cpu", torch.float32, seed=5, quantization="fp8")
+    for rank in range(2):
+        model = build_random_model(config, "cpu", torch.float32, seed=5, parallel=ParallelState(rank, 2),
+                                   quantization="fp8")
+        heads = slice(2 * rank, 2 * rank + 2)
+        for mine, all_heads in zip(model.attention_layers(), whole.attention_layers(), strict=True):
+            assert mine.absorbed_fp8 and all_heads.absorbed_fp8
+            for name in ("w_uk", "w_uv"):
+                assert torch.equal(getattr(mine, name).view(torch.uint8),
+                                   getattr(all_heads, name)[heads].view(torch.uint8)), name
+                assert torch.equal(getattr(mine, f"{name}_scale"), getattr(all_heads, f"{name}_scale")[heads])
+
+
 def test_pieces_that_cut_through_blocks_are_refused_or_dequantized(monkeypatch, caplog) -> None:
     # tiny-dsa's experts are 128 wide: at TP=2 each rank would hold 64 rows of gate/up and 64 columns of down.
     with pytest.raises(Fp8LayoutError, match=r"experts\.0\.down_proj\.weight: 64 columns"):
