@@ -154,14 +154,14 @@ class MLAAttention(nn.Module):
         q = self.q_b_proj(q_latent).view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
         query = torch.empty(num_tokens, self.num_heads, self.kv_lora_rank + self.rope_dim, dtype=q.dtype,
                             device=q.device)
-        if self.absorbed_fp8:  # written straight into the query's first 512 columns, per head
+        if self.absorbed_fp8:  # written straight into the query's first 512 columns, per head: no temporary
             fp8_batched_matmul(q[..., : self.nope_dim].transpose(0, 1), self.w_uk, self.w_uk_scale,
                                query[..., : self.kv_lora_rank].transpose(0, 1))
-        # W_UKᵀ q_nope per head, in token chunks so the temporary stays small for long prefills.
-        for start in range(0, 0 if self.absorbed_fp8 else num_tokens, _ABSORB_CHUNK_TOKENS):
-            rows = slice(start, start + _ABSORB_CHUNK_TOKENS)
-            latent = batched_matmul(q[rows, :, : self.nope_dim].transpose(0, 1), self.w_uk)  # [H, t, 512]
-            query[rows, :, : self.kv_lora_rank] = latent.transpose(0, 1)
+        else:  # W_UKᵀ q_nope per head, in token chunks so the temporary stays small for long prefills
+            for start in range(0, num_tokens, _ABSORB_CHUNK_TOKENS):
+                rows = slice(start, start + _ABSORB_CHUNK_TOKENS)
+                latent = batched_matmul(q[rows, :, : self.nope_dim].transpose(0, 1), self.w_uk)  # [H, t, 512]
+                query[rows, :, : self.kv_lora_rank] = latent.transpose(0, 1)
         fused_ops.rope(q[..., self.nope_dim :], cos, sin, interleaved=True, out=query[..., self.kv_lora_rank :])
         return query
 
