@@ -62,6 +62,17 @@ def route_tokens(
     return weights * routed_scaling_factor, expert_ids
 
 
+# Choices (tokens × experts per token) up to which the MoE's dispatch and combine run as one kernel each
+# (kernels/moe_dispatch_triton.py: each dispatch program counts over all choices, O(n²)): 512 tokens at top-8.
+MOE_DISPATCH_MAX_CHOICES = 4096
+
+
+def moe_dispatch_supported(x: torch.Tensor, expert_ids: torch.Tensor) -> bool:
+    """Whether `MoE.routed_dispatched` applies: CUDA rows with a contiguous last dim, decode-sized batches."""
+    return (x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and expert_ids.dim() == 2
+            and expert_ids.shape[0] == x.shape[0] and 0 < expert_ids.numel() <= MOE_DISPATCH_MAX_CHOICES)
+
+
 def expert_end_offsets(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """End offset of each expert's run in expert ids sorted ascending ([E] int32, = cumsum of the counts).
 
@@ -163,11 +174,14 @@ class MoE(nn.Module):
         fp8 = self.fp8_experts()
         grouped_ok = not batch_invariant.enabled() and (fp8 or hasattr(torch, "_grouped_mm"))
         if x.is_cuda and (fp8 or x.dtype == torch.bfloat16) and grouped_ok:
-            routed = self.routed_grouped(x, weights, expert_ids, owned)
+            shared = self.shared_experts(x)
+            if moe_dispatch_supported(x, expert_ids):  # decode's token counts: one dispatch and one combine kernel
+                out = self.routed_dispatched(x, weights, expert_ids, shared)
+            else:
+                out = self.routed_grouped(x, weights, expert_ids, owned) + shared
         else:
-            routed = self.routed_loop(x, weights, expert_ids)
+            out = self.routed_loop(x, weights, expert_ids) + self.shared_experts(x)
         # Partial sums on every rank with tensor/expert parallelism: one all-reduce (a no-op on one device).
-        out = routed + self.shared_experts(x)
         return all_reduce(out, self.parallel) if self.reduce else out
 
     def routed_loop(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -238,26 +252,40 @@ class MoE(nn.Module):
             out.append((pair[0], pair[1]))
         return tuple(out)  # type: ignore[return-value]
 
-    def routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-                       owned: torch.Tensor | None = None) -> torch.Tensor:
-        """`owned` (expert parallel): which choices fall on this rank; the others (sentinel ids, past the last
-        offset, so their rows of the grouped GEMM output are undefined) are zeroed before the weighted sum."""
+    def expert_mlps(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The routed experts' MLPs over rows sorted by expert (expert e owns rows up to offsets[e]): three grouped
+        GEMMs → [rows, hidden]; rows past offsets[-1] are undefined."""
         (gate_w, gate_s), (up_w, up_s), (down_w, down_s) = self.stacked()
-        num_tokens, top_k = expert_ids.shape
-        sorted_ids, order = torch.sort(expert_ids.flatten(), stable=True)
-        offsets = expert_end_offsets(sorted_ids, self.num_local_experts)
-        xs = x[order // top_k]
         if gate_s is not None:
             block = self.local_experts()[0].gate_proj.weight_block
             shared = SharedInput(xs)  # gate and up read one quantization, made only if their kernels need it
             hidden = F.silu(fp8_grouped_linear(xs, gate_w, gate_s, offsets, block, shared))
             hidden = hidden * fp8_grouped_linear(xs, up_w, up_s, offsets, block, shared)
-            out_sorted = fp8_grouped_linear(hidden, down_w, down_s, offsets, block)
-        else:
-            # grouped_mm(a [M, K], b [E, K, N]): the transposed views make each expert's weight column-major.
-            hidden = F.silu(torch._grouped_mm(xs, gate_w.transpose(1, 2), offs=offsets))
-            hidden = hidden * torch._grouped_mm(xs, up_w.transpose(1, 2), offs=offsets)
-            out_sorted = torch._grouped_mm(hidden, down_w.transpose(1, 2), offs=offsets)
+            return fp8_grouped_linear(hidden, down_w, down_s, offsets, block)
+        # grouped_mm(a [M, K], b [E, K, N]): the transposed views make each expert's weight column-major.
+        hidden = F.silu(torch._grouped_mm(xs, gate_w.transpose(1, 2), offs=offsets))
+        hidden = hidden * torch._grouped_mm(xs, up_w.transpose(1, 2), offs=offsets)
+        return torch._grouped_mm(hidden, down_w.transpose(1, 2), offs=offsets)
+
+    def routed_dispatched(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                          shared: torch.Tensor) -> torch.Tensor:
+        """`routed_grouped` + `shared` with the dispatch and the combine as one kernel each
+        (kernels/moe_dispatch_triton.py): the grouped GEMMs see the rows the sort gives, in its order."""
+        from kernels import moe_dispatch_triton  # imports triton: CUDA only
+
+        xs, slot, offsets = moe_dispatch_triton.dispatch(x, expert_ids, self.num_local_experts)
+        out_sorted = self.expert_mlps(xs, offsets)
+        return moe_dispatch_triton.combine(out_sorted, slot, expert_ids, weights.contiguous(),
+                                           self.num_local_experts, shared=shared, out_dtype=x.dtype)
+
+    def routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                       owned: torch.Tensor | None = None) -> torch.Tensor:
+        """`owned` (expert parallel): which choices fall on this rank; the others (sentinel ids, past the last
+        offset, so their rows of the grouped GEMM output are undefined) are zeroed before the weighted sum."""
+        num_tokens, top_k = expert_ids.shape
+        sorted_ids, order = torch.sort(expert_ids.flatten(), stable=True)
+        offsets = expert_end_offsets(sorted_ids, self.num_local_experts)
+        out_sorted = self.expert_mlps(x[order // top_k], offsets)
         per_choice = torch.empty_like(out_sorted)
         per_choice[order] = out_sorted
         per_choice = per_choice.view(num_tokens, top_k, -1).float()

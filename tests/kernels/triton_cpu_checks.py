@@ -449,6 +449,53 @@ def interpret_moe_route() -> None:
     print("router kernel: ids equal to route_tokens, weights within float32 rounding, ties to the lower index")
 
 
+def interpret_moe_dispatch() -> None:
+    """The MoE's one-kernel dispatch and combine (kernels/moe_dispatch_triton.py) against the eager path of
+    `MoE.routed_grouped`: the dispatch's rows, their order and the end offsets equal the stable sort's (ties
+    between tokens choosing one expert, other ranks' sentinel ids sorting last, experts nobody chose); the combine
+    equals a float32 sum in expert-slot order bit for bit and eager's sum within float32 rounding, with and without
+    the shared experts' output added."""
+    from decode_server.model.moe import expert_end_offsets
+    from kernels import moe_dispatch_triton as k
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [(1, 8, 256, None), (5, 8, 16, None), (7, 3, 4, None), (6, 4, 8, 3)]  # (tokens, top_k, experts, EP cut)
+    for tokens, top_k, experts, cut in cases:
+        scores = torch.rand(tokens, experts, generator=gen)
+        ids = scores.topk(top_k, dim=-1).indices
+        if experts <= 8:  # many tokens on one expert: the stable order decides
+            ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
+        local = experts
+        if cut is not None:  # expert parallel: ids ≥ cut are other ranks' (sentinel `cut`)
+            ids = torch.where(ids < cut, ids, cut)
+            local = cut
+        x = torch.randn(tokens, 300, generator=gen).to(torch.bfloat16)
+        xs, slot, ends = k.dispatch(x, ids, local)
+        sorted_ids, order = torch.sort(ids.flatten(), stable=True)
+        if not torch.equal(ends, expert_end_offsets(sorted_ids, local)):
+            _fail(f"end offsets differ from the sort's ({tokens} tokens, top-{top_k}, {experts} experts)")
+        if not torch.equal(xs, x[order // top_k]) or not torch.equal(order[slot.long()], torch.arange(ids.numel())):
+            _fail(f"dispatched rows differ from the sort's ({tokens} tokens, top-{top_k}, {experts} experts)")
+        ys = torch.randn(ids.numel(), 300, generator=gen)
+        weights = torch.rand(tokens, top_k, generator=gen)
+        shared = torch.randn(tokens, 300, generator=gen).to(torch.bfloat16)
+        owned = (ids < local).unsqueeze(-1)
+        per_choice = torch.where(owned, ys[slot.long()].view(tokens, top_k, -1), 0.0) * weights.unsqueeze(-1)
+        ordered = torch.zeros(tokens, 300)
+        for j in range(top_k):
+            ordered += per_choice[:, j]
+        got = k.combine(ys, slot, ids, weights, local, out_dtype=torch.float32)
+        if not torch.equal(got, ordered):
+            _fail(f"combine differs from the float32 sum in slot order by {(got - ordered).abs().max()}")
+        if not torch.allclose(got, per_choice.sum(dim=1), rtol=1e-6, atol=1e-6):
+            _fail("combine differs from eager's sum beyond float32 rounding")
+        # float32 here: the interpreter casts float32 to bf16 by truncation (the GPU rounds: its test checks bf16).
+        with_shared = k.combine(ys, slot, ids, weights, local, shared=shared.float(), out_dtype=torch.float32)
+        if not torch.equal(with_shared, ordered + shared.float()):
+            _fail("combine with the shared experts differs from eager's add")
+    print("MoE dispatch: the stable sort's rows, order and offsets; combine: slot-order float32 sum, eager's add")
+
+
 def interpret_fp8_quant() -> None:
     """The one-kernel FP8 quantizations (kernels/fp8_quant_triton.py) under the interpreter: the power-of-two
     scales equal eager's bit for bit (random rows, away from the powers of two where only CUDA's own log2f — the
@@ -576,6 +623,7 @@ def compile_small_kernels() -> None:
 CHECKS = {
     "interpret-kth-key": interpret_kth_key,
     "interpret-moe-route": interpret_moe_route,
+    "interpret-moe-dispatch": interpret_moe_dispatch,
     "compile-small-kernels": compile_small_kernels,
     "interpret-fp8-quant": interpret_fp8_quant,
     "interpret-indexer-rotation": interpret_indexer_rotation,
