@@ -40,7 +40,8 @@ from kernels import fp8_gemm  # noqa: E402
 
 logger = logging.getLogger("bench_fp8_step")
 GEMM_RE = re.compile(r"gemm|nvjet|xmma|cutlass|matmul|_fp8_|splitk|wgmma|gemv|grouped_mm|_quantize_kernel", re.I)
-FP8_RE = re.compile(r"_fp8_|_splitk_sum|_quantize_kernel|e4m3|f8f8", re.I)
+# cuBLAS names its block-scaled FP8 GEMMs (torch._scaled_mm) nvjet_sm90_qqtst_*.
+FP8_RE = re.compile(r"_fp8_|_splitk_sum|_quantize_kernel|e4m3|f8f8|qqtst", re.I)
 
 
 def _bench_decode():
