@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 SUPERVISE_PERIOD_S = 0.2
 RANK_EXIT_TIMEOUT_S = 10.0
+FATAL_LINGER_MS = 3000  # how long rank 0's supervisor waits to deliver its FatalMsg before it ends the process
 CONFIG_ENV = "DECODE_SERVER_ENGINE_CONFIG"  # how rank 0 hands the config to ranks 1..N-1
 
 
@@ -187,12 +188,13 @@ class RankSupervisor:
             if reason is not None and not self.stopping:
                 self.failure = reason
                 logger.error("%s; ending the engine", reason)
+                # A fresh connection: under load it may take a while to come up, and os._exit below drops whatever
+                # this socket (and rank 0's main thread) has not delivered yet — so linger long enough to deliver.
                 sock = self.ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 1000)
                 with contextlib.suppress(zmq.ZMQError):
                     sock.connect(self.fatal_address)
                     sock.send(encode(FatalMsg(reason)))
-                sock.close(linger=1000)
+                sock.close(linger=FATAL_LINGER_MS)
                 self.terminate()
                 os._exit(1)
             time.sleep(SUPERVISE_PERIOD_S)
