@@ -22,12 +22,17 @@ groups), M bucket (batched: rows per group), output dtype, device, block); M buc
 In "measure" mode, on the first call of a key outside CUDA-graph capture — normally the engine's warm-up,
 which tunes every shape of the model at every bucket it can run before any graph is captured
 (decode_server/model/fp8_warmup.py) — every candidate (scaled_mm where supported, a few Triton configurations) is
-checked against the default Triton configuration's output (a candidate that disagrees is rejected with a warning)
-and timed with CUDA events on the given weights of that shape (the model's layers, rotated, plus random copies
-until they exceed twice the L2 cache, so the cache flatters no candidate); the fastest is kept for the life of the
-process. A shape therefore always runs the same kernel afterwards: results are deterministic within a process
-(HiSparse == dense and graph replay == eager rely on it). A key first met during CUDA-graph capture gets the
-default Triton configuration untimed, and keeps it. Choices are logged at INFO.
+checked against the default Triton configuration's output (a candidate that disagrees is rejected with a warning),
+then all that agree are timed together (`_time_us`) on the given weights of that shape (the model's layers, rotated,
+plus random copies until they exceed twice the L2 cache, so the cache flatters no candidate): each candidate's
+calls are captured into one CUDA graph, since graph replay is what the server runs (timing eager calls let host
+launch overhead and clock state in: on an H100 it read every candidate of two small projections ~3× too high and
+picked split-K 1 at 42–50 µs over split-K 8 at 15–17 µs); the graphs are replayed in turns, one replay of each a
+round, so that drift (clocks, heat) hits every candidate alike rather than favouring the ones timed first, and each
+candidate's time is its fastest round. A candidate whose calls cannot be captured is rejected. The fastest is kept
+for the life of the process. A shape therefore always runs the same kernel afterwards: results are deterministic
+within a process (HiSparse == dense and graph replay == eager rely on it). A key first met during CUDA-graph capture
+gets the default Triton configuration untimed, and keeps it. Choices are logged at INFO.
 
 `HISPARSE_FP8_GEMM=auto|triton|scaled_mm` (or the `force_backend` context) restricts the candidates; with
 `scaled_mm`, shapes it does not support (grouped; K/128 not a multiple of 4) still use Triton. On CPU both
@@ -41,7 +46,6 @@ import functools
 import logging
 import math
 import os
-import statistics
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -58,8 +62,8 @@ TUNING_ENV = "HISPARSE_FP8_GEMM_TUNING"
 TUNING_MODES = ("table", "measure")
 MAX_M_BUCKET = 16384
 SCALED_MM_ROW_ALIGN = 4
-_SPIN_CYCLES_PER_CALL = 200_000  # ~0.1 ms of GPU spin per timed call: the host enqueues every call behind it
-_TIMED_REPEATS = 3
+_SPIN_CYCLES = 200_000  # ~0.1 ms of GPU spin before each timed replay: the host enqueues the replay behind it
+_TIMED_ROUNDS = 5
 _MIN_CALLS = 4
 _MAX_CALLS = 32
 _TIMED_BATCH_US = 1500.0
@@ -291,19 +295,96 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _time_us(fn: Callable[[int], object], calls: int) -> float:
-    """Median over repeats of the GPU time per call of `calls` back-to-back calls (each call i gets i)."""
-    times = []
-    for _ in range(_TIMED_REPEATS):
-        torch.cuda._sleep(_SPIN_CYCLES_PER_CALL * calls)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(calls):
-            fn(i)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / calls)
-    return statistics.median(times)
+@functools.cache
+def _capture_stream(device_index: int) -> torch.cuda.Stream:
+    """The side stream the tuner warms up and captures on: one per device for all tuning, since the fused split-K
+    kernels keep one counter buffer per stream for the life of the process (kernels/fp8_gemm_triton.py)."""
+    return torch.cuda.Stream(device=device_index)
+
+
+# Graph objects whose capture was invalidated, kept for the life of the process: torch (2.11) then leaves the capture
+# registered with its pinned-host allocator, through a filter that points at the graph object, and no Python call
+# removes that registration (nor may its pool be captured into again).
+_FAILED_CAPTURES: list[torch.cuda.CUDAGraph] = []
+
+
+def _capture(fn: Callable[[int], object], calls: int, pool: tuple[int, int],
+             stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
+    """fn(0) once eagerly on `stream` (compilation, lazily allocated buffers kept outside the graph), then fn(0) …
+    fn(calls-1) captured into one CUDA graph on `stream` from the memory pool `pool`; None if either raises."""
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream()
+    try:
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            fn(0)
+        # "thread_local": a sync inside the candidate's own calls still breaks the capture, but other threads of
+        # the process (the tuner runs during the engine's warm-up) are not refused their CUDA calls meanwhile.
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            for i in range(calls):
+                fn(i)
+    except Exception as exc:  # noqa: BLE001 - reported as NaN: the caller rejects the candidate
+        # An invalidated capture makes torch.cuda.graph's exit raise from capture_end before it restores the
+        # current stream and before the caching allocator stops routing this thread's allocations to `pool`.
+        torch.cuda.set_stream(current)
+        torch.cuda.synchronize()
+        registered = True
+        end_allocating = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end_allocating is not None:
+            try:
+                end_allocating(torch.cuda.current_device(), pool)
+            except RuntimeError:  # not recording: the capture never began, or capture_end got past that step
+                registered = False
+        if registered:
+            _FAILED_CAPTURES.append(graph)
+        logger.info("FP8 GEMM tuning: a candidate's calls cannot be captured in a CUDA graph: %s: %s",
+                    type(exc).__name__, exc)
+        return None
+    return graph
+
+
+def _time_us(fns: Sequence[Callable[[int], object]], calls: int) -> list[float]:
+    """GPU µs per call of each fn as graph replay runs it: fn(0) … fn(calls-1) captured into one CUDA graph per fn
+    (one memory pool for all, so memory stays bounded), the graphs replayed in turns for _TIMED_ROUNDS rounds, each
+    replay timed with CUDA events behind a short GPU spin (the host launches ahead of the GPU); each fn's result is
+    its fastest round, NaN where its calls cannot be captured."""
+    stream = _capture_stream(torch.cuda.current_device())
+    pool = torch.cuda.graph_pool_handle()
+    graphs: list[torch.cuda.CUDAGraph | None] = []
+    for fn in fns:
+        graph = _capture(fn, calls, pool, stream)
+        if graph is None:
+            pool = torch.cuda.graph_pool_handle()  # a pool whose capture failed cannot be captured into again
+        graphs.append(graph)
+    timed = [(index, graph) for index, graph in enumerate(graphs) if graph is not None]
+    for _, graph in timed:
+        graph.replay()  # untimed: a graph's first launch also uploads it
+    rounds = []
+    for _ in range(_TIMED_ROUNDS):
+        events = []
+        for _, graph in timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(_SPIN_CYCLES)
+            start.record()
+            graph.replay()
+            end.record()
+            events.append((start, end))
+        rounds.append(events)
+    torch.cuda.synchronize()
+    times = [math.nan] * len(fns)
+    for position, (index, _) in enumerate(timed):
+        fastest_ms = min(events[position][0].elapsed_time(events[position][1]) for events in rounds)
+        times[index] = fastest_ms * 1000.0 / calls
+    del timed, graphs  # the graphs' pool is released once no graph refers to it
+    return times
+
+
+def _reject(record: TuningRecord, label: str, reason: str) -> None:
+    """Record and log a candidate that will not be chosen (its output disagrees, it raised, or it cannot be
+    captured in a CUDA graph)."""
+    record.rejected.append(f"{label}: {reason}")
+    logger.warning("FP8 GEMM %s N=%d K=%d M≤%d: candidate %s rejected: %s", record.kind, record.n, record.k,
+                   record.bucket, label, reason)
 
 
 class Fp8GemmTuner:
@@ -429,12 +510,8 @@ class Fp8GemmTuner:
 
         reference = call(default, 0).float()
         limit = _AGREEMENT * float(reference.abs().max()) + 1e-6
-        # About 1.5 ms of GPU work per timed batch: short GEMMs get many calls (and every weight copy), long ones
-        # (prefill-sized M, weights larger than L2 anyway) a few.
-        estimate = _time_us(functools.partial(call, default), 2)
-        calls = max(_MIN_CALLS, min(_MAX_CALLS, math.ceil(_TIMED_BATCH_US / max(estimate, 1e-3))))
+        agreeing = []
         for choice in candidates:
-            label = choice.label()
             try:
                 out = call(choice, 0).float()
                 if kind == "grouped":
@@ -444,11 +521,22 @@ class Fp8GemmTuner:
                 diff = float((out - ref).abs().max()) if out.numel() else 0.0
                 if not diff <= limit:  # also catches NaN
                     raise RuntimeError(f"disagrees with the default Triton kernel by {diff:.3g} (limit {limit:.3g})")
-                record.timings_us[label] = _time_us(functools.partial(call, choice), calls)
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot run here is simply not chosen
-                record.rejected.append(f"{label}: {type(exc).__name__}: {exc}")
-                logger.warning("FP8 GEMM %s N=%d K=%d M≤%d: candidate %s rejected: %s", kind, record.n, record.k,
-                               bucket, label, exc)
+                _reject(record, choice.label(), f"{type(exc).__name__}: {exc}")
+                continue
+            agreeing.append(choice)
+        if agreeing:
+            # About 1.5 ms of GPU work per timed replay: short GEMMs get many calls (and every weight copy), long
+            # ones (prefill-sized M, weights larger than L2 anyway) a few.
+            estimate = _time_us([functools.partial(call, default)], 2)[0]
+            calls = (max(_MIN_CALLS, min(_MAX_CALLS, math.ceil(_TIMED_BATCH_US / max(estimate, 1e-3))))
+                     if math.isfinite(estimate) else _MIN_CALLS)
+            times = _time_us([functools.partial(call, choice) for choice in agreeing], calls)
+            for choice, us in zip(agreeing, times, strict=True):
+                if math.isfinite(us):
+                    record.timings_us[choice.label()] = us
+                else:
+                    _reject(record, choice.label(), "cannot be captured in a CUDA graph")
         if not record.timings_us:
             return default
         best = min(record.timings_us, key=record.timings_us.__getitem__)

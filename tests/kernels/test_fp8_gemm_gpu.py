@@ -9,8 +9,8 @@ Tolerances, for an output y[m, n] = Σ_k x[m, k]·W[n, k] (W exact in both: bloc
     (e4m3 keeps 3 mantissa bits: each x within max(2⁻⁴·|x|, 2⁻¹⁰·s_group) of itself, summed with |W|).
 Every Triton configuration the autotuner may pick for a shape is checked (`triton_candidates`), and scaled_mm where
 the device supports it. Plus: quantization kernel = reference, the grouped GEMM with empty experts and other
-ranks' rows, the autotuner (deterministic choice, forced backends), CUDA-graph capture (replay = eager, also for
-a shape first met during capture), batch-invariant tiles.
+ranks' rows, the autotuner (deterministic choice, forced backends, its timing as graph replays in turns), CUDA-graph
+capture (replay = eager, also for a shape first met during capture), batch-invariant tiles.
 
 Run: pytest -m gpu tests/kernels/test_fp8_gemm_gpu.py -v -s
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import pytest
 import torch
@@ -182,6 +183,83 @@ def test_tuner_choice_is_measured_cached_and_deterministic(caplog) -> None:
     for _ in range(3):
         assert torch.equal(fp8_gemm.fp8_linear(x, w, s), first)
     assert len(tuner.records) == 1  # cached: no second measurement
+
+
+def test_candidates_are_timed_as_graph_replays_in_turns() -> None:
+    """`_time_us`: a fn whose calls cannot be captured gets NaN, first or second, and the other still times (a
+    failed capture must leave the stream, the allocator and the next capture sound); 4× the work times slower than
+    1×; and the tuner's time for its choice of kv_a at M 64 is what an independent graph replay of that choice
+    measures (eager timing read such shapes ~3× too high on an H100)."""
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.current_stream()
+
+    def capturable(i: int) -> torch.Tensor:
+        return a @ a
+
+    def item(i: int) -> float:
+        return float((a @ a).sum().item())
+
+    def synchronizes(i: int) -> torch.Tensor:
+        y = a @ a
+        torch.cuda.synchronize()
+        return y
+
+    times = fp8_gemm._time_us([item, capturable], 4)
+    assert math.isnan(times[0]) and math.isfinite(times[1]) and times[1] > 0, times
+    assert torch.cuda.current_stream() == stream  # a failed capture's stream is not left current
+    times = fp8_gemm._time_us([capturable, synchronizes], 4)
+    assert math.isfinite(times[0]) and math.isnan(times[1]), times
+    assert torch.cuda.current_stream() == stream
+    assert math.isfinite(fp8_gemm._time_us([capturable], 4)[0])
+
+    def four(i: int) -> list[torch.Tensor]:
+        return [a @ a for _ in range(4)]
+
+    t4, t1 = fp8_gemm._time_us([four, capturable], 4)
+    print(f"\n1× {t1:.1f} µs, 4× {t4:.1f} µs")
+    assert 2 * t1 < t4 < 8 * t1
+
+    n, k = SHAPES["kv_a"]
+    device = torch.device("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    weights = [fp8_gemm._random_weights((n, k), BLOCK, device, gen)]
+    tuner = fp8_gemm.reset_tuner("measure")
+    try:
+        choice = fp8_gemm.tune("dense", weights, 64, torch.bfloat16)
+        record = tuner.records[-1]
+    finally:
+        fp8_gemm.reset_tuner()
+    assert record.best_us is not None, record
+    assert not [r for r in record.rejected if "CUDA graph" in r], record.rejected
+    # Independently: 20 calls of the choice in one graph, weights rotated over copies exceeding twice the L2.
+    per_weight = n * k + 4 * weights[0][1].numel()
+    while len(weights) * per_weight <= 2 * fp8_gemm._l2_bytes(torch.cuda.current_device()):
+        weights.append(fp8_gemm._random_weights((n, k), BLOCK, device, gen))
+    x = activations(64, k)
+    calls = 20
+    side = torch.cuda.Stream()
+    side.wait_stream(stream)
+    with torch.cuda.stream(side):
+        fp8_gemm._run_dense(choice, x, *weights[0], BLOCK, torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        for i in range(calls):
+            fp8_gemm._run_dense(choice, x, *weights[i % len(weights)], BLOCK, torch.bfloat16)
+    graph.replay()
+    replays = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        replays.append(start.elapsed_time(end) * 1000.0 / calls)
+    del graph
+    independent = min(replays)
+    print(f"kv_a M 64: chose {choice.label()}, tuner {record.best_us:.1f} µs, graph replay {independent:.1f} µs; "
+          f"{record.timings_us}")
+    assert 0.67 <= record.best_us / independent <= 1.5
 
 
 @pytest.mark.parametrize("backend", ["triton", "scaled_mm"])

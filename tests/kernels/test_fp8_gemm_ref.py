@@ -191,9 +191,9 @@ def test_tuner_keeps_the_fastest_candidate_that_agrees(monkeypatch) -> None:
         out = fp8_linear_ref(rows, w, s, block).to(dtype)
         return out * 1.5 if choice.backend == "scaled_mm" and wrong["scaled_mm"] else out
 
-    def fake_time(fn, calls):
-        choice = fn.args[0]
-        return 5.0 if choice.backend == "scaled_mm" else 10.0 + choice.config.split_k + choice.config.block_n / 64
+    def fake_time(fns, calls):
+        return [5.0 if fn.args[0].backend == "scaled_mm"
+                else 10.0 + fn.args[0].config.split_k + fn.args[0].config.block_n / 64 for fn in fns]
 
     monkeypatch.setattr(fp8_gemm, "_run_dense", run_dense)
     monkeypatch.setattr(fp8_gemm, "_time_us", fake_time)
@@ -214,6 +214,37 @@ def test_tuner_keeps_the_fastest_candidate_that_agrees(monkeypatch) -> None:
     assert choice.backend == "triton" and "scaled_mm" not in tuner.records[-1].timings_us
 
 
+def test_tuner_times_every_agreeing_candidate_in_one_call_and_rejects_one_it_cannot_capture(monkeypatch) -> None:
+    """The candidates that agree with the default are timed together, in one `_time_us` call (their graphs replayed
+    in turns, so drift hits all alike), after one single-candidate call that sizes the timed batch; a candidate
+    whose time comes back NaN (its calls cannot be captured in a CUDA graph) is rejected and never chosen, however
+    fast the others make it look."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(fp8_gemm, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(fp8_gemm, "_l2_bytes", lambda index: 1)
+    monkeypatch.setattr(fp8_gemm, "scaled_mm_supported", lambda n, k, block, device: True)
+    monkeypatch.setattr(fp8_gemm, "_run_dense", lambda c, rows, w, s, block, dtype: fp8_linear_ref(rows, w, s))
+    timed: list[list] = []
+
+    def fake_time(fns, calls):
+        timed.append([fn.args[0] for fn in fns])
+        # scaled_mm "cannot be captured"; otherwise the most split configuration is the fastest
+        return [float("nan") if fn.args[0].backend == "scaled_mm" else 10.0 - fn.args[0].config.split_k
+                for fn in fns]
+
+    monkeypatch.setattr(fp8_gemm, "_time_us", fake_time)
+    w, s = weight(576, 1024)
+    tuner = fp8_gemm.Fp8GemmTuner("measure")
+    choice = tuner.choose("dense", 576, 1024, 0, 1, torch.bfloat16, torch.device("cpu"), [(w, s)], (128, 128))
+    record = tuner.records[-1]
+    cpu = torch.device("cpu")
+    candidates = [fp8_gemm.GemmChoice("scaled_mm"), *fp8_gemm.triton_candidates("dense", 1, 576, 1024, 0, cpu)]
+    assert timed == [[fp8_gemm.default_choice("dense", 1, 576, 1024, 0, cpu)], candidates]
+    assert record.rejected == ["scaled_mm: cannot be captured in a CUDA graph"]
+    assert "scaled_mm" not in record.timings_us and len(record.timings_us) == len(candidates) - 1
+    assert choice.backend == "triton" and choice.config.split_k == max(c.config.split_k for c in candidates[1:])
+
+
 def test_tensor_parallel_ranks_adopt_rank0s_decisions_and_freeze(monkeypatch) -> None:
     """Rank 0's decisions move to another rank's device as they are; once frozen, an undecided shape takes the
     default configuration without timing (every rank then runs the same kernels for the replicated layers)."""
@@ -221,13 +252,13 @@ def test_tensor_parallel_ranks_adopt_rank0s_decisions_and_freeze(monkeypatch) ->
     monkeypatch.setattr(fp8_gemm, "_sm_count", lambda index: 132)
     monkeypatch.setattr(fp8_gemm, "_l2_bytes", lambda index: 1)
     monkeypatch.setattr(fp8_gemm, "_run_dense", lambda c, rows, w, s, block, dtype: fp8_linear_ref(rows, w, s))
-    monkeypatch.setattr(fp8_gemm, "_time_us", lambda fn, calls: 10.0 - fn.args[0].config.split_k)
+    monkeypatch.setattr(fp8_gemm, "_time_us", lambda fns, calls: [10.0 - fn.args[0].config.split_k for fn in fns])
     w, s = weight(576, 1024)
     rank0 = fp8_gemm.Fp8GemmTuner("measure")
     chosen = rank0.choose("dense", 576, 1024, 0, 1, torch.bfloat16, torch.device("cpu"), [(w, s)], (128, 128))
     assert chosen.config.split_k > 1  # the stub makes the most split configuration the fastest
 
-    def no_timing(fn, calls):
+    def no_timing(fns, calls):
         raise AssertionError("a rank that adopted decisions must not time anything")
 
     monkeypatch.setattr(fp8_gemm, "_time_us", no_timing)

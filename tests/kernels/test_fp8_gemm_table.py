@@ -24,7 +24,7 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(fp8_gemm, "_sm_count", lambda index: 132)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU 80GB")
 
-    def no_timing(fn, calls):
+    def no_timing(fns, calls):
         raise AssertionError("table mode must not time anything")
 
     monkeypatch.setattr(fp8_gemm, "_time_us", no_timing)
