@@ -77,10 +77,12 @@ FUSED_MAX_ROWS = 16
 # The one-row kernel's launch shapes (rows a program, 128-channel groups a loop step, warps, quantization inside,
 # loop stages): the winners of a sweep of 10 over the DeepSeek-V3.2 projections at M = 1 (H100, 2026-11-27;
 # docs/kernels.md), each also with its loop pipelined 3 deep (`gemv_stages`) for the dense kernel. The grouped
-# kernel's loop sits inside its loop over an expert's rows, where Triton 3.6 does not pipeline the weight tiles.
+# kernel's per-expert form has its loop inside its loop over an expert's rows, where Triton 3.6 does not pipeline
+# the weight tiles; its row-program form (a program per row, `gemv_row_programs`) has one loop and takes both.
 _GEMV_SHAPES = ((8, 4, 4, False), (16, 4, 4, False), (16, 8, 8, False), (32, 4, 4, True), (16, 4, 4, True))
 GEMV_CANDIDATES = tuple((*shape, stages) for stages in (1, 3) for shape in _GEMV_SHAPES)
 GROUPED_GEMV_CANDIDATES = tuple((*shape, 1) for shape in _GEMV_SHAPES)
+GROUPED_GEMV_ROW_CANDIDATES = GEMV_CANDIDATES
 # The grouped one-row kernel reads an expert's weights once per row: offered while the rows an active expert gets
 # average at most this many (decode's small batches).
 GEMV_MAX_ROWS_PER_EXPERT = 2
@@ -246,6 +248,12 @@ def triton_candidates(kind: str, bucket: int, n: int, k: int, experts: int, devi
         out += [GemmChoice("triton", config(block_n=bn, num_warps=warps, gemv_groups=groups, fuse_quant=fused,
                                             gemv_stages=stages))
                 for bn, groups, warps, fused, stages in (GEMV_CANDIDATES if kind == "dense" else GROUPED_GEMV_CANDIDATES)]
+        if kind == "grouped" and bucket <= _triton().MAX_GRID_Y:
+            # A program per (column block, row): at decode most of the per-expert form's programs find no rows and
+            # the few that do are too few to keep HBM busy (H200, batch 1: 46 % of the copy rate).
+            out += [GemmChoice("triton", config(block_n=bn, num_warps=warps, gemv_groups=groups, fuse_quant=fused,
+                                                gemv_stages=stages, gemv_row_programs=True))
+                    for bn, groups, warps, fused, stages in GROUPED_GEMV_ROW_CANDIDATES]
     return out
 
 

@@ -53,6 +53,7 @@ _FP8_MAX_C = tl.constexpr(FP8_MAX)
 _ACT_EPS_C = tl.constexpr(ACT_EPS)
 _GROUPS_PER_PROGRAM = 8
 _REDUCE_BLOCK = 1024
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,13 @@ class TritonGemmConfig:
     fuse_reduce: bool = False  # split-K: the last split of a tile sums the partials (no sum kernel)
     gemv_groups: int = 0  # > 0: the one-row kernel (`fp8_gemv`), this many 128-channel groups a loop step
     gemv_stages: int = 1  # the one-row kernel's loop: > 1 keeps that many steps' weight tiles in flight (cp.async)
+    gemv_row_programs: bool = False  # grouped one-row kernel: a program per (column block, row), not per expert
 
     def label(self) -> str:
         if self.gemv_groups:
             return (f"triton gemv bn{self.block_n} g{self.gemv_groups} w{self.num_warps}"
-                    f"{f' ls{self.gemv_stages}' if self.gemv_stages > 1 else ''}{' fq' if self.fuse_quant else ''}")
+                    f"{f' ls{self.gemv_stages}' if self.gemv_stages > 1 else ''}{' fq' if self.fuse_quant else ''}"
+                    f"{' rp' if self.gemv_row_programs else ''}")
         grouped = f" mp{self.m_programs}" if self.m_programs != 1 else ""
         fused = (" fq" if self.fuse_quant else "") + (" fr" if self.fuse_reduce and self.split_k > 1 else "")
         return (f"triton bm{self.block_m} bn{self.block_n} sk{self.split_k} w{self.num_warps} "
@@ -289,6 +292,30 @@ def _fp8_grouped_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ends_ptr, n, k
         row += 1
 
 
+@triton.jit
+def _fp8_grouped_gemv_rows_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ends_ptr, n, k, experts, stride_am,
+                                  stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk, stride_cm,
+                                  BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SCALE_BN: tl.constexpr,
+                                  FUSE_QUANT: tl.constexpr, STAGES: tl.constexpr, EXPERTS_P2: tl.constexpr):
+    """Program (n block, row): the row's expert is the number of end offsets ≤ row (the rows are sorted by
+    expert), and the row meets BLOCK_N rows of that expert's weight (`_row_dot`). Every program does work — the
+    per-expert form launches a program per expert, most of which exit at once at decode — and its loop is the
+    kernel's only loop, so STAGES > 1 pipelines the weight tiles. Rows past end[E-1] are not written."""
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1)
+    e_offs = tl.arange(0, EXPERTS_P2)
+    ends = tl.load(ends_ptr + e_offs, mask=e_offs < experts, other=0x7FFFFFFF)
+    expert = tl.sum((ends <= row).to(tl.int32), axis=0)
+    if expert < experts:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        w_rows = b_ptr + expert.to(tl.int64) * stride_be + cols.to(tl.int64) * stride_bn
+        w_scales = bs_ptr + expert.to(tl.int64) * stride_bse + ((pid_n * BLOCK_N) // SCALE_BN) * stride_bsn
+        out = _row_dot(a_ptr + row.to(tl.int64) * stride_am, as_ptr + row, stride_asg, w_rows, w_scales, col_ok, k,
+                       stride_bsk, BLOCK_N, GROUPS, FUSE_QUANT, STAGES)
+        tl.store(c_ptr + row.to(tl.int64) * stride_cm + cols, out.to(c_ptr.dtype.element_ty), mask=col_ok)
+
+
 @triton.jit(do_not_specialize=["tiles_per_split", "m_progs", "counters_per_column"])
 def _fp8_grouped_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, counters_ptr, ends_ptr, n, k,
                              tiles_per_split, m_progs, counters_per_column,
@@ -478,6 +505,8 @@ def fp8_gemv(a: torch.Tensor, a_scales: torch.Tensor | None, m: int, w: torch.Te
     (`gemv_groups` > 0): (a [≥1, K] e4m3, a_scales [G, ≥1]) or, with `config.fuse_quant`, the unquantized row."""
     if m > 1:
         raise ValueError(f"fp8_gemv takes one row, got m={m}")
+    if config.gemv_row_programs:
+        raise ValueError(f"the row-program form is the grouped kernel's, got {config.label()} for a dense GEMM")
     a_arg, s_arg, stride_asg, meta = _gemv_operands(a, a_scales, w, w_scale, config, block)
     n, k = w.shape
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
@@ -492,7 +521,9 @@ def fp8_grouped_gemv(a: torch.Tensor, a_scales: torch.Tensor | None, w: torch.Te
                      end_offsets: torch.Tensor, out_dtype: torch.dtype, config: TritonGemmConfig,
                      block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """`fp8_grouped_gemm` with the one-row kernel (`config.gemv_groups` > 0): each expert's rows one at a time, for
-    decode's few rows per expert; same arguments and contract (rows past end_offsets[E-1] left undefined)."""
+    decode's few rows per expert; same arguments and contract (rows past end_offsets[E-1] left undefined). Two
+    launch forms with the same arithmetic, so the same bits: a program per (column block, expert) walking the
+    expert's rows, or with `config.gemv_row_programs` a program per (column block, row)."""
     if w.dim() != 3 or w_scale.dim() != 3 or end_offsets.numel() != w.shape[0]:
         raise ValueError(f"grouped weights must be [E, N, K] with E end offsets; got {tuple(w.shape)}, "
                          f"{tuple(w_scale.shape)}, {end_offsets.numel()} offsets")
@@ -500,7 +531,16 @@ def fp8_grouped_gemv(a: torch.Tensor, a_scales: torch.Tensor | None, w: torch.Te
     experts, n, k = w.shape
     m = a.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    if m and n and experts:
+    if not (m and n and experts):
+        return out
+    if config.gemv_row_programs:
+        if m > MAX_GRID_Y:
+            raise ValueError(f"the row-program form takes at most {MAX_GRID_Y} rows, got {m}")
+        _fp8_grouped_gemv_rows_kernel[(triton.cdiv(n, config.block_n), m)](
+            a_arg, s_arg, w, w_scale, out, end_offsets, n, k, experts, a_arg.stride(0), stride_asg,
+            w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), out.stride(0),
+            EXPERTS_P2=triton.next_power_of_2(experts), **meta)
+    else:
         _fp8_grouped_gemv_kernel[(triton.cdiv(n, config.block_n), experts)](
             a_arg, s_arg, w, w_scale, out, end_offsets, n, k, a_arg.stride(0), stride_asg,
             w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), out.stride(0), **meta)

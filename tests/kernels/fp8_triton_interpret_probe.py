@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from unittest import mock
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("run with TRITON_INTERPRET=1")
@@ -199,6 +200,18 @@ def test_grouped() -> None:
         fused = tri.TritonGemmConfig(block_n=block_n, gemv_groups=groups, fuse_quant=True)
         again = tri.fp8_grouped_gemv(x, None, w, s, ends, torch.float32, fused)
         same_bits(f"grouped one-row E={experts} {fused.label()}", again[:5], got[:5])
+        # The row-program form: the same arithmetic per row, so the same bits; rows 5.. (past the last expert)
+        # are skipped, not written.
+        for stages, fuse in ((1, False), (3, True)):
+            rows_form = tri.TritonGemmConfig(block_n=block_n, gemv_groups=groups, fuse_quant=fuse, gemv_stages=stages,
+                                             gemv_row_programs=True)
+            sentinel = torch.full((7, n), 5.0)
+            with mock.patch.object(torch, "empty", return_value=sentinel):
+                by_row = tri.fp8_grouped_gemv(x if fuse else q, None if fuse else scales, w, s, ends, torch.float32,
+                                              rows_form)
+            same_bits(f"grouped one-row E={experts} {rows_form.label()}", by_row[:5], got[:5])
+            if not bool((by_row[5:] == 5.0).all()):
+                sys.exit(f"FAIL grouped one-row {rows_form.label()}: wrote rows past the last expert")
 
 
 def test_batched() -> None:

@@ -392,7 +392,8 @@ def test_gemv_quantizing_inside_gives_the_quantization_kernels_bits(shape: str) 
 def test_grouped_gemv_quantizing_inside_gives_the_quantization_kernels_bits(tokens: int) -> None:
     """The grouped one-row kernel, decode-like (top-8 of 32 experts for 1 or 3 tokens: some experts get two or
     three rows, others none), quantizing inside against reading the quantization kernel's output: the same bits
-    for every launch shape the tuner may pick, and under a CUDA graph replayed on new rows."""
+    for every launch shape the tuner may pick, in both launch forms (a program per expert, a program per row),
+    and under a CUDA graph replayed on new rows."""
     from kernels import fp8_gemm_triton as tri
 
     n, k, experts, top_k = 2048, 7168, 32, 8
@@ -411,6 +412,14 @@ def test_grouped_gemv_quantizing_inside_gives_the_quantization_kernels_bits(toke
         q, scales = tri.quantize_activations(x)
         want = tri.fp8_grouped_gemv(q, scales, w, s, ends, torch.bfloat16, plain)
         assert torch.equal(tri.fp8_grouped_gemv(x, None, w, s, ends, torch.bfloat16, fused), want), fused.label()
+    for block_n, groups, warps, fused_quant, stages in fp8_gemm.GROUPED_GEMV_ROW_CANDIDATES:
+        per_expert = tri.TritonGemmConfig(block_n=block_n, num_warps=warps, gemv_groups=groups)
+        by_row = tri.TritonGemmConfig(block_n=block_n, num_warps=warps, gemv_groups=groups, gemv_stages=stages,
+                                      fuse_quant=fused_quant, gemv_row_programs=True)
+        q, scales = tri.quantize_activations(x)
+        want = tri.fp8_grouped_gemv(q, scales, w, s, ends, torch.bfloat16, per_expert)
+        got = tri.fp8_grouped_gemv(*((x, None) if fused_quant else (q, scales)), w, s, ends, torch.bfloat16, by_row)
+        assert torch.equal(got, want), by_row.label()
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.graph(graph, stream=stream):

@@ -312,19 +312,27 @@ def compile_gemv() -> None:
     """The FP8 one-row kernels (kernels/fp8_gemm_triton.py) at every launch shape the tuner offers: no spills, and
     with `gemv_stages` > 1 the weight tiles of the loop are copied asynchronously into shared memory, stages − 1
     tiles ahead (the pipeliner took the loop; a plain loop has no asynchronous copy)."""
-    from kernels.fp8_gemm import GEMV_CANDIDATES, GROUPED_GEMV_CANDIDATES
-    from kernels.fp8_gemm_triton import _fp8_gemv_kernel, _fp8_grouped_gemv_kernel
+    from kernels.fp8_gemm import GEMV_CANDIDATES, GROUPED_GEMV_CANDIDATES, GROUPED_GEMV_ROW_CANDIDATES
+    from kernels.fp8_gemm_triton import (
+        _fp8_gemv_kernel,
+        _fp8_grouped_gemv_kernel,
+        _fp8_grouped_gemv_rows_kernel,
+    )
 
     common = {"b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16", "n": "i32", "k": "i32", "stride_asg": "i32",
               "stride_bn": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "ends_ptr": "*i32", "stride_am": "i32",
-              "stride_be": "i32", "stride_bse": "i32", "stride_cm": "i32"}
+              "stride_be": "i32", "stride_bse": "i32", "stride_cm": "i32", "experts": "i32"}
     for kernel_fn, candidates in ((_fp8_gemv_kernel, GEMV_CANDIDATES),
-                                  (_fp8_grouped_gemv_kernel, GROUPED_GEMV_CANDIDATES)):
+                                  (_fp8_grouped_gemv_kernel, GROUPED_GEMV_CANDIDATES),
+                                  (_fp8_grouped_gemv_rows_kernel, GROUPED_GEMV_ROW_CANDIDATES)):
         for block_n, groups, warps, fused, stages in candidates:
             types = {**common, "a_ptr": "*bf16" if fused else "*fp8e4nv", "as_ptr": "*bf16" if fused else "*fp32"}
-            aligned = [n for n in kernel_fn.arg_names if n.endswith("_ptr")] + ["n", "k", "stride_bn", "stride_am"]
+            aligned = [n for n in kernel_fn.arg_names if n.endswith("_ptr")] + ["n", "k", "stride_bn", "stride_am",
+                                                                               "stride_be"]
             constexprs = {"BLOCK_N": block_n, "GROUPS": groups, "SCALE_BN": 128, "FUSE_QUANT": fused,
                           "STAGES": stages}
+            if "EXPERTS_P2" in kernel_fn.arg_names:
+                constexprs["EXPERTS_P2"] = 256  # DeepSeek-V3.2's routed experts on one rank
             kernel = _compile_sm90(kernel_fn, {n: types[n] for n in kernel_fn.arg_names if n in types}, constexprs,
                                    [n for n in aligned if n in kernel_fn.arg_names], warps, 3)
             copies = sum(body.count("async_copy_global_to_local") for body in _loops(kernel.asm["ttgir"]))
