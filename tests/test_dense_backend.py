@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from decode_server.engine.dense_backend import DenseBackend, DenseKVCache
 from decode_server.engine.forward_batch import SCRATCH_SLOTS, ForwardBatch
@@ -130,3 +133,58 @@ def _run_layer_with_rows(
         return _run_layer(cache, [0, 1, 2], lens, seed)
     finally:
         DenseBackend.write_kv = original
+
+
+class _TableGathers(TorchFunctionMode):
+    """Counts the indexer's row gathers from `table` (`table[req_rows, :width]`: a slice for the columns)."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.table = table
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (func is torch.Tensor.__getitem__ and args[0] is self.table and isinstance(args[1], tuple)
+                and isinstance(args[1][-1], slice)):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_indexer_token_rows_are_gathered_once_a_forward(monkeypatch) -> None:
+    """Every layer's indexer gets the one [B, width] tensor that begin_forward gathered (one gather a forward,
+    not one a layer), with the same selections as a gather of its own would give; nothing holds it after the
+    forward. A prefill forward (width: the longest sequence) and a static decode one (width: index_width)."""
+    from decode_server.engine import dense_backend
+
+    layers, lens = 4, [70, 5, 40]
+    cache = DenseKVCache(layers, 512, 4, 128, torch.float32, "cpu", page_size=16)
+    backend = DenseBackend(cache)
+    for r, n in enumerate(lens):
+        backend.reserve(r, n + 1)
+    seen: list[torch.Tensor] = []
+    original = dense_backend.indexer_topk
+
+    def recording(q, weights, keys, scales, token_rows, token_req, seq_lens, top_k, reference=False):
+        seen.append(token_rows)
+        got = original(q, weights, keys, scales, token_rows, token_req, seq_lens, top_k, reference)
+        batch = backend._batch
+        own = cache.tokens.table.clone()[batch.req_rows, : batch.token_table_width()]  # as each layer gathered
+        assert torch.equal(got, original(q, weights, keys, scales, own, token_req, seq_lens, top_k, reference))
+        return got
+
+    monkeypatch.setattr(dense_backend, "indexer_topk", recording)
+    g = torch.Generator().manual_seed(5)
+    decode = dataclasses.replace(ForwardBatch.build([0, 1, 2], lens, [1, 1, 1], "cpu"), static=True,
+                                 index_width=128)  # as the graph runner's static batches: the table's width
+    for batch, width in ((ForwardBatch.build([0, 1, 2], [0, 0, 0], lens, "cpu"), max(lens)), (decode, 128)):
+        seen.clear()
+        t = batch.num_tokens
+        with _TableGathers(cache.tokens.table) as gathers, forward_context(batch, backend):
+            for layer in range(layers):
+                backend.write_kv(layer, torch.randn(t, 576, generator=g))
+                backend.write_index_keys(layer, *quantize_index_keys(torch.randn(t, 128, generator=g)))
+                backend.index_topk(layer, torch.randn(t, 4, 128, generator=g), torch.rand(t, 4, generator=g), 32)
+        assert gathers.count == 1
+        assert len(seen) == layers and all(rows is seen[0] for rows in seen)
+        assert seen[0].shape == (3, width)
+        assert backend._token_rows is None

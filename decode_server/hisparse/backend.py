@@ -82,6 +82,7 @@ class HiSparseBackend(AttentionBackend):
         self._batch: ForwardBatch | None = None
         self._query_rows: torch.Tensor | None = None
         self._index_rows: torch.Tensor | None = None
+        self._token_rows: torch.Tensor | None = None  # the indexer's [B, width] key rows, one gather a forward
         self._new_slots: torch.Tensor | None = None  # decode: device slot of each new token
         self._new_host_rows: torch.Tensor | None = None  # decode: host row of each new token
         self._extend_host_rows_cpu: torch.Tensor | None = None  # prefill: host rows of the new tokens
@@ -147,6 +148,9 @@ class HiSparseBackend(AttentionBackend):
         self._batch = batch
         self._query_rows = batch.req_rows[batch.token_req]
         self._index_rows = co.indexer.rows.table[self._query_rows, batch.positions].long()
+        # Every layer's indexer reads the same rows: gathered once a forward, not once a layer; inside the
+        # captured region under CUDA graphs (forward_context), so each replay gathers the step's rows.
+        self._token_rows = co.indexer.rows.table[batch.req_rows, : batch.token_table_width()]
         host_rows = co.host.rows.table[self._query_rows, batch.positions].long()
         if batch.is_decode:
             self._new_slots = self._slots_of_new_tokens(batch)
@@ -196,7 +200,7 @@ class HiSparseBackend(AttentionBackend):
                 self.co.set_pending_backup(self.co.staging.finish(), batch.req_rows_cpu)
         finally:
             self._batch = None
-            self._query_rows = self._index_rows = None
+            self._query_rows = self._index_rows = self._token_rows = None
             self._new_slots = self._new_host_rows = self._extend_host_rows_cpu = self._seq_lens = None
 
     def _backup(self, slots: torch.Tensor, host_rows: torch.Tensor, req_rows: list[int]) -> None:
@@ -239,11 +243,11 @@ class HiSparseBackend(AttentionBackend):
 
     def index_topk(self, layer_id: int, q: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
         batch = self._current()
-        token_rows = self.co.indexer.rows.table[batch.req_rows, : batch.token_table_width()]
+        assert self._token_rows is not None  # set with the batch in begin_forward
         index = self.co.index_slot[layer_id]
         return batch.mask_padded_topk(ops.indexer_topk(
             q, weights, self.co.indexer.keys[index], self.co.indexer.scales[index],
-            token_rows, batch.token_req, batch.positions + 1, top_k, self.co.reference_kernels,
+            self._token_rows, batch.token_req, batch.positions + 1, top_k, self.co.reference_kernels,
         ))
 
     def prepare_attention(self, layer_id: int, topk_positions: torch.Tensor) -> None:

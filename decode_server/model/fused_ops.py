@@ -1,13 +1,14 @@
 """The model's elementwise steps — RMSNorm, the residual add before a norm, rotary embeddings, the FP8
-quantization of FP8 KV rows, the indexer's query and key chains (rotary, Hadamard rotation, FP8) — as one Triton
-kernel each on CUDA (kernels/norm_rope_triton.py, kernels/fp8_quant_triton.py, kernels/indexer_rotation_triton.py),
-eager PyTorch elsewhere. The MoE router's selection follows the same switch
-(`MoEGate`, kernels/moe_route_triton.py).
+quantization of FP8 KV rows, the indexer's query and key chains (rotary, Hadamard rotation, FP8), SwiGLU's
+silu(gate) · up — as one Triton kernel each on CUDA (kernels/norm_rope_triton.py, kernels/fp8_quant_triton.py,
+kernels/indexer_rotation_triton.py, kernels/swiglu_triton.py), eager PyTorch elsewhere. The MoE router's
+selection follows the same switch (`MoEGate`, kernels/moe_route_triton.py).
 
-Why a dispatcher: eager runs each of these as 8-9 small kernels, and at decode batch sizes a step is bound by
-how many kernels it launches as much as by the bytes it reads (docs/model.md "Computation"). The eager versions
-here are the references and the CPU path. The rotary and quantization kernels give eager's bits; the norm kernel differs from eager
-only in its sum's order (kernels/norm_rope_triton.py), and both are row-local, so batch invariant.
+Why a dispatcher: eager runs each of these as several small kernels (8-9 for a norm or a rotary, 2 for SwiGLU),
+and at decode batch sizes a step is bound by how many kernels it launches as much as by the bytes it reads
+(docs/model.md "Computation"). The eager versions here are the references and the CPU path. The rotary,
+quantization and SwiGLU kernels give eager's bits; the norm kernel differs from eager only in its sum's order
+(kernels/norm_rope_triton.py), and all are row-local, so batch invariant.
 
 `set_enabled(False)` makes every call eager, the router's too (benchmarks compare the two in one process; tests
 use it as the oracle); `set_router_enabled(False)` makes only the router eager (its own A/B)."""
@@ -15,6 +16,7 @@ use it as the oracle); `set_router_enabled(False)` makes only the router eager (
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from decode_server.model import batch_invariant
 from decode_server.model.rope import apply_rope_half_split, apply_rope_interleaved
@@ -169,3 +171,22 @@ def pack_fp8_rows(rows: torch.Tensor) -> torch.Tensor:
     if _enabled and rows.is_cuda and _quant().supports_pack_rows(rows):
         return _quant().pack_fp8_rows(rows)
     return pack_fp8_rows_eager(rows)
+
+
+def _swiglu():
+    """kernels.swiglu_triton, imported on first CUDA use (it imports triton)."""
+    from kernels import swiglu_triton
+
+    return swiglu_triton
+
+
+def silu_mul_eager(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation, eager: two kernels (silu rounded to the dtype, then the product)."""
+    return F.silu(gate) * up
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up (same shapes and dtype): one kernel on CUDA with eager's bits, saving a launch per MLP."""
+    if _enabled and gate.is_cuda and _swiglu().supports(gate, up):
+        return _swiglu().silu_mul(gate, up)
+    return silu_mul_eager(gate, up)

@@ -96,4 +96,4 @@ class MLP(nn.Module):
             self.fuse_gate_up(copy=True)
             fused = self.fused_gate_up
         gate, up = fused(x) if fused is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused_ops.silu_mul(gate, up))

@@ -19,7 +19,6 @@ partial output back to the owners instead (`reduce=False` here; decode_server/pa
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from decode_server.model import batch_invariant, fused_ops
@@ -259,12 +258,12 @@ class MoE(nn.Module):
         if gate_s is not None:
             block = self.local_experts()[0].gate_proj.weight_block
             shared = SharedInput(xs)  # gate and up read one quantization, made only if their kernels need it
-            hidden = F.silu(fp8_grouped_linear(xs, gate_w, gate_s, offsets, block, shared))
-            hidden = hidden * fp8_grouped_linear(xs, up_w, up_s, offsets, block, shared)
+            gate = fp8_grouped_linear(xs, gate_w, gate_s, offsets, block, shared)
+            hidden = fused_ops.silu_mul(gate, fp8_grouped_linear(xs, up_w, up_s, offsets, block, shared))
             return fp8_grouped_linear(hidden, down_w, down_s, offsets, block)
         # grouped_mm(a [M, K], b [E, K, N]): the transposed views make each expert's weight column-major.
-        hidden = F.silu(torch._grouped_mm(xs, gate_w.transpose(1, 2), offs=offsets))
-        hidden = hidden * torch._grouped_mm(xs, up_w.transpose(1, 2), offs=offsets)
+        gate = torch._grouped_mm(xs, gate_w.transpose(1, 2), offs=offsets)
+        hidden = fused_ops.silu_mul(gate, torch._grouped_mm(xs, up_w.transpose(1, 2), offs=offsets))
         return torch._grouped_mm(hidden, down_w.transpose(1, 2), offs=offsets)
 
     def routed_dispatched(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Checks of the Triton kernels (the indexer's, the norm, rope and router kernels) that run without a GPU (used by tests/kernels/test_triton_cpu.py, each in
+"""Checks of the Triton kernels (the indexer's, the norm, rope, router and SwiGLU kernels) that run without a GPU (used by tests/kernels/test_triton_cpu.py, each in
 its own process; also a tool: `python tests/kernels/triton_cpu_checks.py <check>`).
 
 - `interpret-*`: the kernels run under Triton's interpreter (TRITON_INTERPRET=1, numpy on CPU tensors) against
@@ -579,6 +579,71 @@ def interpret_indexer_rotation() -> None:
     print("indexer rotation kernels: float and e4m3 queries equal to eager, keys' scales equal")
 
 
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> int:
+    """The largest distance between got and want in units in the last place of their dtype (±0 equal)."""
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[want.dtype]
+    sign = 1 << (torch.finfo(want.dtype).bits - 1)
+
+    def ordered(x: torch.Tensor) -> torch.Tensor:  # sign-magnitude bit patterns → integers in the values' order
+        b = x.contiguous().view(bits).long() & ((sign << 1) - 1)
+        return torch.where(b >= sign, sign - b, b)
+
+    return int((ordered(got) - ordered(want)).abs().max())
+
+
+def _interpreted_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU kernel's operations as the interpreter runs them: NumPy's float32 exp, an IEEE divide, the
+    interpreter's float32 → bf16 cast (it truncates; the GPU rounds to nearest even) or NumPy's → fp16 cast."""
+    import numpy as np
+
+    def to_dtype(x: torch.Tensor) -> torch.Tensor:
+        if gate.dtype != torch.bfloat16:
+            return x.to(gate.dtype)
+        return (x.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)  # exact: the low bits are 0
+
+    x = gate.float().numpy()
+    with np.errstate(over="ignore"):
+        silu = torch.from_numpy(np.divide(x, np.float32(1) + np.exp(-x)))
+    return to_dtype(to_dtype(silu).float() * up.float())
+
+
+def interpret_swiglu() -> None:
+    """SwiGLU's one-kernel silu(gate) · up (kernels/swiglu_triton.py) under the interpreter, float32 / bf16 /
+    fp16, rows not a multiple of the kernel's block, strided rows (column slices of the stacked gate/up output),
+    1-D and 3-D inputs, values from -100 to 100: bit for bit the emulation of its operations in the interpreter's
+    arithmetic (`_interpreted_silu_mul`: the order exp, 1 + e, divide, round, product, round), and within 4 ulps of
+    eager `F.silu(g) * u`. Not eager's bits here: the interpreter has no libdevice, so its exp is NumPy's (up to
+    ~2.3 ulps from the true value in float32, measured) and eager's here the CPU's, neither CUDA's expf that the
+    GPU test holds the kernel to bit for bit; a silu one ulp off moves the product, and the interpreter truncates
+    to bf16 where the GPU rounds. (On 1.3M random float32 values the distance from eager reached 5 ulps; on these
+    seeded inputs it is at most 3.)"""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from kernels import swiglu_triton as k
+
+    gen = torch.Generator().manual_seed(0)
+    worst = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for shape in [(3, 300), (2, 2 * k.BLOCK + 5), (1, 64), (5,), (2, 3, 100)]:
+            both = (torch.randn(*shape[:-1], 2 * shape[-1], generator=gen) * 8).to(dtype)
+            gate, up = both[..., : shape[-1]], both[..., shape[-1] :]  # strided rows, as the stacked GEMM gives
+            gate[(0,) * (gate.dim() - 1)][:4] = torch.tensor([-100.0, 100.0, -20.0, 0.0], dtype=dtype)
+            with np.errstate(over="ignore"):  # exp(100) overflows to inf, as on the GPU: silu(-100) = -0
+                got = k.silu_mul(gate, up)
+            want = F.silu(gate) * up
+            if got.shape != want.shape or got.dtype != want.dtype or not got.is_contiguous():
+                _fail(f"silu_mul {dtype} {shape}: {got.shape} {got.dtype}, want {want.shape} {want.dtype}")
+            if not torch.equal(got, _interpreted_silu_mul(gate, up)):
+                _fail(f"silu_mul {dtype} {shape}: differs from the emulation of its operations")
+            ulps = _ulps(got, want)
+            if ulps > 4:
+                _fail(f"silu_mul {dtype} {shape}: {ulps} ulps from eager")
+            worst[dtype] = max(worst.get(dtype, 0), ulps)
+    print("swiglu kernel: its operations' bits; " + ", ".join(f"{u} ulps ({d})" for d, u in worst.items())
+          + " from eager")
+
+
 def compile_small_kernels() -> None:
     """The norm, rotation, router and FP8 quantization kernels (the indexer query's too) compile for sm_90 at the shapes the model launches,
     without spills."""
@@ -628,6 +693,43 @@ def compile_small_kernels() -> None:
     print(f"compiled for sm_90 in {time.time() - t0:.0f} s")
 
 
+def compile_swiglu() -> None:
+    """The SwiGLU kernel compiled for sm_90 with its launch's options (bf16, the widths and strides of the model,
+    multiples of 16): its PTX must hold what gives eager's bits (kernels/swiglu_triton.py) — CUDA's accurate expf
+    (libdevice's sequence, recognized by its rounding constant 0fCB40007F and its round-down FMA, not a bare
+    `ex2.approx` of x·log2(e)) without flushing subnormals (no `.ftz` FMA), IEEE divides (`div.rn.f32`, no
+    `div.full` / `div.approx`), round-to-nearest casts to bf16 — loads and stores of 16 bytes, and no spills."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.swiglu_triton import BLOCK, _silu_mul_kernel
+
+    t0 = time.time()
+    names = _silu_mul_kernel.arg_names
+    types = {"gate_ptr": "*bf16", "gate_stride": "i32", "up_ptr": "*bf16", "up_stride": "i32", "out_ptr": "*bf16",
+             "n": "i32"}
+    src = ASTSource(fn=_silu_mul_kernel, signature={name: types.get(name, "constexpr") for name in names},
+                    constexprs={"BLOCK_": BLOCK, "LIBDEVICE": True},
+                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in types})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "enable_fp_fusion": False, "enable_reflect_ftz": False})
+    ptx = kernel.asm["ptx"]
+    if "0fCB40007F" not in ptx or "fma.rm.f32" not in ptx:
+        _fail("no libdevice expf sequence in the PTX")
+    if re.search(r"fma\.r[nmpz]\.ftz", ptx):
+        _fail("libdevice compiled with subnormals flushed (enable_reflect_ftz)")
+    if "div.rn.f32" not in ptx or "div.full" in ptx or "div.approx" in ptx:
+        _fail("the silu divide is not IEEE round-to-nearest")
+    if not re.search(r"cvt\.rn\.bf16(x2)?\.f32", ptx):
+        _fail("no round-to-nearest cast to bf16")
+    if "ld.global.v4.b32" not in ptx or "st.global.v4.b32" not in ptx:
+        _fail("loads or stores are not 16 bytes wide")
+    resources = _resources(kernel)
+    if " 0 B spilled" not in resources and "spilled" in resources:
+        _fail(f"swiglu spills: {resources}")
+    print(f"swiglu: libdevice expf without ftz, div.rn, 16-byte accesses; {resources}; {time.time() - t0:.1f} s")
+
+
 CHECKS = {
     "interpret-kth-key": interpret_kth_key,
     "interpret-moe-route": interpret_moe_route,
@@ -635,6 +737,8 @@ CHECKS = {
     "compile-small-kernels": compile_small_kernels,
     "interpret-fp8-quant": interpret_fp8_quant,
     "interpret-indexer-rotation": interpret_indexer_rotation,
+    "interpret-swiglu": interpret_swiglu,
+    "compile-swiglu": compile_swiglu,
     "interpret-norm-rope": interpret_norm_rope,
     "interpret-topk": interpret_topk,
     "interpret-scores": interpret_scores,

@@ -62,3 +62,22 @@ def test_fp8_quantizations_are_eager_on_cpu() -> None:
     rows = torch.randn(6, 576, generator=gen)
     assert torch.equal(fused_ops.pack_fp8_rows(rows), pack_fp8_rows(rows))
     assert torch.equal(encode_rows(rows, torch.float8_e4m3fn), pack_fp8_rows(rows))
+
+
+def test_silu_mul_is_eager_on_cpu_and_the_mlp_uses_it(monkeypatch) -> None:
+    import torch.nn.functional as F
+
+    from decode_server.model.layers import MLP
+
+    gen = torch.Generator().manual_seed(2)
+    both = torch.randn(5, 64, generator=gen).to(torch.bfloat16) * 8
+    gate, up = both[:, :32], both[:, 32:]
+    assert torch.equal(fused_ops.silu_mul(gate, up), F.silu(gate) * up)
+    mlp = MLP(16, 32)
+    x = torch.randn(3, 16, generator=gen)
+    calls = []
+    original = fused_ops.silu_mul
+    monkeypatch.setattr(fused_ops, "silu_mul", lambda g, u: calls.append(g.shape) or original(g, u))
+    with torch.no_grad():
+        want = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        assert torch.equal(mlp(x), want) and calls == [torch.Size([3, 32])]

@@ -8,12 +8,16 @@ kernels/norm_rope_triton.py) on the GPU against the eager references they replac
   gives the same bits as the eager launch;
 - the whole model: the fused path against eager (`fused_ops.set_enabled(False)`) on the same random weights;
 - the indexer's query and key chains (`fused_ops.index_query` / `index_keys`): eager's bits, and the e4m3 query
-  the same scores as eager's float query."""
+  the same scores as eager's float query;
+- SwiGLU's silu(gate) · up (`fused_ops.silu_mul`, kernels/swiglu_triton.py): eager's bits (`F.silu(g) * u`),
+  strided and contiguous, under a CUDA-graph replay too, and the dense MLP and the MoE's grouped experts give the
+  same bits with the kernel as without it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from decode_server.model import fused_ops
 from decode_server.model.rope import apply_rope_half_split, apply_rope_interleaved
@@ -292,3 +296,80 @@ def test_fp8_row_packing_gives_eagers_bytes(dtype: torch.dtype, rows: int) -> No
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, whole)
+
+
+def _swiglu_inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate and up as column halves of one [..., 2n] tensor (strided rows, as the stacked gate/up GEMM gives them):
+    randn · 8, the first row's first values the extremes (exp(100) overflows, silu(-100) = -0; ±88.5 near expf's
+    overflow; float32 subnormals; ±0)."""
+    n = shape[-1]
+    both = torch.randn(*shape[:-1], 2 * n, device="cuda", generator=_gen(seed)) * 8
+    extremes = torch.tensor([-100.0, 100.0, -88.5, 88.5, -20.0, 1e-39, -3e-39, 0.0, -0.0, 1e-30], device="cuda")
+    first = both[(0,) * (both.dim() - 1)]
+    first[: min(n, extremes.numel())] = extremes[:n]
+    both = both.to(dtype)
+    return both[..., :n], both[..., n:]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2048), (64, 2304), (1, 18432), (512, 256), (7, 1000), (3, 5, 333), (9,)])
+def test_silu_mul_gives_eagers_bits(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """[1, 2048] / [64, 2304]: the dense MLP's intermediate at TP 1 / TP 8 (18432 / 8), [512, 256]: the routed
+    experts' rows at TP 8; then widths that are no multiple of the kernel's block, 3-D and 1-D inputs."""
+    gate, up = _swiglu_inputs(shape, dtype, seed=sum(shape))
+    from kernels import swiglu_triton
+
+    assert swiglu_triton.supports(gate, up)  # the kernel runs, not the eager fallback
+    want = F.silu(gate) * up
+    got = fused_ops.silu_mul(gate, up)
+    assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
+    assert torch.equal(got, want)
+    assert torch.equal(got.view(-1).signbit(), want.view(-1).signbit())  # -0 where eager has -0
+    assert torch.equal(fused_ops.silu_mul(gate.contiguous(), up.contiguous()), want)
+    # A CUDA-graph replay reads the inputs of the replay, with the same bits.
+    static_gate, static_up = gate.clone(), up.clone()
+    out = torch.empty_like(want)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out.copy_(fused_ops.silu_mul(static_gate, static_up))  # warm-up (compiles) off the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(fused_ops.silu_mul(static_gate, static_up))
+    new_gate, new_up = _swiglu_inputs(shape, dtype, seed=sum(shape) + 1)
+    static_gate.copy_(new_gate)
+    static_up.copy_(new_up)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, F.silu(new_gate) * new_up)
+
+
+def test_mlp_and_grouped_experts_give_the_same_bits_with_the_swiglu_kernel() -> None:
+    """The dense MLP (gate and up stacked: strided halves) and the MoE's grouped experts (torch._grouped_mm's
+    outputs), bf16, with fused ops on and off: only silu · up changes between the two, with the same bits."""
+    from decode_server.model import load_config
+    from decode_server.model.layers import MLP
+    from decode_server.model.moe import MoE
+
+    torch.manual_seed(0)
+    mlp = MLP(256, 512).to(device="cuda", dtype=torch.bfloat16)
+    mlp.fuse_gate_up(copy=True)
+    assert mlp.fused_gate_up is not None
+    moe = MoE(load_config("tiny-dsa"))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(std=0.05)
+    moe = moe.to(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(33, 256, device="cuda", generator=_gen(11)).to(torch.bfloat16)
+    xm = torch.randn(17, moe.experts[0].gate_proj.in_features, device="cuda", generator=_gen(12)).to(torch.bfloat16)
+    results = {}
+    for fused in (True, False):
+        fused_ops.set_enabled(fused)
+        try:
+            with torch.inference_mode():
+                weights, ids = moe.gate(xm) if fused else results[True][2]
+                results[fused] = (mlp(x), moe.routed_grouped(xm, weights, ids), (weights, ids))
+        finally:
+            fused_ops.set_enabled(True)
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
