@@ -627,6 +627,17 @@ def dense_shape_tuned(n: int, k: int, device: torch.device) -> bool:
     return any(key[:4] == ("dense", n, k, 0) for key in table)
 
 
+def grouped_shape_tuned(n: int, k: int, experts: int, device: torch.device) -> bool:
+    """`dense_shape_tuned` for a grouped FP8 GEMM of E experts' N × K weights (the MoE's choice to run gate and up
+    as one [2I, H] GEMM: decode_server/model/moe.py)."""
+    if device.type != "cuda" or tuner().mode == "measure":
+        return True
+    from kernels.fp8_gemm_table import device_table
+
+    table = device_table(torch.cuda.get_device_name(_index(device)))
+    return any(key[:4] == ("grouped", n, k, experts) for key in table)
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """x [..., K] @ dequant(w [N, K])ᵀ (+ bias) → [..., N] in x's dtype."""

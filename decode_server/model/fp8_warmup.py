@@ -53,7 +53,7 @@ def fp8_workloads(model: nn.Module) -> list[Workload]:
             groups.setdefault(key, []).append((module.weight, module.fp8_scale))
         elif isinstance(module, MoE) and module.fp8_experts():
             block = module.local_experts()[0].gate_proj.weight_block
-            for weight, scale in module.stacked():
+            for weight, scale in module.grouped_gemms():
                 groups.setdefault(("grouped", tuple(weight.shape), block), []).append((weight, scale))
     return [(kind, weights, block) for (kind, _, block), weights in groups.items()]
 

@@ -68,7 +68,8 @@ class MLP(nn.Module):
 
     gate and up read the same x, so a dense or shared-expert MLP runs them as one GEMM over one stacked weight
     (`fuse_gate_up`, decode_server/model/fused_linear.py: the parameters become views of [gate ; up]). Routed
-    experts (`stack_gate_up` False) do not: their weights are views of the MoE's per-projection expert stacks."""
+    experts (`stack_gate_up` False) do not: their weights are views of the MoE's expert stacks, where gate and up
+    share one [E, 2I, H] stack instead (`MoE.gate_up_stack`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, parallel: ParallelState | None = None,
                  reduce: bool = True, what: str = "intermediate_size", stack_gate_up: bool = True) -> None:

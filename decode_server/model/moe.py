@@ -27,11 +27,32 @@ from decode_server.model.layers import MLP, narrow_linear
 from decode_server.parallel.comm import all_reduce
 from decode_server.parallel.layers import split_size
 from decode_server.parallel.state import ParallelState, resolve
-from kernels.fp8_gemm import SharedInput, fp8_grouped_linear
+from kernels.fp8_gemm import SharedInput, fp8_grouped_linear, grouped_shape_tuned
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # (stacked weight, stacked FP8 block scales or None) for gate, up, down.
 Stacked = tuple[tuple[torch.Tensor, torch.Tensor | None], ...]
+
+
+def _one_storage(params: list[list[torch.Tensor]], copy: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """params[j][e]: projection j's tensor of expert e (same trailing dims) → (one [E, Σ rows_j, ...] storage, each
+    projection's [E, rows_j, ...] view of it); every expert's parameter becomes its view's slice. copy: the storage
+    takes the current values; else it is left undefined for the caller to fill (the loader)."""
+    experts = len(params[0])
+    first = params[0][0]
+    rows = [group[0].shape[0] for group in params]
+    if copy:
+        whole = torch.stack([torch.cat([group[e].detach() for group in params]) for e in range(experts)])
+    else:
+        whole = torch.empty((experts, sum(rows), *first.shape[1:]), dtype=first.dtype, device=first.device)
+    parts, start = [], 0
+    for group, count in zip(params, rows, strict=True):
+        part = whole[:, start : start + count]
+        for e, param in enumerate(group):
+            param.data = part[e]
+        parts.append(part)
+        start += count
+    return whole, parts
 
 
 def route_tokens(
@@ -112,9 +133,10 @@ class MoEGate(nn.Module):
 class MoE(nn.Module):
     """Routed experts + shared experts.
 
-    On CUDA the routed experts run as three grouped GEMMs over the tokens sorted by expert (`torch._grouped_mm`
-    with offsets found on the device by a sorted search, `expert_end_offsets`; block-FP8 experts: the Triton
-    grouped FP8 GEMM of kernels/fp8_gemm.py, the activations quantized once for gate and up), so a forward never
+    On CUDA the routed experts run as grouped GEMMs over the tokens sorted by expert — [gate ; up] as one where
+    they share a stack (`gate_up_stack`), then down — (`torch._grouped_mm` with offsets found on the device by a
+    sorted search, `expert_end_offsets`; block-FP8 experts: the Triton grouped FP8 GEMM of kernels/fp8_gemm.py,
+    the activations quantized once for gate and up when they run apart), so a forward never
     waits for the GPU to learn how many tokens each expert got; the per-token results are summed in a fixed order
     (no atomics), so the output is deterministic.
     Elsewhere (CPU) a loop over the experts that received tokens, with one host sync per call.
@@ -148,6 +170,7 @@ class MoE(nn.Module):
         self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
                                   parallel, reduce=False, what="moe_intermediate_size × n_shared_experts")
         self._stacked: Stacked | None = None
+        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # `gate_up_stack`
         # Plain tuple (not registered twice): the modules stay the same objects through .to() / to_empty().
         self._local_experts = tuple(
             self.experts.values() if isinstance(self.experts, nn.ModuleDict) else self.experts
@@ -216,7 +239,8 @@ class MoE(nn.Module):
         """(weights, FP8 block scales or None) per projection, stacked over the experts, [E, I, H] gate/up and
         [E, H, I] down. Built at model construction (`stack_experts`), else on first use by copying; either way
         each expert's parameters are views into the stacks, so memory is not doubled. Rebuilt if the experts
-        moved to another device (`.to()` replaces the views)."""
+        moved to another device (`.to()` replaces the views). Where gate and up share one storage
+        (`gate_up_stack`) their stacks are views of it."""
         experts = self.local_experts()
         device = experts[0].gate_proj.weight.device
         if self._stacked is None or self._stacked[0][0].device != device or any(
@@ -226,45 +250,82 @@ class MoE(nn.Module):
             self._stacked = self._stack(copy=True)
         return self._stacked
 
+    def gate_up_stack(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The experts' gate and up as one [E, 2I, H] stack (gate rows first; FP8 scales [E, 2I/128, H/128]), which
+        `expert_mlps` multiplies in one grouped GEMM, or None where they are kept apart (`_joins_gate_up`)."""
+        self.stacked()
+        return self._gate_up
+
+    def grouped_gemms(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The (weights, scales) stacks `expert_mlps` multiplies: [gate ; up] and down, or gate, up and down."""
+        (gate, up, down), joint = self.stacked(), self._gate_up
+        return [joint, down] if joint is not None else [gate, up, down]
+
     def stack_experts(self) -> None:
-        """Give each expert projection (and its FP8 scales) one stacked storage now, the experts' parameters
-        becoming views with undefined values: the caller fills them (model construction, before loading)."""
+        """Give each expert projection (and its FP8 scales) one stacked storage now — gate and up one together
+        where `_joins_gate_up` — the experts' parameters becoming views with undefined values: the caller fills
+        them (model construction, before loading)."""
         self._stacked = self._stack(copy=False)
+
+    @staticmethod
+    def _joins_gate_up(experts: tuple[nn.Module, ...]) -> bool:
+        """Whether gate and up share one [E, 2I, H] stack and run as one grouped GEMM: half the launches and twice
+        the bytes a launch (at decode a launch's fixed cost is a large share of its time). Block FP8 needs gate's
+        rows in whole scale blocks, and on a GPU in table mode a tuned choice for the [2I, H] shape, so as not to
+        trade two tuned GEMMs for an untimed default (`benchmarks/tune_fp8_gemm.py` measures it: measure mode
+        joins)."""
+        gate = experts[0].gate_proj
+        if gate.fp8_scale is None:
+            return True
+        if gate.weight.shape[0] % gate.weight_block[0]:
+            return False
+        return grouped_shape_tuned(2 * gate.weight.shape[0], gate.weight.shape[1], len(experts), gate.weight.device)
 
     def _stack(self, copy: bool) -> Stacked:
         experts = self.local_experts()
-        out = []
-        for name in _PROJECTIONS:
-            linears = [getattr(e, name) for e in experts]
-            pair: list[torch.Tensor | None] = []
+        joins = self._joins_gate_up(experts)
+        groups = (("gate_proj", "up_proj"), ("down_proj",)) if joins else tuple((name,) for name in _PROJECTIONS)
+        views: dict[str, list[torch.Tensor | None]] = {name: [] for name in _PROJECTIONS}
+        self._gate_up = None
+        for names in groups:
+            wholes: list[torch.Tensor | None] = []
             for attr in ("weight", "weight_scale_inv"):
-                params = [linear._parameters.get(attr) for linear in linears]
-                if params[0] is None:
-                    pair.append(None)
+                params = [[getattr(e, name)._parameters.get(attr) for e in experts] for name in names]
+                if params[0][0] is None:
+                    wholes.append(None)
+                    for name in names:
+                        views[name].append(None)
                     continue
-                first = params[0]
-                stacked = (torch.stack([p.detach() for p in params]) if copy
-                           else torch.empty((len(params), *first.shape), dtype=first.dtype, device=first.device))
-                for i, param in enumerate(params):
-                    param.data = stacked[i]
-                pair.append(stacked)
-            out.append((pair[0], pair[1]))
-        return tuple(out)  # type: ignore[return-value]
+                whole, parts = _one_storage(params, copy)
+                wholes.append(whole)
+                for name, part in zip(names, parts, strict=True):
+                    views[name].append(part)
+            if joins and len(names) == 2:
+                self._gate_up = (wholes[0], wholes[1])  # type: ignore[assignment]
+        return tuple((views[name][0], views[name][1]) for name in _PROJECTIONS)  # type: ignore[return-value]
 
     def expert_mlps(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """The routed experts' MLPs over rows sorted by expert (expert e owns rows up to offsets[e]): three grouped
-        GEMMs → [rows, hidden]; rows past offsets[-1] are undefined."""
+        """The routed experts' MLPs over rows sorted by expert (expert e owns rows up to offsets[e]): grouped GEMMs
+        (gate and up as one where they share a stack) → [rows, hidden]; rows past offsets[-1] are undefined."""
         (gate_w, gate_s), (up_w, up_s), (down_w, down_s) = self.stacked()
+        joint = self._gate_up
         if gate_s is not None:
             block = self.local_experts()[0].gate_proj.weight_block
-            shared = SharedInput(xs)  # gate and up read one quantization, made only if their kernels need it
-            gate = fp8_grouped_linear(xs, gate_w, gate_s, offsets, block, shared)
-            hidden = fused_ops.silu_mul(gate, fp8_grouped_linear(xs, up_w, up_s, offsets, block, shared))
-            return fp8_grouped_linear(hidden, down_w, down_s, offsets, block)
+            if joint is not None:
+                both = fp8_grouped_linear(xs, joint[0], joint[1], offsets, block)
+                gate, up = both.split(gate_w.shape[1], dim=-1)
+            else:
+                shared = SharedInput(xs)  # gate and up read one quantization, made only if their kernels need it
+                gate = fp8_grouped_linear(xs, gate_w, gate_s, offsets, block, shared)
+                up = fp8_grouped_linear(xs, up_w, up_s, offsets, block, shared)
+            return fp8_grouped_linear(fused_ops.silu_mul(gate, up), down_w, down_s, offsets, block)
         # grouped_mm(a [M, K], b [E, K, N]): the transposed views make each expert's weight column-major.
-        gate = torch._grouped_mm(xs, gate_w.transpose(1, 2), offs=offsets)
-        hidden = fused_ops.silu_mul(gate, torch._grouped_mm(xs, up_w.transpose(1, 2), offs=offsets))
-        return torch._grouped_mm(hidden, down_w.transpose(1, 2), offs=offsets)
+        if joint is not None:
+            gate, up = torch._grouped_mm(xs, joint[0].transpose(1, 2), offs=offsets).split(gate_w.shape[1], dim=-1)
+        else:
+            gate = torch._grouped_mm(xs, gate_w.transpose(1, 2), offs=offsets)
+            up = torch._grouped_mm(xs, up_w.transpose(1, 2), offs=offsets)
+        return torch._grouped_mm(fused_ops.silu_mul(gate, up), down_w.transpose(1, 2), offs=offsets)
 
     def routed_dispatched(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
                           shared: torch.Tensor) -> torch.Tensor:

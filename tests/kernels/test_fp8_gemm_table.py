@@ -115,30 +115,36 @@ DECODE_TOKEN_COUNTS = [1 << i for i in range(9)]  # 1 … 256
 
 
 @pytest.mark.parametrize(("config_name", "tp", "ep"), TUNED_LAYOUTS)
-def test_shipped_tables_cover_every_shape_of_the_tuned_layouts(config_name: str, tp: int, ep: int) -> None:
+def test_shipped_tables_cover_every_shape_of_the_tuned_layouts(config_name: str, tp: int, ep: int,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Every FP8 GEMM decision the engine's warm-up makes for decode batches up to 256 is in every shipped GPU
     table. A missing key silently runs the untimed default configuration: GLM-5's shapes did until 2026-11-27
     (its FP8 step at batch 1 was 1.13× the bf16 step on the H200, 0.84× once tuned), as did DeepSeek-V3.2's TP8
     stacked projections and the 16 local experts of `dsv32-rank-ep16`. The model is built on the meta device:
-    shapes only, no weights."""
+    shapes only, no weights. Which GEMMs run depends on the table itself — the routed experts' gate and up join
+    into one grouped GEMM only where the GPU's table has the joined shape (`MoE._joins_gate_up`) — so the model is
+    built once per table, deciding as an engine on that GPU would."""
+    import decode_server.model.moe as moe_module
     from decode_server.model import load_config
     from decode_server.model.construct import build_empty_model
     from decode_server.model.fp8_warmup import table_keys, tuning_config
     from decode_server.parallel.state import ParallelState
 
     config = tuning_config(load_config(config_name))
-    model = build_empty_model(config, torch.device("meta"), torch.bfloat16,
-                              ParallelState(tp_rank=0, tp_size=tp, ep_size=ep), fp8=True)
-    model.finalize_weights()
-    keys = table_keys(model, DECODE_TOKEN_COUNTS, int(config.num_experts_per_tok))
     # Batched: the absorbed MLA products in FP8, where the heads are whole 128-blocks (DeepSeek-V3.2, not GLM-5).
     whole_blocks = config.qk_nope_head_dim % 128 == 0 and config.v_head_dim % 128 == 0
-    assert {key[0] for key in keys} == {"dense", "grouped"} | ({"batched"} if whole_blocks else set())
-    assert len(keys) > 50
     tables = sorted(fp8_gemm_table.TABLE_DIR.glob("*.json"))
     assert {path.stem for path in tables} >= {"nvidia_h100_80gb_hbm3", "nvidia_h200"}
     for path in tables:
         entries = fp8_gemm_table.read_table(path)
+        monkeypatch.setattr(moe_module, "grouped_shape_tuned", lambda n, k, experts, device, entries=entries: any(
+            key[:4] == ("grouped", n, k, experts) for key in entries))
+        model = build_empty_model(config, torch.device("meta"), torch.bfloat16,
+                                  ParallelState(tp_rank=0, tp_size=tp, ep_size=ep), fp8=True)
+        model.finalize_weights()
+        keys = table_keys(model, DECODE_TOKEN_COUNTS, int(config.num_experts_per_tok))
+        assert {key[0] for key in keys} == {"dense", "grouped"} | ({"batched"} if whole_blocks else set())
+        assert len(keys) > 50
         missing = sorted(key for key in keys if key not in entries)
         assert not missing, f"{path.name} lacks {len(missing)} {config_name} TP{tp} EP{ep} keys, e.g. {missing[:3]}"
 
