@@ -3,7 +3,7 @@
 # (6ef3fa2, in bench_tmp/old), from the repo root, carrying .whl. This script ran once on an H200 (without the
 # bench_fp8_gemm lines at its end, which ran as the next call on the same machine) and once on an H100. The whole GPU
 # suite on the branch tree: `cd bench_tmp/new && TESTS_TIMEOUT=560 bash benchmarks/gpu_suite.sh rest` (H200) and
-# `... gpu_suite.sh hisparse` (H200, H100); logs *_gpu_tests_*.log. step_gbps.py reads the step JSONs afterwards (CPU).
+# `... gpu_suite.sh hisparse` (H200, H100); logs *_gpu_tests_*.log. step_gbps.py (now benchmarks/fp8_step_gbps.py) reads the step JSONs afterwards (CPU).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export HISPARSE_KERNEL_CACHE=/tmp/kc TRITON_CACHE_DIR=/tmp/triton PYTHONUNBUFFERED=1
