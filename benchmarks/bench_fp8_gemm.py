@@ -2,7 +2,8 @@
 
 For each projection kind (q_a 7168→1536, q_b 1536→24576 and its TP shards, kv_a 7168→576, o_proj 16384→7168,
 indexer wq_b 1536→8192 and wk 7168→128, dense MLP 7168→18432 / 18432→7168, shared expert 7168→2048 / 2048→7168,
-routed experts as a grouped GEMM: 32 local experts, top-8 per token, 7168↔2048) and each M (tokens):
+routed experts as a grouped GEMM: 32 local experts, top-8 per token, 7168↔2048, and gate + up joined, 7168→4096)
+and each M (tokens):
   bf16        F.linear (grouped: torch._grouped_mm) on bf16 weights;
   scaled_mm   torch._scaled_mm, 1×128 activation × 128×128 weight block scales (SM90, where the shape allows);
   triton      the Triton block-FP8 kernel with the configuration the autotuner finds best among its own;
@@ -12,8 +13,9 @@ events around a CUDA graph of many calls replayed (no launch cost), each call on
 that the L2 cache holds none of them (weights read from HBM, as in a decode step). GB/s = weight bytes read (FP8:
 values + block scales; grouped: the experts the batch routed to) / time, and the fraction of the HBM bandwidth
 measured in the same run by a plain device copy (read + write counted). The summary line adds one MoE layer's
-projections at each M (q_a, q_b, kv_a, o_proj, wq_b, wk, shared gate + up + down, routed gate + up + down):
-FP8 (auto) / bf16, the decode step's GEMM ratio that issue 21 targets at ≤ 0.6 for M = 1.
+projections at each M (q_a, q_b, kv_a, o_proj, wq_b, wk, shared gate + up + down, routed gate + up + down), with
+the routed gate and up apart and joined (decode_server/model/moe.py `gate_up_stack`): FP8 (auto) / bf16, the
+decode step's GEMM ratio that issue 21 targets at ≤ 0.6 for M = 1.
 
 GPU:  python benchmarks/bench_fp8_gemm.py [--m 1 16 64 128 256] [--out benchmarks/results/bench_fp8_gemm.json]
 """
@@ -57,11 +59,15 @@ SHAPES = [
     ("shared expert 2048→7168", 7168, 2048, "dense"),
     ("routed E32 top8 7168→2048", 2048, 7168, "grouped"),
     ("routed E32 top8 2048→7168", 7168, 2048, "grouped"),
+    ("routed E32 top8 gate+up 7168→4096", 4096, 7168, "grouped"),
 ]
 # One MoE layer's projections of a decode step (how many times each runs): gate and up share a shape.
 LAYER = {"q_a 7168→1536": 1, "q_b 1536→24576": 1, "kv_a 7168→576": 1, "o_proj 16384→7168": 1,
          "indexer wq_b 1536→8192": 1, "indexer wk 7168→128": 1, "shared expert 7168→2048": 2,
          "shared expert 2048→7168": 1, "routed E32 top8 7168→2048": 2, "routed E32 top8 2048→7168": 1}
+# The same layer with the routed experts' gate and up as one grouped GEMM ([E, 2I, H]: MoE.gate_up_stack).
+LAYER_JOINED = {**{name: count for name, count in LAYER.items() if name != "routed E32 top8 7168→2048"},
+                "routed E32 top8 gate+up 7168→4096": 1}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -160,18 +166,20 @@ def bench_shape(name: str, n: int, k: int, kind: str, m: int, args, l2: int, gen
 
 
 def summary(rows: list[dict], hbm: float) -> list[dict]:
-    """Per M: one MoE layer's projections, FP8 (auto) against bf16."""
+    """Per M and layer form (gate and up of the routed experts apart, `LAYER`, or joined, `LAYER_JOINED`): one
+    MoE layer's projections, FP8 (auto) against bf16."""
     out = []
-    for m in sorted({r["m"] for r in rows}):
-        at = {r["shape"]: r for r in rows if r["m"] == m and "error" not in r}
-        if not all(name in at for name in LAYER):
-            continue
-        fp8 = sum(at[s]["auto_us"] * c for s, c in LAYER.items())
-        bf16 = sum(at[s]["bf16_us"] * c for s, c in LAYER.items())
-        fp8_bytes = sum(at[s]["fp8_bytes"] * c for s, c in LAYER.items())
-        out.append({"m": m, "layer_fp8_us": fp8, "layer_bf16_us": bf16, "ratio": fp8 / bf16,
-                    "layer_fp8_gbps": fp8_bytes / (fp8 * 1e-6) / 1e9,
-                    "layer_fp8_hbm_fraction": fp8_bytes / (fp8 * 1e-6) / 1e9 / hbm})
+    for form, layer in (("apart", LAYER), ("joined", LAYER_JOINED)):
+        for m in sorted({r["m"] for r in rows}):
+            at = {r["shape"]: r for r in rows if r["m"] == m and "error" not in r}
+            if not all(name in at for name in layer):
+                continue
+            fp8 = sum(at[s]["auto_us"] * c for s, c in layer.items())
+            bf16 = sum(at[s]["bf16_us"] * c for s, c in layer.items())
+            fp8_bytes = sum(at[s]["fp8_bytes"] * c for s, c in layer.items())
+            out.append({"m": m, "routed_gate_up": form, "layer_fp8_us": fp8, "layer_bf16_us": bf16,
+                        "ratio": fp8 / bf16, "layer_fp8_gbps": fp8_bytes / (fp8 * 1e-6) / 1e9,
+                        "layer_fp8_hbm_fraction": fp8_bytes / (fp8 * 1e-6) / 1e9 / hbm})
     return out
 
 
@@ -226,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['shape']:<27}{r['m']:>5}{r['bf16_us']:>9.1f}{smm}{r['triton_us']:>9.1f}{r['auto_us']:>9.1f}"
               f"{r['ratio_vs_bf16']:>9.2f}{r['fp8_gbps']:>7.0f}{100 * r['fp8_gbps'] / hbm:>6.0f}  {r['auto_pick']}")
     for s in layer:
-        print(f"one MoE layer's projections at M={s['m']}: FP8 {s['layer_fp8_us']:.1f} µs vs bf16 "
+        print(f"one MoE layer's projections (routed gate and up {s['routed_gate_up']}) at M={s['m']}: FP8 {s['layer_fp8_us']:.1f} µs vs bf16 "
               f"{s['layer_bf16_us']:.1f} µs = {s['ratio']:.2f}x; FP8 weights at {s['layer_fp8_gbps']:.0f} GB/s = "
               f"{100 * s['layer_fp8_hbm_fraction']:.0f} % of HBM")
     print(f"wrote {out} ({meta['seconds']:.0f} s)")

@@ -56,7 +56,8 @@ def gemms(out: Path) -> None:
               f"{100 * r['fp8_gbps'] / hbm:>6.0f}  {r['auto_pick']}")
     for s in data.get("layer_summary", []):
         ok = "meets" if (s["m"] != 1 or s["ratio"] <= TARGET_GEMM) else "misses"
-        print(f"  one MoE layer's projections, M={s['m']}: FP8/bf16 {s['ratio']:.2f}"
+        form = f" (routed gate and up {s['routed_gate_up']})" if "routed_gate_up" in s else ""
+        print(f"  one MoE layer's projections{form}, M={s['m']}: FP8/bf16 {s['ratio']:.2f}"
               + (f" ({ok} ≤ {TARGET_GEMM})" if s["m"] == 1 else "")
               + f", FP8 weights at {100 * s['layer_fp8_hbm_fraction']:.0f} % of HBM (target ≥ {100 * TARGET_HBM:.0f} %)")
 
