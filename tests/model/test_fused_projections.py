@@ -159,7 +159,7 @@ def test_fp8_projections_stack_only_where_the_stacked_shape_is_tuned(monkeypatch
     assert fused_linear.worth_stacking(bf16)
 
 
-def test_dense_shape_tuned_reads_this_gpu_models_table(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dense_and_grouped_shape_tuned_read_this_gpu_models_table(monkeypatch: pytest.MonkeyPatch) -> None:
     import kernels.fp8_gemm_table as table_module
     from kernels import fp8_gemm
 
@@ -173,7 +173,13 @@ def test_dense_shape_tuned_reads_this_gpu_models_table(monkeypatch: pytest.Monke
         assert fp8_gemm.dense_shape_tuned(2240, 7168, gpu)
         assert not fp8_gemm.dense_shape_tuned(4096, 7168, gpu)  # only a grouped entry of that shape
         assert fp8_gemm.dense_shape_tuned(4096, 7168, torch.device("cpu"))
+        # The grouped form (the MoE's joined gate/up stack): keyed by the expert count too.
+        assert fp8_gemm.grouped_shape_tuned(4096, 7168, 32, gpu)
+        assert not fp8_gemm.grouped_shape_tuned(4096, 7168, 16, gpu)  # another expert count: another key
+        assert not fp8_gemm.grouped_shape_tuned(2240, 7168, 32, gpu)  # only a dense entry of that shape
+        assert fp8_gemm.grouped_shape_tuned(2240, 7168, 32, torch.device("cpu"))
         fp8_gemm.reset_tuner("measure")
         assert fp8_gemm.dense_shape_tuned(4096, 7168, gpu)  # the tuner times whatever it meets
+        assert fp8_gemm.grouped_shape_tuned(2240, 7168, 32, gpu)
     finally:
         fp8_gemm.reset_tuner()

@@ -110,24 +110,3 @@ def test_fp8_joins_only_whole_scale_blocks_with_a_tuned_joined_shape(monkeypatch
     assert MoE._joins_gate_up(experts)
     assert not MoE._joins_gate_up(tuple(_expert(192, fp8=True) for _ in range(4)))  # gate ends mid scale block
     assert MoE._joins_gate_up(tuple(_expert(192, fp8=False) for _ in range(4)))  # bf16: no blocks to line up
-
-
-def test_grouped_shape_tuned_reads_this_gpu_models_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernels.fp8_gemm_table as table_module
-    from kernels import fp8_gemm
-
-    table = {("grouped", 4096, 7168, 32, 8, "bfloat16"): ("triton", None),
-             ("dense", 2048, 7168, 0, 1, "bfloat16"): ("triton", None)}
-    monkeypatch.setattr(table_module, "device_table", lambda name: table if name == "GPU X" else {})
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "GPU X")
-    gpu = torch.device("cuda", 0)
-    fp8_gemm.reset_tuner("table")
-    try:
-        assert fp8_gemm.grouped_shape_tuned(4096, 7168, 32, gpu)
-        assert not fp8_gemm.grouped_shape_tuned(4096, 7168, 16, gpu)  # another expert count: another key
-        assert not fp8_gemm.grouped_shape_tuned(2048, 7168, 32, gpu)  # only a dense entry of that shape
-        assert fp8_gemm.grouped_shape_tuned(2048, 7168, 32, torch.device("cpu"))
-        fp8_gemm.reset_tuner("measure")
-        assert fp8_gemm.grouped_shape_tuned(2048, 7168, 32, gpu)
-    finally:
-        fp8_gemm.reset_tuner()
