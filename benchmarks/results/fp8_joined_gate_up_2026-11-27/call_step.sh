@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 16 (2026-11-27), stage s, as run: the decode step (dsv32-bench-16l, 4K, dense, graphs) old tree 95a6d2e (routed
+# Session 16 (2026-11-27), stage s, as run on the H200 and then the H100: the decode step (dsv32-bench-16l, 4K, dense, graphs) old tree 95a6d2e (routed
 # gate and up apart, bf16 too) vs new (joined, the table with the joined shapes tuned) at batch 1 / 16 / 64, then the
 # step's FP8 read rate from the new tree's JSON.
 set -uo pipefail
