@@ -49,7 +49,10 @@ def main() -> None:
     config = json.loads(Path(sys.argv[2] if len(sys.argv) > 2 else root / "configs" / "dsv32-bench-16l.json")
                         .read_text())
     hbm = step["meta"]["hbm_copy_gbps"]
-    row = next(r for r in step["rows"] if r["batch"] == 1)
+    row = next((r for r in step["rows"] if r["batch"] == 1), None)
+    if row is None or "top_kernels" not in row.get("fp8_run", {}):
+        reason = "no batch-1 row" if row is None else f"its FP8 run has no profile ({row['fp8_run'].get('error', '?')})"
+        sys.exit(f"{sys.argv[1]}: {reason}")
     kernels = row["fp8_run"]["top_kernels"]
     expected = batch1_bytes(config)
     print(f"{step['meta']['device']}: HBM copy {hbm:.0f} GB/s; batch 1, FP8 step {row['fp8_run']['step_ms']:.3f} ms")
