@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -132,11 +133,24 @@ def rank_scenarios(rank: int, init_method: str, out_dir: str) -> None:
 
 
 
+def _run_then_exit(rank: int, fn, init_method: str, out_dir: str) -> None:
+    """fn(rank, init_method, out_dir), then leave the process at once (exit code 0), skipping the interpreter's
+    teardown. Why: fn has saved its results and left the process group, but the gloo backend's worker threads can
+    still be torn down during interpreter finalization, which aborts the process now and then ("terminate called
+    without an active exception", SIGABRT: CI on 2026-11-27, after both ranks had written their results; PyTorch
+    pull request 179291 describes the same teardown). An exception in fn still propagates, so the spawn wrapper
+    reports it and the rank exits non-zero."""
+    fn(rank, init_method, out_dir)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_ranks(fn, out_dir: Path, timeout_s: float = 300.0) -> list[dict]:
     """Spawn WORLD ranks running fn(rank, init_method, out_dir); every rank must exit 0 within timeout_s
     (a rank left waiting in a collective is killed, never orphaned). Returns each rank's saved results."""
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    context = mp.start_processes(fn, args=(init_method, str(out_dir)), nprocs=WORLD, join=False,
+    context = mp.start_processes(_run_then_exit, args=(fn, init_method, str(out_dir)), nprocs=WORLD, join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:
