@@ -567,7 +567,10 @@ def reset_tuner(mode: str | None = None) -> Fp8GemmTuner:
 
 
 def _run_dense(choice: GemmChoice, rows: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-               block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+               block: tuple[int, int], out_dtype: torch.dtype,
+               quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`quantized`: rows' block-FP8 form where its producer wrote it (`attach_quantized`), used instead of a
+    quantization launch by a kernel that reads quantized activations."""
     tri = _triton()
     m = rows.shape[0]
     if choice.backend == "scaled_mm":
@@ -576,8 +579,51 @@ def _run_dense(choice: GemmChoice, rows: torch.Tensor, w: torch.Tensor, w_scale:
     gemm = tri.fp8_gemv if choice.config.gemv_groups else tri.fp8_gemm
     if choice.config.fuse_quant:
         return gemm(rows, None, m, w, w_scale, out_dtype, choice.config, block)
-    q, scales = tri.quantize_activations(rows)
+    q, scales = quantized if quantized is not None else tri.quantize_activations(rows)
     return gemm(q, scales, m, w, w_scale, out_dtype, choice.config, block)
+
+
+_QUANTIZED_ATTR = "_hisparse_fp8_rows"
+
+
+def attach_quantized(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Record on x [M, K] its block-FP8 form, (q [M, K] e4m3, scales [K/128, M] float32) exactly as
+    `quantize_activations(x)` gives it, written by x's producer in the same launch (kernels/norm_rope_triton.py:
+    the RMSNorm before a projection). `fp8_linear(x, …)` then skips its quantization launch where the chosen kernel
+    reads quantized activations. Why an attribute on the tensor object: it lives and dies with x (no registry keyed
+    by addresses that memory reuse could alias) and a view or copy of x does not carry it (the GEMM then quantizes
+    as before). x's version counter is kept where it has one, so that an in-place write to x afterwards voids the
+    form; an inference-mode tensor (the engine's) counts no versions, so there the contract is the producer's: it
+    attaches only to a fresh output that goes to its consumer unwritten (the model's norms: decode_server/model/
+    model.py)."""
+    if x.dim() != 2 or tuple(q.shape) != tuple(x.shape) or tuple(scales.shape) != (math.ceil(x.shape[1] / 128),
+                                                                                    x.shape[0]):
+        raise ValueError(f"quantized form {tuple(q.shape)} / {tuple(scales.shape)} does not fit x {tuple(x.shape)}")
+    setattr(x, _QUANTIZED_ATTR, (q, scales, _version(x)))
+    return x
+
+
+def _version(x: torch.Tensor) -> int | None:
+    return None if x.is_inference() else x._version
+
+
+def attached_quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x's block-FP8 form from `attach_quantized`, or None (none attached, or x written in place since)."""
+    entry = getattr(x, _QUANTIZED_ATTR, None)
+    if entry is None or entry[2] != _version(x):
+        return None
+    return entry[0], entry[1]
+
+
+def reads_quantized_input(n: int, k: int, m: int, dtype: torch.dtype, device: torch.device,
+                          block: tuple[int, int] = (128, 128)) -> bool:
+    """Whether the dense FP8 GEMM of N × K at M rows already chose (this process) a kernel that reads its input
+    quantized by a separate launch — what a producer can spare it by writing the quantized form itself
+    (`attach_quantized`). False until the shape was first run (warm-up runs it before any graph is captured)."""
+    if device.type != "cuda":
+        return False
+    choice = _TUNER._choices.get(("dense", n, k, 0, m_bucket(m), dtype, device.index, tuple(block)))
+    return choice is not None and choice.backend == "triton" and not choice.config.fuse_quant
 
 
 class SharedInput:
@@ -645,7 +691,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
     rows = x.reshape(-1, k)
     if x.is_cuda:
         choice = _TUNER.choose("dense", n, k, 0, rows.shape[0], x.dtype, x.device, [(w, w_scale)], block)
-        out = _run_dense(choice, rows, w, w_scale, block, x.dtype)
+        out = _run_dense(choice, rows, w, w_scale, block, x.dtype, attached_quantized(x))
     else:
         out = fp8_linear_ref(rows, w, w_scale, block).to(x.dtype)
     if bias is not None:

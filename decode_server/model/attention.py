@@ -102,6 +102,14 @@ class MLAAttention(nn.Module):
         outs = fused(x) if fused is not None else [proj(x) for proj in self.input_projections()]
         return outs[0], (outs[1] if self.indexer is not None else None), outs[-1]
 
+    def fp8_input_shape(self) -> tuple[int, int] | None:
+        """(N, K) of the block-FP8 GEMM that reads the layer's input (q_a, the indexer's wk and kv_a stacked), or
+        None where they are not one FP8 GEMM."""
+        fused = self.fused_inputs
+        if fused is None or fused.stacked.get("weight_scale_inv") is None:
+            return None
+        return tuple(fused.stacked["weight"].shape)
+
     def absorbed_fp8_fits(self) -> bool:
         """Whether a block-FP8 kv_b_proj can serve the absorbed products in FP8 as it is stored: 128×128 blocks
         and every head's nope rows, v rows and the latent columns whole blocks (DeepSeek-V3.2: 128 / 128 / 512).

@@ -62,10 +62,15 @@ def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * normed.to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm over the last dim; into `out` (a [rows, n] view, e.g. columns of a cache row) if given."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+             quantize: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim; into `out` (a [rows, n] view, e.g. columns of a cache row) if given.
+    `quantize` (a hint: the next projection is a block-FP8 GEMM that reads quantized activations): where the one
+    kernel runs, it also writes the result's FP8 form for that GEMM (kernels/norm_rope_triton.py); the result's
+    values are the same either way."""
     if _enabled and x.is_cuda and _triton().supports_norm(x, weight) and (out is None or out.stride(-1) == 1):
-        return _triton().rms_norm(x, weight, eps, out=out)
+        quantize = quantize and out is None and x.dim() == 2 and _triton().supports_quantized_output(x)
+        return _triton().rms_norm(x, weight, eps, out=out, quantize=quantize)
     if batch_invariant.enabled():
         y = batch_invariant.on_row_tiles(lambda rows: rms_norm_eager(rows, weight, eps), x)
     else:
@@ -76,12 +81,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     return out
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, RMSNorm(x + delta)): a residual add and the norm after it, in one kernel on CUDA."""
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta)): a residual add and the norm after it, in one kernel on CUDA (`quantize`:
+    as in `rms_norm`)."""
     if (_enabled and x.is_cuda and delta.shape == x.shape and delta.dtype == x.dtype and delta.stride(-1) == 1
             and _triton().supports_norm(x, weight)):
-        return _triton().add_rms_norm(x, delta, weight, eps)
+        quantize = quantize and x.dim() == 2 and _triton().supports_quantized_output(x)
+        return _triton().add_rms_norm(x, delta, weight, eps, quantize=quantize)
     summed = x + delta
     return summed, rms_norm(summed, weight, eps)
 

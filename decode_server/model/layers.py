@@ -51,12 +51,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return fused_ops.rms_norm(x, self.weight, self.eps, out=out)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None, quantize: bool = False) -> torch.Tensor:
+        """`quantize`: the caller's next projection reads block-FP8 activations (fused_ops.rms_norm)."""
+        return fused_ops.rms_norm(x, self.weight, self.eps, out=out, quantize=quantize)
 
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor,
+                    quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, self(x + delta)): the residual add before this norm, fused with it on CUDA."""
-        return fused_ops.add_rms_norm(x, delta, self.weight, self.eps)
+        return fused_ops.add_rms_norm(x, delta, self.weight, self.eps, quantize=quantize)
 
 
 class MLP(nn.Module):
@@ -90,6 +92,14 @@ class MLP(nn.Module):
             return
         pair = [self.gate_proj, self.up_proj]
         self.fused_gate_up = FusedLinear(pair, copy) if worth_stacking(pair) else None
+
+    def fp8_input_shape(self) -> tuple[int, int] | None:
+        """(N, K) of the block-FP8 GEMM that reads this MLP's input (gate and up stacked), or None (bf16 weights,
+        or gate and up apart: two GEMMs would share the quantized input only by chance of their choices)."""
+        fused = self.fused_gate_up
+        if fused is None or fused.stacked.get("weight_scale_inv") is None:
+            return None
+        return tuple(fused.stacked["weight"].shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.fused_gate_up

@@ -25,6 +25,7 @@ from decode_server.parallel.dp_attention import (
     dp_own_sampled,
 )
 from decode_server.parallel.state import ParallelState, resolve
+from kernels.fp8_gemm import reads_quantized_input
 
 
 class DecoderLayer(nn.Module):
@@ -51,18 +52,29 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], shared_topk: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attn_in_fp8 = _reads_quantized(self.self_attn, x)
         if not self.dp_attention:
-            attn_out, topk = self.self_attn.forward_with_topk(self.input_layernorm(x), *rope,
+            attn_out, topk = self.self_attn.forward_with_topk(self.input_layernorm(x, quantize=attn_in_fp8), *rope,
                                                               shared_topk=shared_topk)  # fmt: skip
-            x, normed = self.post_attention_layernorm.add_forward(x, attn_out)
+            x, normed = self.post_attention_layernorm.add_forward(x, attn_out, quantize=_reads_quantized(self.mlp, x))
             return x + self.mlp(normed), topk
         topk = shared_topk
         if x.shape[0]:  # an idle rank has nothing to attend (and no batch installed)
-            attn_out, topk = self.self_attn.forward_with_topk(self.input_layernorm(x), *rope,
+            attn_out, topk = self.self_attn.forward_with_topk(self.input_layernorm(x, quantize=attn_in_fp8), *rope,
                                                               shared_topk=shared_topk)  # fmt: skip
             x = x + attn_out
         everyone = dp_gather(self.post_attention_layernorm(x), self.parallel)
         return x + dp_combine(self.mlp(everyone), self.parallel), topk
+
+
+def _reads_quantized(consumer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the norm before `consumer` (attention or MLP / MoE) should also write its output in block FP8: the
+    consumer's first projection is one FP8 GEMM whose chosen kernel for x's row count reads quantized
+    activations (kernels/fp8_gemm.py `reads_quantized_input`), so the norm spares it a quantization launch."""
+    if not x.is_cuda:
+        return False
+    shape = consumer.fp8_input_shape()
+    return shape is not None and reads_quantized_input(*shape, x.shape[0], x.dtype, x.device)
 
 
 class DSAModel(nn.Module):

@@ -226,6 +226,11 @@ class MoE(nn.Module):
             start += count
         return routed
 
+    def fp8_input_shape(self) -> tuple[int, int] | None:
+        """(N, K) of the shared experts' block-FP8 gate+up GEMM, which reads the MoE's input as it is (the routed
+        experts read its rows in expert order: a gathered copy)."""
+        return self.shared_experts.fp8_input_shape()
+
     def fp8_experts(self) -> bool:
         """Whether the routed experts' weights are stored in block FP8."""
         return self.local_experts()[0].gate_proj.fp8_scale is not None

@@ -134,6 +134,29 @@ def test_dense_fused() -> None:
     print("ok fused reduce: every tile counter back at 0")
 
 
+def test_dense_reads_the_attached_quantized_form() -> None:
+    """`_run_dense` with a non-fused kernel reads the FP8 form its input's producer attached (kernels/fp8_gemm.py
+    `attach_quantized`) instead of quantizing: with x's true form the bits of the quantizing run; with a form that
+    is not x's (to prove the path), that form's product. A fused kernel quantizes x itself either way."""
+    from kernels import fp8_gemm
+
+    x = activations(1, 640, seed=91, dtype=torch.float32)
+    w, s = weights(192, 640, seed=92)
+    plain = fp8_gemm.GemmChoice("triton", tri.TritonGemmConfig(block_n=16, gemv_groups=4))
+    want = fp8_gemm._run_dense(plain, x, w, s, (128, 128), torch.float32)
+    true_form = tri.quantize_activations(x)
+    same_bits("dense with the attached FP8 form", fp8_gemm._run_dense(plain, x, w, s, (128, 128), torch.float32,
+                                                                       true_form), want)
+    other = tri.quantize_activations(x * 2)
+    got = fp8_gemm._run_dense(plain, x, w, s, (128, 128), torch.float32, other)
+    same_bits("dense with another attached form", got, tri.fp8_gemv(*other, 1, w, s, torch.float32, plain.config))
+    if torch.equal(got, want):
+        sys.exit("FAIL dense: a foreign attached form gave x's product (the attached form was not read)")
+    fused = fp8_gemm.GemmChoice("triton", tri.TritonGemmConfig(block_n=16, gemv_groups=4, fuse_quant=True))
+    same_bits("fused dense ignores the attached form",
+              fp8_gemm._run_dense(fused, x, w, s, (128, 128), torch.float32, other), want)
+
+
 def test_gemv() -> None:
     """The one-row kernel: within the summation tolerance of the reference (ragged N — a program's rows past N —
     ragged K, K not a multiple of a loop step, bf16 and float32 outputs), and the quantization inside it gives the
@@ -257,6 +280,7 @@ if __name__ == "__main__":
     test_quantize()
     test_dense()
     test_dense_fused()
+    test_dense_reads_the_attached_quantized_form()
     test_gemv()
     test_grouped()
     test_batched()

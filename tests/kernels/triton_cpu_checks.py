@@ -427,6 +427,50 @@ def interpret_norm_rope() -> None:
     print("norm and rope kernels: rope exact, residual sums exact, norms within 2 ulps of eager")
 
 
+def interpret_norm_quant() -> None:
+    """The RMSNorm kernel's block-FP8 output (`quantize=True`, kernels/norm_rope_triton.py) under the interpreter:
+    the normed values are the plain norm's, and the attached (e4m3 values, scales) equal what the quantization
+    kernel (kernels/fp8_gemm_triton.quantize_activations) makes of those values, bit for bit — widths with a
+    power-of-two and a padded register block (1536 → 2048), with and without the residual add, a zero row; an
+    in-place write to the output voids the attachment; widths off the 128 grid are refused."""
+    from kernels import norm_rope_triton as k
+    from kernels.fp8_gemm import attached_quantized
+    from kernels.fp8_gemm_triton import quantize_activations
+
+    gen = torch.Generator().manual_seed(0)
+    for n in (512, 1536):
+        x = torch.randn(5, n, generator=gen) * 3
+        x[2] = 0
+        delta = torch.randn(5, n, generator=gen)
+        w = 1 + 0.1 * torch.randn(n, generator=gen)
+        plain = k.rms_norm(x, w, 1e-6)
+        if attached_quantized(plain) is not None:
+            _fail("a norm without quantize=True attached an FP8 form")
+        for name, (normed, want_normed) in {
+            "rms_norm": (k.rms_norm(x, w, 1e-6, quantize=True), plain),
+            "add_rms_norm": (k.add_rms_norm(x, delta, w, 1e-6, quantize=True)[1], k.rms_norm(x + delta, w, 1e-6)),
+        }.items():
+            if not torch.equal(normed, want_normed):
+                _fail(f"{name} (n={n}) with quantize=True changed the normed values")
+            attached = attached_quantized(normed)
+            if attached is None:
+                _fail(f"{name} (n={n}): no FP8 form attached")
+            q, scales = attached
+            want_q, want_scales = quantize_activations(normed)
+            if not (torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)):
+                _fail(f"{name} (n={n}): the attached FP8 form differs from quantize_activations' bits")
+        normed = k.rms_norm(x, w, 1e-6, quantize=True)
+        normed.mul_(2)
+        if attached_quantized(normed) is not None:
+            _fail("an in-place write to the normed rows left their FP8 form attached")
+    try:
+        k.rms_norm(torch.randn(2, 100), torch.ones(100), 1e-6, quantize=True)
+        _fail("a 100-wide norm accepted quantize=True")
+    except ValueError:
+        pass
+    print("norm with FP8 output: normed values unchanged, FP8 form equal to the quantization kernel's bits")
+
+
 def interpret_moe_route() -> None:
     """The router's selection kernel (kernels/moe_route_triton.py) against `route_tokens` on random logits: the
     same expert ids in the same order, weights within float32 rounding; the tie rule (lower index first) where
@@ -652,7 +696,7 @@ def compile_small_kernels() -> None:
     from kernels.indexer_rotation_triton import _index_keys_kernel as _rotate_keys_kernel
     from kernels.indexer_rotation_triton import _index_query_kernel
     from kernels.moe_route_triton import _route_kernel
-    from kernels.norm_rope_triton import _rms_norm_kernel, _rope_kernel
+    from kernels.norm_rope_triton import _rms_norm_kernel, _rms_norm_quant_kernel, _rope_kernel
 
     t0 = time.time()
     route_types = {"logits_ptr": "*fp32", "logits_stride": "i32", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
@@ -660,6 +704,7 @@ def compile_small_kernels() -> None:
     norm_types = {"x_ptr": "*bf16", "x_stride": "i32", "d_ptr": "*bf16", "d_stride": "i32", "sum_ptr": "*bf16",
                   "sum_stride": "i32", "w_ptr": "*bf16", "out_ptr": "*bf16", "out_stride": "i32", "n": "i32",
                   "eps": "fp32"}
+    norm_quant_types = {**norm_types, "q_ptr": "*fp8e4nv", "q_stride": "i32", "s_ptr": "*fp32", "s_stride": "i32"}
     rope_types = {"x_ptr": "*bf16", "x_tok_stride": "i32", "x_head_stride": "i32", "cos_ptr": "*bf16",
                   "sin_ptr": "*bf16", "cs_stride": "i32", "out_ptr": "*bf16", "out_tok_stride": "i32",
                   "out_head_stride": "i32", "heads": "i32"}
@@ -667,6 +712,10 @@ def compile_small_kernels() -> None:
         "router 256 experts": (_route_kernel, route_types, {"N_GROUP": 8, "GROUP_SIZE": 32, "TOPK_GROUP": 4,
                                                             "TOP_K": 8, "TOP_K_BLOCK": 8, "NORMALIZE": True}, 4),
         "residual add + norm 7168": (_rms_norm_kernel, norm_types, {"HAS_DELTA": True, "BLOCK": 8192}, 16),
+        "residual add + norm 7168, FP8 output": (_rms_norm_quant_kernel, norm_quant_types,
+                                                 {"HAS_DELTA": True, "BLOCK": 8192, "PART_GROUPS": 8}, 16),
+        "norm 1536, FP8 output": (_rms_norm_quant_kernel, norm_quant_types,
+                                  {"HAS_DELTA": False, "BLOCK": 2048, "PART_GROUPS": 8}, 4),
         "rope 128 heads": (_rope_kernel, rope_types, {"INTERLEAVED": True, "HALF": 32, "HEADS_BLOCK": 16}, 4),
         "index key quantization": (_index_keys_kernel, {"x_ptr": "*fp32", "x_stride": "i32", "q_ptr": "*fp8e4nv",
                                                         "scale_ptr": "*fp32"}, {"DIM": 128, "LIBDEVICE": True}, 1),
@@ -738,6 +787,7 @@ CHECKS = {
     "interpret-fp8-quant": interpret_fp8_quant,
     "interpret-indexer-rotation": interpret_indexer_rotation,
     "interpret-swiglu": interpret_swiglu,
+    "interpret-norm-quant": interpret_norm_quant,
     "compile-swiglu": compile_swiglu,
     "interpret-norm-rope": interpret_norm_rope,
     "interpret-topk": interpret_topk,

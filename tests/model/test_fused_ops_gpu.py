@@ -373,3 +373,92 @@ def test_mlp_and_grouped_experts_give_the_same_bits_with_the_swiglu_kernel() -> 
             fused_ops.set_enabled(True)
     assert torch.equal(results[True][0], results[False][0])
     assert torch.equal(results[True][1], results[False][1])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("n", [7168, 1536])
+def test_norm_fp8_output_is_the_quantization_kernels_bits(rows: int, n: int) -> None:
+    """`quantize=True` (the norm before an FP8 GEMM that reads quantized activations): the normed values are the
+    plain kernel's and the attached e4m3 values and scales are `quantize_activations`' of them, bit for bit, for
+    the norm and the residual add + norm; under a CUDA-graph replay too."""
+    from kernels.fp8_gemm import attached_quantized
+    from kernels.fp8_gemm_triton import quantize_activations
+
+    x = (torch.randn(rows, n, device="cuda", generator=_gen(21)) * 3).to(torch.bfloat16)
+    delta = torch.randn(rows, n, device="cuda", generator=_gen(22)).to(torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(n, device="cuda", generator=_gen(23))).to(torch.bfloat16)
+
+    def same_form(normed: torch.Tensor) -> None:
+        attached = attached_quantized(normed)
+        assert attached is not None
+        want_q, want_s = quantize_activations(normed)
+        assert torch.equal(attached[0].view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(attached[1], want_s)
+
+    normed = fused_ops.rms_norm(x, weight, 1e-6, quantize=True)
+    assert torch.equal(normed, fused_ops.rms_norm(x, weight, 1e-6))
+    same_form(normed)
+    summed, normed = fused_ops.add_rms_norm(x, delta, weight, 1e-6, quantize=True)
+    assert torch.equal(summed, x + delta)
+    assert torch.equal(normed, fused_ops.rms_norm(x + delta, weight, 1e-6))
+    same_form(normed)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fused_ops.rms_norm(x, weight, 1e-6, quantize=True)
+    x.copy_((torch.randn(rows, n, device="cuda", generator=_gen(24)) * 5).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, fused_ops.rms_norm(x, weight, 1e-6))
+    same_form(replayed)
+
+
+def test_fp8_model_gives_the_same_bits_with_the_norms_fp8_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode-sized forward of tiny-dsa with FP8 weights where the GEMMs after the norms pick a kernel that reads
+    quantized activations: with the norms writing that form (decode_server/model/model.py `_reads_quantized`) the
+    logits are the same bits as without, and each such norm spares one quantization launch."""
+    from dsa_test_helpers import dense_backend, prefill_logits
+
+    import decode_server.model.model as model_module
+    from decode_server.model import build_random_model, load_config
+    from kernels import fp8_gemm, fp8_gemm_triton
+    from kernels.fp8_gemm import GemmChoice
+
+    config = load_config("tiny-dsa")
+    fp8_gemm.reset_tuner("measure")  # tiny-dsa's shapes are in no table: measured, so its projections are stacked
+    try:
+        model = build_random_model(config, "cuda", torch.bfloat16, seed=0, quantization="fp8")
+        layers = model.model.layers
+        shapes = {layer.self_attn.fp8_input_shape() for layer in layers} | {layer.mlp.fp8_input_shape()
+                                                                            for layer in layers}
+        assert None not in shapes
+        tuner = fp8_gemm.tuner()
+        for n, k in shapes:  # the one-row kernel reading quantized activations, as the H100/H200 tables pick it
+            tuner._choices[("dense", n, k, 0, 1, torch.bfloat16, torch.cuda.current_device(), (128, 128))] = \
+                GemmChoice("triton", fp8_gemm_triton.TritonGemmConfig(block_n=16, gemv_groups=4, gemv_stages=3))
+        prompt = [5]  # one token: one row, the bucket forced above
+        calls = {"n": 0}
+        quantize = fp8_gemm_triton.quantize_activations
+
+        def counted(*args, **kwargs):
+            calls["n"] += 1
+            return quantize(*args, **kwargs)
+
+        def logits() -> torch.Tensor:
+            backend = dense_backend(config, num_slots=64, max_requests=2, max_context=64, kv_dtype=torch.bfloat16,
+                                    device="cuda")
+            backend.reserve(0, len(prompt))
+            return prefill_logits(model, backend, prompt)
+
+        logits()  # the other projections' measurements happen here, not in the counted runs
+        monkeypatch.setattr(fp8_gemm_triton, "quantize_activations", counted)
+        results, launches = {}, {}
+        for spared in (True, False):
+            if not spared:
+                monkeypatch.setattr(model_module, "reads_quantized_input", lambda *args, **kwargs: False)
+            calls["n"] = 0
+            results[spared] = logits()
+            launches[spared] = calls["n"]
+        assert torch.equal(results[True], results[False])
+        assert launches[False] - launches[True] == 2 * len(layers), launches
+    finally:
+        fp8_gemm.reset_tuner()
