@@ -35,6 +35,7 @@ from _timing import device_name, hbm_copy_gbps, time_graph_us  # noqa: E402
 
 from decode_server.model import build_random_model, fused_ops, load_config  # noqa: E402
 from decode_server.model.construct import dequantized_copy  # noqa: E402
+from decode_server.model.moe import MoE, set_shared_experts_fusion  # noqa: E402
 from decode_server.model.weights import weight_bytes  # noqa: E402
 from kernels import fp8_gemm  # noqa: E402
 
@@ -64,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eager-router", action="store_true",
                    help="only the MoE router's selection as eager PyTorch ops (kernels/moe_route_triton.py off), "
                         "the other fused ops as configured")
+    p.add_argument("--disable-shared-experts-fusion", action="store_true",
+                   help="the FP8 model's shared experts as their own GEMMs (the server's flag of that name)")
     p.add_argument("--top-kernels", type=int, default=25,
                    help="kernels (by device time) listed per run, each with its µs and launches per step")
     p.add_argument("--device-kv-budget-gib", type=float, default=8.0)
@@ -141,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     fused_ops.set_enabled(not args.eager_ops)
     fused_ops.set_router_enabled(not args.eager_router)
+    set_shared_experts_fusion(not args.disable_shared_experts_fusion)
     bd = _bench_decode()
     config = load_config(args.config)
     t0 = time.perf_counter()
@@ -153,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             "config": args.config, "context": args.context, "fp8_build_s": build_s, "hbm_copy_gbps": hbm,
             "weights_bytes": {"fp8": weight_bytes(model8), "bf16": weight_bytes(model16)},
             "command": " ".join(sys.argv), "torch": torch.__version__, "fused_ops": fused_ops.enabled(),
-            "fused_router": fused_ops.router_enabled()}
+            "fused_router": fused_ops.router_enabled(),
+            "shared_experts_fused": sum(m.fuses_shared for m in model8.modules() if isinstance(m, MoE))}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -64,6 +64,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "(FP8 on CUDA unless a tensor-parallel piece cuts through a 128-block); the CPU always dequantizes",
     )
     g.add_argument(
+        "--disable-shared-experts-fusion",
+        action="store_true",
+        help="keep the MoE's shared expert as its own GEMMs; by default, with block-FP8 experts on a GPU whose FP8 "
+        "table has the shapes and without expert parallelism, it runs as one more expert of the routed experts' "
+        "grouped GEMMs",
+    )
+    g.add_argument(
         "--attention-backend",
         choices=["auto", "flashmla", "triton", "torch_native"],
         default=d.attention_backend,
@@ -239,6 +246,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        disable_shared_experts_fusion=args.disable_shared_experts_fusion,
         attention_backend=args.attention_backend,
         enable_deterministic_inference=args.enable_deterministic_inference,
         disable_cuda_graph=args.disable_cuda_graph,

@@ -129,6 +129,9 @@ class EngineConfig(BaseModel):
     # them at load; "auto" or None: what the checkpoint's quantization_config says (fp8 on CUDA, unless a
     # tensor-parallel piece cuts through a 128-block). CPU always dequantizes (decode_server/model/quantization.py).
     quantization: Literal["auto", "fp8", "none"] | None = None
+    # SGLang's --disable-shared-experts-fusion: the shared expert stays its own GEMMs instead of one more expert of
+    # the routed experts' grouped GEMMs (decode_server/model/moe.py; block-FP8 experts on a GPU whose table has it).
+    disable_shared_experts_fusion: bool = False
     attention_backend: AttentionBackendName = "auto"
     # Batch-invariant mode: a request's tokens and logprobs do not depend on what else runs (docs/models.md).
     enable_deterministic_inference: bool = False

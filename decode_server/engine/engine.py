@@ -52,6 +52,7 @@ from decode_server.errors import (
 )
 from decode_server.hisparse.coordinator import HiSparseCoordinator
 from decode_server.model.batch_invariant import batch_invariant_mode
+from decode_server.model.moe import set_shared_experts_fusion
 from decode_server.model.quantization import resolve_quantization
 from decode_server.parallel.dp_attention import DPBatchLayout, DPStepSync, dp_batch
 from decode_server.parallel.state import ParallelState
@@ -136,6 +137,7 @@ class Engine:
             from decode_server.model import load_config
 
             self._check_model_sizes(load_config(config.model_path))  # refuse before reading any weight
+            set_shared_experts_fusion(not config.disable_shared_experts_fusion)
             model, model_config, tokenizer = _load(config.model_path, self.device, self.model_dtype, tokenizer,
                                                    parallel, resolve_quantization(config.quantization, self.device))
         self._check_model_sizes(model_config)

@@ -72,6 +72,8 @@ class MLAAttention(nn.Module):
         self.absorbed_fp8 = False
         # q_a, the indexer's wk and kv_a as one GEMM (`fuse_input_projections`); None: three GEMMs.
         self.fused_inputs: FusedLinear | None = None
+        # q_b and the indexer's wq_b (both read the normalized query latent) as one GEMM (`fuse_query_projections`).
+        self.fused_queries: FusedLinear | None = None
 
     def input_projections(self) -> list[Linear]:
         """The projections of the layer's input x, in the order they are stacked when fused: q_a, the indexer's
@@ -101,6 +103,35 @@ class MLAAttention(nn.Module):
             fused = self.fused_inputs
         outs = fused(x) if fused is not None else [proj(x) for proj in self.input_projections()]
         return outs[0], (outs[1] if self.indexer is not None else None), outs[-1]
+
+    def query_projections(self) -> list[Linear]:
+        """The projections of the normalized query latent, in stack order: q_b, then the indexer's wq_b (layers
+        that run the indexer)."""
+        return [self.q_b_proj] + ([self.indexer.wq_b] if self.indexer is not None else [])
+
+    @torch.no_grad()
+    def fuse_query_projections(self, copy: bool = True) -> None:
+        """Give q_b and the indexer's wq_b one stacked weight (as `fuse_input_projections` does for the input's
+        projections): one GEMM reads the query latent once instead of two launches — the indexer's 12.6 MB FP8 wq_b
+        alone runs at ~45 % of the H200's copy rate at batch 1 (docs/benchmarks.md). q_b's output is then ready
+        before the indexer runs, which is only earlier. Layers without an indexer (GLM-5's shared layers) keep q_b
+        alone; so do projections that cannot share a stack or whose stacked FP8 shape this GPU has not measured."""
+        projections = self.query_projections()
+        if self.fused_queries is not None and self.fused_queries.current():
+            return
+        self.fused_queries = FusedLinear(projections, copy) if worth_stacking(projections) else None
+
+    def project_queries(self, q_latent: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(q_b(q_latent), wq_b(q_latent)) from the stacked GEMM, or (None, None) where they run apart (each then
+        where it is used)."""
+        fused = self.fused_queries
+        if fused is not None and not fused.current():  # a parameter was replaced since (device move, reload)
+            self.fuse_query_projections(copy=True)
+            fused = self.fused_queries
+        if fused is None:
+            return None, None
+        q, index_q = fused(q_latent)
+        return q, index_q
 
     def fp8_input_shape(self) -> tuple[int, int] | None:
         """(N, K) of the block-FP8 GEMM that reads the layer's input (q_a, the indexer's wk and kv_a stacked), or
@@ -156,10 +187,13 @@ class MLAAttention(nn.Module):
         fused_ops.rope(kv_a[:, rank:], cos, sin, interleaved=True, out=rows[:, rank:])
         return rows
 
-    def absorbed_query(self, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """[T, H, 576] = [W_UKᵀ q_nope ; RoPE(q_pe)] per head (its intermediates die on return)."""
+    def absorbed_query(self, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       q_proj: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, H, 576] = [W_UKᵀ q_nope ; RoPE(q_pe)] per head (its intermediates die on return). q_proj: q_b's
+        output where the stacked query GEMM made it (a column slice), else computed here."""
         num_tokens = q_latent.shape[0]
-        q = self.q_b_proj(q_latent).view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
+        q = (self.q_b_proj(q_latent) if q_proj is None else q_proj).view(num_tokens, self.num_heads,
+                                                                          self.nope_dim + self.rope_dim)
         query = torch.empty(num_tokens, self.num_heads, self.kv_lora_rank + self.rope_dim, dtype=q.dtype,
                             device=q.device)
         if self.absorbed_fp8:  # written straight into the query's first 512 columns, per head: no temporary
@@ -193,10 +227,11 @@ class MLAAttention(nn.Module):
         q_a, index_k, kv_a = self.project_inputs(x)
         q_latent = self.q_a_layernorm(q_a)
         del q_a
+        q_proj, index_q = self.project_queries(q_latent)
         # The selection first: the backend starts fetching what it selected (HiSparse: this layer's swap-in) while
         # the query and KV-row projections below run (docs/engine.md "The HiSparse step").
         if self.indexer is not None:
-            index = self.indexer(x, q_latent, cos32, sin32, index_k)
+            index = self.indexer(x, q_latent, cos32, sin32, index_k, index_q)
             backend.write_index_keys(self.layer_id, index.keys_fp8, index.key_scales)
             positions = backend.index_topk(self.layer_id, index.q, index.weights, self.index_topk)
             del index
@@ -205,8 +240,8 @@ class MLAAttention(nn.Module):
         else:
             positions = shared_topk
         backend.prepare_attention(self.layer_id, positions)
-        query = self.absorbed_query(q_latent, cos, sin)
-        del q_latent
+        query = self.absorbed_query(q_latent, cos, sin, q_proj)
+        del q_latent, q_proj
         backend.write_kv(self.layer_id, self.latent_rows(kv_a, cos, sin))
         del kv_a
         latent_out = backend.sparse_attention(self.layer_id, query, positions, self.softmax_scale)  # [T, H, 512]

@@ -14,7 +14,8 @@ scales on the meta device, before storage exists, so an FP8 model never holds a 
 routed experts get one stacked storage per projection at build time (`MoE.stack_experts`): the loader and the
 random fill write through the experts' views, so the grouped GEMM's stacked weights never need a second copy. Each
 attention layer's input projections (q_a, the indexer's wk, kv_a) get one stacked storage the same way
-(`MLAAttention.fuse_input_projections`), so they run as one GEMM, and so do the gate and up projections of the dense
+(`MLAAttention.fuse_input_projections`), so they run as one GEMM, and so do its query latent's (q_b, the indexer's
+wq_b: `MLAAttention.fuse_query_projections`) and the gate and up projections of the dense
 and shared-expert MLPs (`MLP.fuse_gate_up`).
 """
 
@@ -111,6 +112,7 @@ def build_empty_model(
             module.stack_experts()
         elif isinstance(module, MLAAttention):
             module.fuse_input_projections(copy=False)
+            module.fuse_query_projections(copy=False)
         elif isinstance(module, MLP):
             module.fuse_gate_up(copy=False)  # dense and shared-expert MLPs (routed experts opt out)
     model.quantization = model_quantization(model)

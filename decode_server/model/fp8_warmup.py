@@ -4,8 +4,8 @@ The engine calls `warm_up` on CUDA before capturing decode graphs, with every to
 (decode batch sizes, prefill chunks): each FP8 weight shape of the model is timed at each M bucket those counts
 fall in, on the model's own weights of that shape (all layers, rotated), and the fastest backend is fixed for the
 process. Dense shapes cover the attention, indexer and MLP projections (and the experts' own layers, which
-batch-invariant mode runs one by one); grouped shapes the routed experts, at M = tokens × experts per token;
-batched shapes MLA's absorbed products with FP8 W_UK / W_UV (one matrix per head, M = tokens).
+batch-invariant mode runs one by one); grouped shapes the routed experts, at M = tokens × experts per token (one
+more per token where the shared expert is fused into their stacks, decode_server/model/moe.py); batched shapes MLA's absorbed products with FP8 W_UK / W_UV (one matrix per head, M = tokens).
 """
 
 from __future__ import annotations
@@ -28,34 +28,38 @@ from kernels.fp8_gemm_table import TableKey, dtype_name
 
 logger = logging.getLogger(__name__)
 
-Workload = tuple[str, list[tuple[torch.Tensor, torch.Tensor]], tuple[int, int]]
+# (kind, every (weight, scales) of one shape, block, extra rows per token: 1 for the grouped GEMMs of a MoE whose
+# shared expert is each token's extra choice, else 0).
+Workload = tuple[str, list[tuple[torch.Tensor, torch.Tensor]], tuple[int, int], int]
 
 
 def fp8_workloads(model: nn.Module) -> list[Workload]:
-    """(kind, every (weight, scales) of one shape, block) per FP8 GEMM shape of the model."""
+    """(kind, every (weight, scales) of one shape, block, extra rows per token) per FP8 GEMM shape of the model."""
     groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     fused: set[int] = set()  # projections that run only as part of a stacked GEMM
     for module in model.modules():
-        stack = (module.fused_inputs if isinstance(module, MLAAttention)
-                 else module.fused_gate_up if isinstance(module, MLP) else None)
-        if stack is not None and "weight_scale_inv" in stack.stacked:
-            weight, scale = stack.stacked["weight"], stack.stacked["weight_scale_inv"]
-            groups.setdefault(("dense", tuple(weight.shape), stack.block), []).append((weight, scale))
-            fused.update(id(lin) for lin in stack.linears)
+        stacks = ([module.fused_inputs, module.fused_queries] if isinstance(module, MLAAttention)
+                  else [module.fused_gate_up] if isinstance(module, MLP) else [])
+        for stack in stacks:
+            if stack is not None and "weight_scale_inv" in stack.stacked:
+                weight, scale = stack.stacked["weight"], stack.stacked["weight_scale_inv"]
+                groups.setdefault(("dense", tuple(weight.shape), stack.block, 0), []).append((weight, scale))
+                fused.update(id(lin) for lin in stack.linears)
     for name, module in model.named_modules():
         if isinstance(module, MLAAttention) and module.absorbed_fp8:  # the absorbed products, per head
             for weight, scale in ((module.w_uk, module.w_uk_scale), (module.w_uv, module.w_uv_scale)):
-                groups.setdefault(("batched", tuple(weight.shape), (128, 128)), []).append((weight, scale))
+                groups.setdefault(("batched", tuple(weight.shape), (128, 128), 0), []).append((weight, scale))
         if name.endswith("kv_b_proj") or id(module) in fused:
             continue  # kv_b_proj: never multiplied as stored (its heads are the absorbed products' weights)
         if isinstance(module, Linear) and module.fp8_scale is not None:
-            key = ("dense", tuple(module.weight.shape), module.weight_block)
+            key = ("dense", tuple(module.weight.shape), module.weight_block, 0)
             groups.setdefault(key, []).append((module.weight, module.fp8_scale))
         elif isinstance(module, MoE) and module.fp8_experts():
             block = module.local_experts()[0].gate_proj.weight_block
+            extra = int(module.fuses_shared)
             for weight, scale in module.grouped_gemms():
-                groups.setdefault(("grouped", tuple(weight.shape), block), []).append((weight, scale))
-    return [(kind, weights, block) for (kind, _, block), weights in groups.items()]
+                groups.setdefault(("grouped", tuple(weight.shape), block, extra), []).append((weight, scale))
+    return [(kind, weights, block, extra) for (kind, _, block, extra), weights in groups.items()]
 
 
 def tuning_config(config: ModelConfig) -> ModelConfig:
@@ -69,14 +73,16 @@ def tuning_config(config: ModelConfig) -> ModelConfig:
 def _planned(workloads: list[Workload], token_counts: Iterable[int], experts_per_token: int,
              grouped: bool) -> list[tuple[str, list[tuple[torch.Tensor, torch.Tensor]], int, tuple[int, int]]]:
     """(kind, weights, M, block) of every decision `warm_up` makes: each dense and batched shape at each M bucket of
-    the token counts, each grouped shape at bucket × experts per token (its rows are token-expert pairs)."""
+    the token counts, each grouped shape at bucket × rows per token (its rows are token-expert pairs: the experts
+    per token, and the shared expert where it is fused)."""
+    counts = sorted({max(1, t) for t in token_counts})
     planned = []
-    for bucket in sorted({m_bucket(max(1, t)) for t in token_counts}):
-        for kind, weights, block in workloads:
-            if kind != "grouped":
-                planned.append((kind, weights, bucket, block))
-            elif grouped:
-                planned.append((kind, weights, bucket * experts_per_token, block))
+    for kind, weights, block, extra in workloads:
+        if kind != "grouped":
+            planned += [(kind, weights, bucket, block) for bucket in sorted({m_bucket(t) for t in counts})]
+        elif grouped:  # the buckets of the row counts themselves: with 3 rows a token, 5 tokens are 15 rows (≤ 16)
+            rows = experts_per_token + extra
+            planned += [(kind, weights, bucket, block) for bucket in sorted({m_bucket(t * rows) for t in counts})]
     return planned
 
 

@@ -78,9 +78,10 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(config.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                k_proj: torch.Tensor | None = None) -> IndexerOutput:
+                k_proj: torch.Tensor | None = None, q_proj: torch.Tensor | None = None) -> IndexerOutput:
         """x [T, hidden], q_latent [T, q_lora_rank]; cos/sin [T, rope_dim/2] float32. k_proj: wk(x) when the
-        caller computed it (MLA's fused input projections), else computed here."""
+        caller computed it (MLA's fused input projections), else computed here; q_proj likewise wq_b(q_latent)
+        (MLA's fused query projections)."""
         num_tokens = x.shape[0]
         k = batch_invariant.layer_norm((self.wk(x) if k_proj is None else k_proj).float(), self.k_norm)
         keys_fp8, key_scales = fused_ops.index_keys(k, cos, sin, self.rope_dim, self.rope_interleaved)
@@ -88,7 +89,7 @@ class Indexer(nn.Module):
             weights = batch_invariant.linear(x.float(), self.weights_proj.weight.float())
         else:
             weights = narrow_linear(x.float(), self.weights_proj.weight.float())
-        q = self.wq_b(q_latent).view(num_tokens, self.n_heads, self.head_dim)
+        q = (self.wq_b(q_latent) if q_proj is None else q_proj).view(num_tokens, self.n_heads, self.head_dim)
         q, weights = fused_ops.index_query(q, cos, sin, self.rope_dim, self.rope_interleaved, weights,
                                            self.weight_scale)
         return IndexerOutput(q=q, weights=weights, keys_fp8=keys_fp8, key_scales=key_scales)

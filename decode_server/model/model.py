@@ -156,6 +156,7 @@ class DSAForCausalLM(nn.Module):
         for attn in self.attention_layers():
             attn.absorb_weights()
             attn.fuse_input_projections()
+            attn.fuse_query_projections()
         for module in self.modules():
             if isinstance(module, MLP):
                 module.fuse_gate_up()

@@ -14,6 +14,15 @@ the layer's output and one all-reduce of [T, hidden] combines them: since attent
 rank already has every token, so expert parallelism needs no token dispatch. With data-parallel attention each
 rank owns different tokens: the decoder layer gathers every rank's tokens before the MoE and reduce-scatters its
 partial output back to the owners instead (`reduce=False` here; decode_server/parallel/dp_attention.py).
+
+Shared-experts fusion (SGLang's, `--disable-shared-experts-fusion` turns it off): where the shared expert has the
+routed experts' shapes (DeepSeek-V3.2 and GLM-5: one shared expert of `moe_intermediate_size`, at TP1 or tensor-
+sharded like the experts; not with expert parallelism, where the experts are whole and the shared one is sharded),
+its weights are one more expert of the stacks, [E+1, 2I, H] and [E+1, H, I], and every token one more choice of
+it. At decode a MoE layer then launches two grouped GEMMs instead of two grouped and two dense ones, and the shared
+expert's bytes ride the grouped launches' read rate (a 29 MB dense launch alone reaches ~59 % of the H200's copy
+rate, docs/benchmarks.md). Block-FP8 experts on a GPU only, and only where the GPU's FP8 table has the E+1 shapes
+(`grouped_shape_tuned`): the bf16 experts run torch's grouped GEMM, which was not measured for it.
 """
 
 from __future__ import annotations
@@ -32,6 +41,20 @@ from kernels.fp8_gemm import SharedInput, fp8_grouped_linear, grouped_shape_tune
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # (stacked weight, stacked FP8 block scales or None) for gate, up, down.
 Stacked = tuple[tuple[torch.Tensor, torch.Tensor | None], ...]
+
+
+_shared_experts_fusion = True
+
+
+def set_shared_experts_fusion(enabled: bool) -> None:
+    """Whether MoE layers built from now on may fuse their shared expert into the routed stacks (module
+    docstring); the engine sets it from `--disable-shared-experts-fusion` before it builds the model."""
+    global _shared_experts_fusion
+    _shared_experts_fusion = bool(enabled)
+
+
+def shared_experts_fusion() -> bool:
+    return _shared_experts_fusion
 
 
 def _one_storage(params: list[list[torch.Tensor]], copy: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -171,6 +194,8 @@ class MoE(nn.Module):
                                   parallel, reduce=False, what="moe_intermediate_size × n_shared_experts")
         self._stacked: Stacked | None = None
         self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # `gate_up_stack`
+        # The shared expert is the stacks' last expert (`stack_experts` decides; module docstring).
+        self.fuses_shared = False
         # Plain tuple (not registered twice): the modules stay the same objects through .to() / to_empty().
         self._local_experts = tuple(
             self.experts.values() if isinstance(self.experts, nn.ModuleDict) else self.experts
@@ -196,11 +221,15 @@ class MoE(nn.Module):
         fp8 = self.fp8_experts()
         grouped_ok = not batch_invariant.enabled() and (fp8 or hasattr(torch, "_grouped_mm"))
         if x.is_cuda and (fp8 or x.dtype == torch.bfloat16) and grouped_ok:
-            shared = self.shared_experts(x)
-            if moe_dispatch_supported(x, expert_ids):  # decode's token counts: one dispatch and one combine kernel
-                out = self.routed_dispatched(x, weights, expert_ids, shared)
+            if self.fuses_shared:  # the shared expert runs in the grouped GEMMs as each token's last choice
+                if moe_dispatch_supported(x, expert_ids):
+                    out = self.routed_dispatched(x, weights, expert_ids)
+                else:
+                    out = self.routed_grouped(x, weights, expert_ids, owned)
+            elif moe_dispatch_supported(x, expert_ids):  # decode's token counts: one dispatch and one combine kernel
+                out = self.routed_dispatched(x, weights, expert_ids, self.shared_experts(x))
             else:
-                out = self.routed_grouped(x, weights, expert_ids, owned) + shared
+                out = self.routed_grouped(x, weights, expert_ids, owned) + self.shared_experts(x)
         else:
             out = self.routed_loop(x, weights, expert_ids) + self.shared_experts(x)
         # Partial sums on every rank with tensor/expert parallelism: one all-reduce (a no-op on one device).
@@ -268,9 +297,43 @@ class MoE(nn.Module):
 
     def stack_experts(self) -> None:
         """Give each expert projection (and its FP8 scales) one stacked storage now — gate and up one together
-        where `_joins_gate_up` — the experts' parameters becoming views with undefined values: the caller fills
-        them (model construction, before loading)."""
+        where `_joins_gate_up`, the shared expert as the last expert where `_can_fuse_shared` — the experts'
+        parameters becoming views with undefined values: the caller fills them (model construction, before
+        loading)."""
+        self.fuses_shared = self._can_fuse_shared()
+        if self.fuses_shared:  # its gate and up are rows of the joined stack: no stack of its own
+            self.shared_experts.stack_gate_up = False
+            self.shared_experts.fused_gate_up = None
         self._stacked = self._stack(copy=False)
+
+    def stack_members(self) -> tuple[nn.Module, ...]:
+        """The MLPs whose weights the stacks hold, in stack order: this rank's experts, then the shared expert
+        where it is fused."""
+        experts = self.local_experts()
+        return (*experts, self.shared_experts) if self.fuses_shared else experts
+
+    def _can_fuse_shared(self) -> bool:
+        """Shared-experts fusion applies (module docstring): switched on, no expert parallelism, block-FP8
+        experts off the CPU, the shared expert's projections of the experts' shapes, dtype and blocks, gate rows in
+        whole blocks (gate and up join), and on a GPU in table mode both E+1 grouped shapes in its table."""
+        if not _shared_experts_fusion or self.parallel.expert_parallel:
+            return False
+        expert, shared = self.local_experts()[0], self.shared_experts
+        gate = expert.gate_proj
+        if gate.fp8_scale is None or gate.weight.device.type == "cpu":
+            return False
+        for name in _PROJECTIONS:
+            mine, theirs = getattr(shared, name), getattr(expert, name)
+            if (mine.weight.shape != theirs.weight.shape or mine.weight.dtype != theirs.weight.dtype
+                    or mine.fp8_scale is None or tuple(mine.weight_block) != tuple(theirs.weight_block)
+                    or mine.bias is not None or theirs.bias is not None):
+                return False
+        if gate.weight.shape[0] % gate.weight_block[0]:
+            return False
+        rows, hidden = gate.weight.shape
+        members = self.num_local_experts + 1
+        return (grouped_shape_tuned(2 * rows, hidden, members, gate.weight.device)
+                and grouped_shape_tuned(hidden, rows, members, gate.weight.device))
 
     @staticmethod
     def _joins_gate_up(experts: tuple[nn.Module, ...]) -> bool:
@@ -287,7 +350,7 @@ class MoE(nn.Module):
         return grouped_shape_tuned(2 * gate.weight.shape[0], gate.weight.shape[1], len(experts), gate.weight.device)
 
     def _stack(self, copy: bool) -> Stacked:
-        experts = self.local_experts()
+        experts = self.stack_members()
         joins = self._joins_gate_up(experts)
         groups = (("gate_proj", "up_proj"), ("down_proj",)) if joins else tuple((name,) for name in _PROJECTIONS)
         views: dict[str, list[torch.Tensor | None]] = {name: [] for name in _PROJECTIONS}
@@ -333,28 +396,38 @@ class MoE(nn.Module):
         return torch._grouped_mm(fused_ops.silu_mul(gate, up), down_w.transpose(1, 2), offs=offsets)
 
     def routed_dispatched(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-                          shared: torch.Tensor) -> torch.Tensor:
+                          shared: torch.Tensor | None = None) -> torch.Tensor:
         """`routed_grouped` + `shared` with the dispatch and the combine as one kernel each
-        (kernels/moe_dispatch_triton.py): the grouped GEMMs see the rows the sort gives, in its order."""
+        (kernels/moe_dispatch_triton.py): the grouped GEMMs see the rows the sort gives, in its order. With a
+        fused shared expert (`shared` None) the dispatch adds each token's shared choice and the combine its row."""
         from kernels import moe_dispatch_triton  # imports triton: CUDA only
 
-        xs, slot, offsets = moe_dispatch_triton.dispatch(x, expert_ids, self.num_local_experts)
+        fused = self.fuses_shared
+        members = self.num_local_experts + int(fused)
+        xs, slot, offsets = moe_dispatch_triton.dispatch(x, expert_ids, members, shared_expert=fused)
         out_sorted = self.expert_mlps(xs, offsets)
-        return moe_dispatch_triton.combine(out_sorted, slot, expert_ids, weights.contiguous(),
-                                           self.num_local_experts, shared=shared, out_dtype=x.dtype)
+        return moe_dispatch_triton.combine(out_sorted, slot, expert_ids, weights.contiguous(), members,
+                                           shared=shared, out_dtype=x.dtype, shared_in_ys=fused)
 
     def routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
                        owned: torch.Tensor | None = None) -> torch.Tensor:
         """`owned` (expert parallel): which choices fall on this rank; the others (sentinel ids, past the last
         offset, so their rows of the grouped GEMM output are undefined) are zeroed before the weighted sum."""
         num_tokens, top_k = expert_ids.shape
-        sorted_ids, order = torch.sort(expert_ids.flatten(), stable=True)
-        offsets = expert_end_offsets(sorted_ids, self.num_local_experts)
-        out_sorted = self.expert_mlps(x[order // top_k], offsets)
+        fused = self.fuses_shared  # each token's last choice is the shared expert (the stacks' last)
+        choices = torch.cat([expert_ids, expert_ids.new_full((num_tokens, 1), self.num_local_experts)], dim=1) \
+            if fused else expert_ids
+        per_token = choices.shape[1]
+        sorted_ids, order = torch.sort(choices.flatten(), stable=True)
+        offsets = expert_end_offsets(sorted_ids, self.num_local_experts + int(fused))
+        out_sorted = self.expert_mlps(x[order // per_token], offsets)
         per_choice = torch.empty_like(out_sorted)
         per_choice[order] = out_sorted
-        per_choice = per_choice.view(num_tokens, top_k, -1).float()
+        per_choice = per_choice.view(num_tokens, per_token, -1).float()
+        shared = per_choice[:, top_k] if fused else None
+        per_choice = per_choice[:, :top_k]
         if owned is not None:
             per_choice = torch.where(owned.unsqueeze(-1), per_choice, 0.0)
         per_choice = per_choice * weights.unsqueeze(-1)
-        return per_choice.sum(dim=1).to(x.dtype)
+        routed = per_choice.sum(dim=1).to(x.dtype)
+        return routed if shared is None else (routed.float() + shared).to(x.dtype)

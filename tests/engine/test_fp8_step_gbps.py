@@ -73,3 +73,23 @@ def test_a_failed_fp8_run_is_refused_with_its_error(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "no profile (RuntimeError: out of memory)" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_fused_shared_expert_counts_as_grouped_and_split_k_sums_join_the_quantizations(tmp_path: Path) -> None:
+    raw = json.loads((ROOT / "configs" / "tiny-dsa.json").read_text())
+    plain, fused = gbps.batch1_bytes(raw), gbps.batch1_bytes(raw, shared_fused_layers=99)
+    moe_layers = raw["num_hidden_layers"] - raw["first_k_dense_replace"]
+    inter, hidden = raw["moe_intermediate_size"], raw["hidden_size"]
+    shared = gbps.fp8_bytes(2 * inter, hidden) + gbps.fp8_bytes(hidden, inter)
+    assert fused["dense"] == plain["dense"] - moe_layers * shared  # capped at the MoE layers
+    assert fused["grouped (routed experts)"] == plain["grouped (routed experts)"] + moe_layers * shared
+    assert sum(fused.values()) == sum(plain.values())
+    kernels = [["_fp8_gemv_kernel", 100.0, 10], ["_fp8_grouped_gemm_kernel", 40.0, 4], ["_splitk_sum_kernel", 5.0, 4], ["_fp8_bmm_kernel", 10.0, 2],
+               ["_quantize_kernel", 20.0, 8]]
+    path = tmp_path / "step.json"
+    path.write_text(json.dumps({"meta": {"hbm_copy_gbps": 4000.0, "device": "test GPU", "shared_experts_fused": 1},
+                                "rows": [{"batch": 1, "fp8_run": {"step_ms": 1.0, "top_kernels": kernels}}]}))
+    out = subprocess.run([sys.executable, str(SCRIPT), str(path), str(ROOT / "configs" / "tiny-dsa.json")],
+                         capture_output=True, text=True, check=True).stdout
+    assert "the shared expert fused in 1 MoE layers" in out
+    assert "150.0 µs" in out and "175.0 µs" in out  # the GEMMs, then with the quantizations and the split-K sums

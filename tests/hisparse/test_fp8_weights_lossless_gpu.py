@@ -7,7 +7,8 @@ contract of tests/hisparse/test_cuda_graph_gpu.py, now with the model's projecti
 
 Models: tiny-dsa loaded from its FP8 checkpoint (Triton GEMMs: its K of 256 does not suit cuBLAS's block scaling)
 and a random FP8 model with 64 heads and 512-wide hidden and latent sizes, where torch._scaled_mm applies to
-several projections; with the backends forced one at a time and as the autotuner picks them.
+several projections; with the backends forced one at a time and as the autotuner picks them; and the wide model
+with its query projections stacked and its shared expert fused into the routed experts' grouped GEMMs.
 
 Run: pytest -m gpu tests/hisparse/test_fp8_weights_lossless_gpu.py -v -s
 """
@@ -43,8 +44,29 @@ def wide_fp8_cuda():
     return model, config, Tokenizer.from_dir(resolve_model_path("tiny-dsa"))
 
 
+@pytest.fixture(scope="module")
+def wide_fp8_fused_cuda():
+    """The wide model built as on a GPU whose table has its stacked shapes (the tuner's measure mode at
+    construction): q_b + the indexer's wq_b as one GEMM and the shared expert fused into the routed experts'
+    grouped GEMMs (decode_server/model/moe.py), the path the shipped tables give DeepSeek-V3.2 and GLM-5."""
+    from decode_server.model.moe import MoE
+
+    config = dataclasses.replace(load_config("tiny-dsa"), hidden_size=512, q_lora_rank=512, intermediate_size=1024,
+                                 moe_intermediate_size=256, num_attention_heads=64, num_key_value_heads=64,
+                                 index_topk=128)
+    fp8_gemm.reset_tuner("measure")
+    try:
+        model = build_random_model(config, "cuda", torch.bfloat16, seed=11, quantization="fp8")
+    finally:
+        fp8_gemm.reset_tuner()
+    assert all(m.fuses_shared for m in model.modules() if isinstance(m, MoE))
+    assert all(attn.fused_queries is not None for attn in model.attention_layers() if attn.indexer is not None)
+    return model, config, Tokenizer.from_dir(resolve_model_path("tiny-dsa"))
+
+
 CASES = [  # (model fixture, FP8 GEMM backend restriction, KV cache dtype)
     ("tiny_fp8_cuda", "auto", "auto"),
+    ("wide_fp8_fused_cuda", "auto", "fp8_e4m3"),
     ("wide_fp8_cuda", "auto", "fp8_e4m3"),
     ("wide_fp8_cuda", "scaled_mm", "auto"),
     ("wide_fp8_cuda", "triton", "auto"),

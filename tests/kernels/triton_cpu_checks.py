@@ -545,7 +545,29 @@ def interpret_moe_dispatch() -> None:
         with_shared = k.combine(ys, slot, ids, weights, local, shared=shared.float(), out_dtype=torch.float32)
         if not torch.equal(with_shared, ordered + shared.float()):
             _fail("combine with the shared experts differs from eager's add")
-    print("MoE dispatch: the stable sort's rows, order and offsets; combine: slot-order float32 sum, eager's add")
+        if cut is not None:
+            continue
+        # Shared-experts fusion: each token's extra last choice is expert `local` (the stack's last), derived by the
+        # kernel; rows, order and offsets are the sort's of the ids with that column appended, and the combine adds
+        # the shared row of ys where it added `shared`.
+        extended = torch.cat([ids, torch.full((tokens, 1), local)], dim=1)
+        xs, slot, ends = k.dispatch(x, ids, local + 1, shared_expert=True)
+        sorted_ids, order = torch.sort(extended.flatten(), stable=True)
+        if not torch.equal(ends, expert_end_offsets(sorted_ids, local + 1)):
+            _fail(f"shared-expert dispatch: end offsets differ from the sort's ({tokens} tokens, top-{top_k})")
+        if not torch.equal(xs, x[order // (top_k + 1)]) or not torch.equal(order[slot.long()],
+                                                                             torch.arange(extended.numel())):
+            _fail(f"shared-expert dispatch: rows differ from the sort's ({tokens} tokens, top-{top_k})")
+        ys = torch.randn(extended.numel(), 300, generator=gen)
+        rows = ys[slot.long()].view(tokens, top_k + 1, -1)
+        ordered = torch.zeros(tokens, 300)
+        for j in range(top_k):
+            ordered += rows[:, j] * weights[:, j : j + 1]
+        got = k.combine(ys, slot, ids, weights, local + 1, out_dtype=torch.float32, shared_in_ys=True)
+        if not torch.equal(got, ordered + rows[:, top_k]):
+            _fail("combine with the shared expert's rows differs from the float32 sum plus its row")
+    print("MoE dispatch: the stable sort's rows, order and offsets (with a fused shared expert too); combine: "
+          "slot-order float32 sum, eager's add")
 
 
 def interpret_fp8_quant() -> None:

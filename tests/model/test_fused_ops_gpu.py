@@ -415,16 +415,20 @@ def test_norm_fp8_output_is_the_quantization_kernels_bits(rows: int, n: int) -> 
 def test_fp8_model_gives_the_same_bits_with_the_norms_fp8_output(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode-sized forward of tiny-dsa with FP8 weights where the GEMMs after the norms pick a kernel that reads
     quantized activations: with the norms writing that form (decode_server/model/model.py `_reads_quantized`) the
-    logits are the same bits as without, and each such norm spares one quantization launch."""
+    logits are the same bits as without, and each such norm spares one quantization launch. The shared expert
+    stays a dense MLP here (fusion off): fused into the routed experts' GEMMs it reads the dispatched rows, not the
+    norm's output, so the MoE's norm has no FP8 consumer (`MoE.fp8_input_shape` None)."""
     from dsa_test_helpers import dense_backend, prefill_logits
 
     import decode_server.model.model as model_module
     from decode_server.model import build_random_model, load_config
+    from decode_server.model.moe import set_shared_experts_fusion
     from kernels import fp8_gemm, fp8_gemm_triton
     from kernels.fp8_gemm import GemmChoice
 
     config = load_config("tiny-dsa")
     fp8_gemm.reset_tuner("measure")  # tiny-dsa's shapes are in no table: measured, so its projections are stacked
+    set_shared_experts_fusion(False)
     try:
         model = build_random_model(config, "cuda", torch.bfloat16, seed=0, quantization="fp8")
         layers = model.model.layers
@@ -462,3 +466,4 @@ def test_fp8_model_gives_the_same_bits_with_the_norms_fp8_output(monkeypatch: py
         assert launches[False] - launches[True] == 2 * len(layers), launches
     finally:
         fp8_gemm.reset_tuner()
+        set_shared_experts_fusion(True)

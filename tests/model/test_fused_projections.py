@@ -1,5 +1,5 @@
 """Projections of one input as one GEMM (decode_server/model/fused_linear.py): MLA's q_a, the indexer's wk and kv_a,
-and the gate and up projections of the dense and shared-expert MLPs, each group sharing one stacked weight that
+MLA's q_b and the indexer's wq_b (both of the query latent), and the gate and up projections of the dense and shared-expert MLPs, each group sharing one stacked weight that
 their parameters are views of, built at construction and filled by the loader in place."""
 
 from __future__ import annotations
@@ -86,6 +86,44 @@ def test_a_replaced_parameter_is_restacked() -> None:
         attn.fused_inputs.stacked["weight"].untyped_storage().data_ptr())
 
 
+def test_construction_stacks_q_b_and_wq_b_and_the_attention_uses_them() -> None:
+    """q_b and the indexer's wq_b read the normalized query latent: one stack, q_b's rows first; the layer's
+    outputs equal those of the same weights run apart (float64: any summation order is far below the tolerance)."""
+
+    model = small_model(torch.float64, seed=7)
+    for attn in model.attention_layers():
+        fused = attn.fused_queries
+        assert fused is not None and fused.current()
+        assert fused.sizes == [attn.q_b_proj.out_features, attn.indexer.wq_b.out_features]
+        stacked = fused.stacked["weight"]
+        for proj in attn.query_projections():
+            assert proj.weight.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+    attn = model.attention_layers()[0]
+    latent = torch.randn(4, attn.q_b_proj.in_features, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(8))
+    q, index_q = attn.project_queries(latent)
+    torch.testing.assert_close(q, latent @ attn.q_b_proj.weight.T, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(index_q, latent @ attn.indexer.wq_b.weight.T, rtol=1e-12, atol=1e-12)
+    cos = torch.randn(4, attn.rope_dim // 2, dtype=torch.float64)
+    sin = torch.randn(4, attn.rope_dim // 2, dtype=torch.float64)
+    torch.testing.assert_close(attn.absorbed_query(latent, cos, sin, q), attn.absorbed_query(latent, cos, sin),
+                               rtol=0, atol=0)
+    x = torch.randn(4, 64, dtype=torch.float64)
+    cos32, sin32 = cos.float(), sin.float()
+    apart, joined = attn.indexer(x, latent, cos32, sin32), attn.indexer(x, latent, cos32, sin32, q_proj=index_q)
+    assert torch.equal(apart.q, joined.q) and torch.equal(apart.weights, joined.weights)
+
+
+def test_layers_without_an_indexer_keep_q_b_alone() -> None:
+    model = small_model(torch.float64, seed=9)
+    attn = model.attention_layers()[0]
+    attn.indexer = None
+    attn.fused_queries = None
+    attn.fuse_query_projections()
+    assert attn.fused_queries is None and attn.project_queries(torch.zeros(1, attn.q_b_proj.in_features,
+                                                                           dtype=torch.float64)) == (None, None)
+
+
 def test_fp8_blocks_must_line_up() -> None:
     aligned = [_fp8_linear(256, 256, 0), _fp8_linear(256, 128, 1), _fp8_linear(256, 192, 2)]
     assert can_fuse(aligned)  # only the last projection ends in a partial block
@@ -123,9 +161,11 @@ def test_fp8_warm_up_tunes_the_stacked_shapes_not_their_parts() -> None:
     model = build_random_model(config, "cpu", torch.float32, seed=0, quantization="fp8")
     attn = model.attention_layers()[0]
     assert attn.fused_inputs is not None and "weight_scale_inv" in attn.fused_inputs.stacked
-    dense = {tuple(weights[0][0].shape) for kind, weights, _ in fp8_workloads(model) if kind == "dense"}
-    assert {(128 + 128 + 576, 64), (2 * 384, 64), (2 * 128, 64)} <= dense, dense
-    assert not dense & {(576, 64), (384, 64)}, dense  # kv_a and the dense MLP's gate/up never run alone
+    dense = {tuple(weights[0][0].shape) for kind, weights, *_ in fp8_workloads(model) if kind == "dense"}
+    q_b = attn.q_b_proj.out_features
+    wq_b = attn.indexer.wq_b.out_features
+    assert {(128 + 128 + 576, 64), (2 * 384, 64), (2 * 128, 64), (q_b + wq_b, 128)} <= dense, dense
+    assert not dense & {(576, 64), (384, 64), (q_b, 128), (wq_b, 128)}, dense  # never run alone
 
 
 def test_dense_and_shared_expert_mlps_stack_gate_and_up_routed_experts_do_not() -> None:

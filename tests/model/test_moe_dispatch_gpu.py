@@ -77,3 +77,40 @@ def test_moe_layer_dispatched_equals_the_sorted_path(quantization: str, monkeypa
     scale = eager.float().abs().max()
     assert (fused.float() - eager.float()).abs().max() <= 2.0**-7 * scale
     assert (fused != eager).float().mean() < 0.01
+
+
+def test_fused_shared_expert_matches_the_separate_gemms(monkeypatch) -> None:
+    """Shared-experts fusion (decode_server/model/moe.py) on the GPU: tiny-dsa's FP8 MoE layer with the shared
+    expert as each token's extra choice of the grouped GEMMs (forced: the shipped tables hold no tiny shapes)
+    against the same weights with the shared expert's own dense GEMMs — within the rounding of two FP8 kernels'
+    different accumulation orders — at decode's token counts, equal to itself under CUDA-graph replay, and the
+    sorted path (larger batches) within the combine's float32 sum order of the one-kernel dispatch."""
+    from decode_server.model import build_random_model, load_config
+
+    config = load_config("tiny-dsa")
+    plain = next(m for m in build_random_model(config, "cuda", torch.bfloat16, seed=0, quantization="fp8").modules()
+                 if isinstance(m, moe_module.MoE))
+    monkeypatch.setattr(moe_module, "grouped_shape_tuned", lambda *args: True)
+    layer = next(m for m in build_random_model(config, "cuda", torch.bfloat16, seed=0, quantization="fp8").modules()
+                 if isinstance(m, moe_module.MoE))
+    assert layer.fuses_shared and not plain.fuses_shared
+    assert torch.equal(layer.shared_experts.down_proj.weight.view(torch.uint8),
+                       plain.shared_experts.down_proj.weight.view(torch.uint8))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for tokens in (1, 16, 64):
+        x = (torch.randn(tokens, config.hidden_size, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+        got, want = layer(x), plain(x)
+        scale = want.float().abs().max()
+        assert (got.float() - want.float()).abs().max() <= 2.0**-5 * scale, tokens
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(graph, stream=stream):
+            replayed = layer(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, got), tokens
+        with monkeypatch.context() as m:
+            m.setattr(moe_module, "moe_dispatch_supported", lambda *args: False)
+            sorted_path = layer(x)
+        assert (sorted_path.float() - got.float()).abs().max() <= 2.0**-7 * scale, tokens

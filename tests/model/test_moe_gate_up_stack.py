@@ -52,7 +52,7 @@ def test_fp8_experts_share_one_gate_up_stack(tiny_fp8_moe: MoE) -> None:
             assert torch.equal(linear.weight_scale_inv, scale[e, rows.start // 128 : rows.stop // 128]), name
     assert [tuple(w.shape) for w, _ in moe.grouped_gemms()] == [(len(experts), 2 * inter, hidden),
                                                                (len(experts), hidden, inter)]
-    kinds = [(kind, tuple(weights[0][0].shape)) for kind, weights, _ in fp8_workloads(moe)]
+    kinds = [(kind, tuple(weights[0][0].shape)) for kind, weights, *_ in fp8_workloads(moe)]
     assert ("grouped", (len(experts), 2 * inter, hidden)) in kinds
     assert ("grouped", (len(experts), inter, hidden)) not in kinds  # gate and up are not tuned apart
 
