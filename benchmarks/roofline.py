@@ -113,7 +113,9 @@ def step_floor(weight_bytes: float, kv_bytes: int, miss_bytes: float, hbm_gbps: 
 
 def weight_split(model: torch.nn.Module) -> WeightSplit:
     """Classify a built model's weight storages (decode_server/model/weights.py `weight_storages`: each storage
-    once, the experts' stacked storage under its first expert's name) by what a decode step reads."""
+    once, the experts' stacked storage under its first expert's name) by what a decode step reads. A shared expert
+    fused into the stacks (decode_server/model/moe.py) lives in that storage but is read every step: its bytes
+    count as fixed."""
     from decode_server.model.moe import MoE
     from decode_server.model.weights import weight_storages
 
@@ -129,6 +131,10 @@ def weight_split(model: torch.nn.Module) -> WeightSplit:
         else:
             fixed += nbytes
     moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in moes:
+        if moe.fuses_shared:
+            shared = sum(t.numel() * t.element_size() for t in moe.shared_experts.parameters())
+            routed, fixed = routed - shared, fixed + shared
     experts = len(moes[0].local_experts()) if moes else 0
     if moes and any(len(m.local_experts()) != experts for m in moes):
         raise ValueError("MoE layers hold different numbers of local experts")

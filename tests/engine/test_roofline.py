@@ -109,3 +109,17 @@ def test_weight_split_of_the_rank_config():
 def test_measure_bandwidths_on_cpu():
     bw = roofline.measure_bandwidths(torch.device("cpu"), hbm_bytes=8 << 20, iters=2)
     assert bw["hbm_gbps"] > 0 and bw["pcie_gbps"] > 0 and bw["hbm_method"] == "cpu memcpy"
+
+
+def test_weight_split_counts_a_fused_shared_expert_as_fixed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the shared expert fused into the experts' stacks (decode_server/model/moe.py) its bytes share their
+    storage but are read every step: the split is the unfused model's."""
+    from decode_server.model.moe import MoE
+
+    config = load_config("dsv32-rank-ep8")
+    monkeypatch.setattr(MoE, "_can_fuse_shared", lambda self: False)
+    plain = roofline.weight_split(build_empty_model(config, "meta", torch.bfloat16, fp8=True))
+    monkeypatch.setattr(MoE, "_can_fuse_shared", lambda self: True)
+    model = build_empty_model(config, "meta", torch.bfloat16, fp8=True)
+    assert all(m.fuses_shared for m in model.modules() if isinstance(m, MoE))
+    assert roofline.weight_split(model) == plain
