@@ -54,6 +54,18 @@ def test_dispatch_and_combine_against_the_eager_path(tokens: int, cut: int | Non
     assert torch.equal(with_shared, ordered.to(torch.bfloat16) + shared)
 
 
+def _replayed(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) captured in a CUDA graph on a side stream and replayed once."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=stream):
+        out = layer(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 @pytest.mark.parametrize("quantization", ["none", "fp8"])
 def test_moe_layer_dispatched_equals_the_sorted_path(quantization: str, monkeypatch) -> None:
     from decode_server.model import build_random_model, load_config
@@ -63,14 +75,7 @@ def test_moe_layer_dispatched_equals_the_sorted_path(quantization: str, monkeypa
     layer = next(m for m in model.modules() if isinstance(m, moe_module.MoE))
     x = (torch.randn(16, config.hidden_size, device="cuda") * 0.5).to(torch.bfloat16)
     fused = layer(x)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.graph(graph, stream=stream):
-        replayed = layer(x)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(replayed, fused)
+    assert torch.equal(_replayed(layer, x), fused)
     monkeypatch.setattr(moe_module, "moe_dispatch_supported", lambda *args: False)
     eager = layer(x)
     # The same expert outputs; only the weighted sum's order differs (float32), then one bf16 rounding each.
@@ -102,14 +107,7 @@ def test_fused_shared_expert_matches_the_separate_gemms(monkeypatch) -> None:
         got, want = layer(x), plain(x)
         scale = want.float().abs().max()
         assert (got.float() - want.float()).abs().max() <= 2.0**-5 * scale, tokens
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.graph(graph, stream=stream):
-            replayed = layer(x)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, got), tokens
+        assert torch.equal(_replayed(layer, x), got), tokens
         with monkeypatch.context() as m:
             m.setattr(moe_module, "moe_dispatch_supported", lambda *args: False)
             sorted_path = layer(x)
