@@ -49,6 +49,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -228,10 +229,17 @@ def triton_candidates(kind: str, bucket: int, n: int, k: int, experts: int, devi
              if rows <= 64 else [(64, (128,)), (128, (128,))])
     if kind == "grouped" and rows <= 32 and 2 * rows >= tiles[0][0]:
         tiles.append((2 * tiles[0][0], (64,)))
+    layouts = [(bm, column_tiles, min(8, 1 << (math.ceil(rows / bm) - 1).bit_length()) if kind == "grouped" else 1)
+               for bm, column_tiles in tiles]
+    if kind == "grouped" and bucket > 2 * tiles[0][0] and layouts[0][2] < 8:
+        # One expert can hold far more rows than the average: a fused shared expert has a row of every token (at
+        # batch 16 of a top-2 model 16 of 48 rows, at 21 tokens 21 — two row tiles, which one program runs one
+        # after the other). So the smallest tile also with twice the programs along M.
+        bm, column_tiles, m_programs = layouts[0]
+        layouts.append((bm, column_tiles[:1], 2 * m_programs))
     out = []
-    for bm, column_tiles in tiles:
+    for bm, column_tiles, m_programs in layouts:
         m_tiles = math.ceil(rows / bm)
-        m_programs = min(8, 1 << (m_tiles - 1).bit_length()) if kind == "grouped" else 1
         for bn in column_tiles:
             programs = active * (min(m_programs, m_tiles) if kind == "grouped" else m_tiles) * math.ceil(n / bn)
             splits = [1]
@@ -283,13 +291,57 @@ def default_choice(kind: str, bucket: int, n: int, k: int, experts: int, device:
         return candidates[0]
     bn = candidates[0].config.block_n
     fused = any(c.config.fuse_quant for c in candidates)
-    candidates = [c for c in candidates if c.config.block_n == bn and c.config.block_m == candidates[0].config.block_m
-                  and c.config.fuse_quant == fused]
+    first = candidates[0].config
+    candidates = [c for c in candidates if c.config.block_n == bn and c.config.block_m == first.block_m
+                  and c.config.m_programs == first.m_programs and c.config.fuse_quant == fused]
     sms = _sm_count(_index(device))
     rows = bucket if kind == "dense" else max(1, math.ceil(bucket / max(1, min(experts, bucket))))
     base = math.ceil(n / bn) * math.ceil(rows / candidates[0].config.block_m)
     fitting = [c for c in candidates if base * c.config.split_k <= 2 * sms]
     return fitting[-1] if fitting else candidates[0]
+
+
+class Routing(NamedTuple):
+    """How decode routes a grouped GEMM's rows (the engine's warm-up knows it, a table key does not): each token's
+    `experts_per_token` distinct routed experts, plus one row on the last expert where it is a fused shared
+    expert (`shared_last`; decode_server/model/moe.py)."""
+
+    experts_per_token: int
+    shared_last: bool = False
+
+
+def grouped_routing_samples(bucket: int, experts: int, routing: Routing | None = None) -> list[list[int]]:
+    """The routings a grouped GEMM of M bucket `bucket` over `experts` experts is timed on (sorted expert ids of its
+    rows), at the bucket's two ends: every M of the bucket runs the one choice.
+
+    With `routing` (and token counts whose rows fall in the bucket): the fewest and the most such tokens, each
+    routed to `experts_per_token` distinct experts drawn at random (fixed seed) among the routed ones, plus its
+    shared-expert row — so a fused shared expert holds a row of every token, as in the step (at batch 64 of a
+    top-2 model: 64 of 192 rows). Otherwise bucket/2 + 1 and bucket rows spread evenly, each row its own expert
+    while rows ≤ experts.
+
+    Why not one uniform random draw of `bucket` rows (the tuner until 2026-11-27): with replacement it lands on
+    fewer experts than decode's distinct top-k, and a tile kernel reads an expert's weights once however many of
+    its rows there are, so such a draw flattered it; and it spreads a fused shared expert's rows over all experts.
+    Measured (H200, dsv32-bench-16l, batch 1): the choices it made for the fused E+1 gate/up and down at bucket 4
+    cost 69.6 µs a MoE layer in the step's graph, the one-row kernels that 3 rows on 3 experts pick 60.5; and even
+    samples without the shared expert's rows picked 32-row tiles at bucket 256, whose 64 shared rows then run two
+    tiles in one program: batch 64's step 8.51 → 9.25 ms."""
+    per_token = routing.experts_per_token + int(routing.shared_last) if routing is not None else 0
+    routed = experts - int(routing.shared_last) if routing is not None else experts
+    if routing is not None and 0 < routing.experts_per_token <= routed and per_token <= bucket:
+        low = max(1, (bucket // 2) // per_token + 1) if bucket > 1 else 1
+        high = bucket // per_token
+        gen = torch.Generator().manual_seed(bucket * 1009 + experts)
+        samples = []
+        for tokens in sorted({min(low, high), high}):
+            ids = [int(e) for _ in range(tokens)
+                   for e in torch.randperm(routed, generator=gen)[: routing.experts_per_token]]
+            ids += [experts - 1] * (tokens if routing.shared_last else 0)
+            samples.append(sorted(ids))
+        return samples
+    rows = sorted({bucket // 2 + 1, bucket}) if bucket > 1 else [1]
+    return [[(row * experts) // count for row in range(count)] for count in rows]
 
 
 def _random_weights(shape: tuple[int, ...], block: tuple[int, int], device: torch.device,
@@ -422,7 +474,9 @@ class Fp8GemmTuner:
                 self._choices[key[:6] + (_index(device),) + key[6:]] = choice
 
     def choose(self, kind: str, n: int, k: int, experts: int, m: int, dtype: torch.dtype, device: torch.device,
-               weights: Weights, block: tuple[int, int]) -> GemmChoice:
+               weights: Weights, block: tuple[int, int], routing: Routing | None = None) -> GemmChoice:
+        """The choice for (kind, N, K, experts, M's bucket); decided on first use (table, timing or default).
+        `routing`: how decode routes a grouped GEMM's rows, for its timing (`grouped_routing_samples`)."""
         bucket = m_bucket(m)
         key = (kind, n, k, experts, bucket, dtype, device.index, tuple(block))
         choice = self._choices.get(key)
@@ -431,11 +485,12 @@ class Fp8GemmTuner:
         with self._lock:
             choice = self._choices.get(key)
             if choice is None:
-                choice = self._decide(key, weights, device)
+                choice = self._decide(key, weights, device, routing)
                 self._choices[key] = choice
         return choice
 
-    def _decide(self, key: tuple, weights: Weights, device: torch.device) -> GemmChoice:
+    def _decide(self, key: tuple, weights: Weights, device: torch.device,
+                routing: Routing | None = None) -> GemmChoice:
         kind, n, k, experts, bucket, dtype, index, block = key
         default = default_choice(kind, bucket, n, k, experts, device)
         if self.frozen:
@@ -462,7 +517,7 @@ class Fp8GemmTuner:
             candidates = [default]  # scaled_mm forced on a shape it cannot run
         record = TuningRecord(kind, n, k, experts, bucket, default)
         with torch.inference_mode():
-            record.choice = self._measure(record, candidates, default, weights, dtype, device, block)
+            record.choice = self._measure(record, candidates, default, weights, dtype, device, block, routing)
         self.records.append(record)
         timed = ", ".join(f"{label} {us:.1f}" for label, us in sorted(record.timings_us.items(), key=lambda x: x[1]))
         logger.info("FP8 GEMM %s N=%d K=%d%s M≤%d: %s (µs per call: %s)", kind, n, k,
@@ -494,7 +549,8 @@ class Fp8GemmTuner:
         return GemmChoice("triton", _triton().TritonGemmConfig(**(fields or {}))), "table"
 
     def _measure(self, record: TuningRecord, candidates: list[GemmChoice], default: GemmChoice, weights: Weights,
-                 dtype: torch.dtype, device: torch.device, block: tuple[int, int]) -> GemmChoice:
+                 dtype: torch.dtype, device: torch.device, block: tuple[int, int],
+                 routing: Routing | None = None) -> GemmChoice:
         kind, bucket = record.kind, record.bucket
         gen = torch.Generator(device=device).manual_seed(record.n * 131 + record.k)
         pool = list(weights)
@@ -503,19 +559,26 @@ class Fp8GemmTuner:
             pool.append(_random_weights(tuple(pool[0][0].shape), block, device, gen))
         rows = (record.experts, bucket) if kind == "batched" else (bucket,)
         x = torch.randn(*rows, record.k, device=device, generator=gen, dtype=torch.float32).to(dtype)
-        offsets = None
+        # Grouped: one (rows, end offsets) sample per routing of `grouped_routing_samples`; the others: x itself.
+        samples: list[tuple[torch.Tensor, torch.Tensor | None]] = [(x, None)]
         if kind == "grouped":
-            ids = torch.randint(0, record.experts, (bucket,), device=device, generator=gen).sort().values
-            offsets = torch.searchsorted(ids, torch.arange(record.experts, device=device), right=True).to(torch.int32)
+            samples = []
+            for ids in grouped_routing_samples(bucket, record.experts, routing):
+                sorted_ids = torch.tensor(ids, device=device)
+                offsets = torch.searchsorted(sorted_ids, torch.arange(record.experts, device=device),
+                                             right=True).to(torch.int32)
+                samples.append((x[: len(ids)], offsets))
 
-        def call(choice: GemmChoice, i: int) -> torch.Tensor:
+        def call(choice: GemmChoice, i: int, sample: int = -1) -> torch.Tensor:
             w, s = pool[i % len(pool)]
+            rows_x, offsets = samples[sample]
             if kind == "grouped":
-                return _run_grouped(choice, x, w, s, offsets, block, dtype)
+                return _run_grouped(choice, rows_x, w, s, offsets, block, dtype)
             if kind == "batched":
                 return _run_batched(choice, x, w, s, x.new_empty(record.experts, bucket, record.n), block)
             return _run_dense(choice, x, w, s, block, dtype)
 
+        offsets = samples[-1][1]
         reference = call(default, 0).float()
         limit = _AGREEMENT * float(reference.abs().max()) + 1e-6
         agreeing = []
@@ -539,7 +602,10 @@ class Fp8GemmTuner:
             estimate = _time_us([functools.partial(call, default)], 2)[0]
             calls = (max(_MIN_CALLS, min(_MAX_CALLS, math.ceil(_TIMED_BATCH_US / max(estimate, 1e-3))))
                      if math.isfinite(estimate) else _MIN_CALLS)
-            times = _time_us([functools.partial(call, choice) for choice in agreeing], calls)
+            # Each candidate's time: its mean over the routing samples (one for dense and batched).
+            per_sample = [_time_us([functools.partial(call, choice, sample=index) for choice in agreeing], calls)
+                          for index in range(len(samples))]
+            times = [sum(column) / len(column) for column in zip(*per_sample, strict=True)]
             for choice, us in zip(agreeing, times, strict=True):
                 if math.isfinite(us):
                     record.timings_us[choice.label()] = us
@@ -727,12 +793,13 @@ def fp8_batched_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, 
     return _run_batched(choice, x, w, w_scale, out, block)
 
 
-def tune(kind: str, weights: Weights, m: int, dtype: torch.dtype, block: tuple[int, int] = (128, 128)) -> GemmChoice:
+def tune(kind: str, weights: Weights, m: int, dtype: torch.dtype, block: tuple[int, int] = (128, 128),
+         routing: Routing | None = None) -> GemmChoice:
     """Decide the backend of one shape at one M (the engine's warm-up); `weights` are every weight of that shape
-    (the timing rotates over them)."""
+    (the timing rotates over them); `routing`: a grouped GEMM's decode routing (`grouped_routing_samples`)."""
     w = weights[0][0]
     if kind in ("grouped", "batched"):
         experts, n, k = w.shape
     else:
         experts, (n, k) = 0, w.shape
-    return _TUNER.choose(kind, n, k, experts, m, dtype, w.device, weights, block)
+    return _TUNER.choose(kind, n, k, experts, m, dtype, w.device, weights, block, routing)

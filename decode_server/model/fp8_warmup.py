@@ -23,7 +23,7 @@ from decode_server.model.batch_invariant import Linear
 from decode_server.model.config import ModelConfig
 from decode_server.model.layers import MLP
 from decode_server.model.moe import MoE
-from kernels.fp8_gemm import NO_TABLE_ENTRY, TuningRecord, m_bucket, tune, tuner
+from kernels.fp8_gemm import NO_TABLE_ENTRY, Routing, TuningRecord, m_bucket, tune, tuner
 from kernels.fp8_gemm_table import TableKey, dtype_name
 
 logger = logging.getLogger(__name__)
@@ -113,8 +113,15 @@ def warm_up(model: nn.Module, token_counts: Iterable[int], experts_per_token: in
     dtype = model.dtype
     before = len(tuner().records)
     start = time.perf_counter()
+    # The grouped GEMMs are timed on decode's routing (each token's distinct experts and, where fused, its shared
+    # expert's row: kernels/fp8_gemm.py `grouped_routing_samples`), except with experts split across ranks, where
+    # a rank's share of a token's choices varies and its other rows are sentinels that no kernel reads.
+    split = any(m.parallel.expert_parallel for m in model.modules() if isinstance(m, MoE))
+    shared = {id(weights): bool(extra) for kind, weights, _, extra in workloads if kind == "grouped"}
     for kind, weights, m, block in _planned(workloads, token_counts, experts_per_token, grouped):
-        tune(kind, weights, m, dtype, block)
+        routing = (Routing(experts_per_token, shared[id(weights)])
+                   if kind == "grouped" and not split and experts_per_token > 0 else None)
+        tune(kind, weights, m, dtype, block, routing)
     torch.cuda.synchronize()
     made = tuner().records[before:]
     logger.info("FP8 GEMM warm-up: %d shape(s), %d decision(s) in %.1f s", len(workloads), len(made),

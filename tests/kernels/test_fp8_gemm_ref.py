@@ -150,7 +150,7 @@ def test_triton_candidates_split_k_only_while_the_grid_is_small(monkeypatch) -> 
     decode = fp8_gemm.triton_candidates("grouped", 8, 2048, 7168, 32, cuda)  # 8 rows over 32 experts
     assert all(c.config.block_m == 16 and c.config.m_programs == 1 for c in decode)
     big = fp8_gemm.triton_candidates("grouped", 4096, 2048, 7168, 32, cuda)  # 128 rows per expert
-    assert {(c.config.block_m, c.config.m_programs) for c in big} == {(64, 2), (128, 1)}
+    assert {(c.config.block_m, c.config.m_programs) for c in big} == {(64, 2), (128, 1), (64, 4)}
     default = fp8_gemm.default_choice("dense", 1, 576, 7168, 0, cuda)
     assert default in kv_a and default.config.split_k > 1
 
@@ -243,6 +243,96 @@ def test_tuner_times_every_agreeing_candidate_in_one_call_and_rejects_one_it_can
     assert record.rejected == ["scaled_mm: cannot be captured in a CUDA graph"]
     assert "scaled_mm" not in record.timings_us and len(record.timings_us) == len(candidates) - 1
     assert choice.backend == "triton" and choice.config.split_k == max(c.config.split_k for c in candidates[1:])
+
+
+def test_grouped_routing_samples_are_the_bucket_ends_spread_over_distinct_experts() -> None:
+    """A grouped key is timed at its bucket's fewest and most rows, each row on its own expert while there are
+    enough (decode's routing), evenly spread past that."""
+    assert fp8_gemm.grouped_routing_samples(1, 9) == [[0]]
+    assert fp8_gemm.grouped_routing_samples(2, 9) == [[0, 4]]
+    assert fp8_gemm.grouped_routing_samples(4, 9) == [[0, 3, 6], [0, 2, 4, 6]]
+    for bucket, experts in ((16, 257), (16, 9), (64, 9), (256, 33)):
+        fewest, most = fp8_gemm.grouped_routing_samples(bucket, experts)
+        assert (len(fewest), len(most)) == (bucket // 2 + 1, bucket)
+        for ids in (fewest, most):
+            assert ids == sorted(ids) and max(ids) < experts
+            counts = torch.bincount(torch.tensor(ids), minlength=experts)
+            assert int(counts.max()) - int(counts.min()) <= 1 or len(ids) < experts
+            if len(ids) <= experts:
+                assert len(set(ids)) == len(ids)
+
+
+def test_routing_samples_follow_decode_routing_with_the_shared_expert_in_every_token() -> None:
+    """Told the routing (top-k distinct experts a token, and a fused shared expert as the last expert), the samples
+    are the fewest and the most tokens whose rows fall in the bucket: each token's routed experts distinct, and
+    one row a token on the shared expert (at batch 64 of a top-2 model, 64 of 192 rows)."""
+    routing = fp8_gemm.Routing(2, shared_last=True)
+    (one_token,) = fp8_gemm.grouped_routing_samples(4, 9, routing)
+    assert len(one_token) == 3 and one_token[-1] == 8 and len(set(one_token)) == 3
+    (two_tokens,) = fp8_gemm.grouped_routing_samples(8, 9, routing)
+    assert len(two_tokens) == 6 and two_tokens.count(8) == 2 and max(two_tokens[:4]) < 8
+    fewest, most = fp8_gemm.grouped_routing_samples(256, 9, routing)
+    assert (len(fewest), len(most)) == (43 * 3, 85 * 3)
+    for ids, tokens in ((fewest, 43), (most, 85)):
+        counts = torch.bincount(torch.tensor(ids), minlength=9)
+        assert int(counts[8]) == tokens and int(counts[:8].sum()) == 2 * tokens and int(counts[:8].max()) <= tokens
+    assert fp8_gemm.grouped_routing_samples(256, 9, routing) == [fewest, most]  # fixed seed: the same samples
+    (top8,) = fp8_gemm.grouped_routing_samples(16, 256, fp8_gemm.Routing(8))
+    assert len(top8) == 16 and max(top8) < 256
+    # No token count lands in the bucket (2 rows, 3 a token): the even rows.
+    assert fp8_gemm.grouped_routing_samples(2, 9, routing) == fp8_gemm.grouped_routing_samples(2, 9) == [[0, 4]]
+
+
+def test_grouped_candidates_also_split_the_smallest_tile_over_twice_the_programs(monkeypatch) -> None:
+    """A grouped key past two of its smallest row tiles also offers that tile with twice the programs along M (a
+    fused shared expert's rows — one a token — outgrow the average); the default stays the one-program form."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(fp8_gemm, "_sm_count", lambda index: 132)
+    cpu = torch.device("cpu")
+    small = fp8_gemm.triton_candidates("grouped", 32, 4096, 7168, 9, cpu)
+    assert all(c.config.m_programs == 1 for c in small if not c.config.gemv_groups)
+    wide = fp8_gemm.triton_candidates("grouped", 64, 4096, 7168, 9, cpu)
+    doubled = [c.config for c in wide if c.config.m_programs == 2]
+    assert doubled and all(c.block_m == 16 and c.block_n == 64 for c in doubled)
+    assert fp8_gemm.default_choice("grouped", 64, 4096, 7168, 9, cpu).config.m_programs == 1
+
+
+def test_tuner_times_a_grouped_key_on_each_routing_sample_and_keeps_the_best_mean(monkeypatch) -> None:
+    """Each candidate of a grouped key is timed on every routing sample (the rows and end offsets it is called
+    with are the sample's); its recorded time is the mean, so a kernel fast on one routing only is not chosen."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(fp8_gemm, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(fp8_gemm, "_l2_bytes", lambda index: 1)
+    seen: list[tuple[int, tuple[int, ...]]] = []
+
+    def run_grouped(choice, rows, w, s, offsets, block, dtype, shared=None):
+        seen.append((rows.shape[0], tuple(offsets.tolist())))
+        return fp8_grouped_ref(rows, w, s, offsets, block).to(dtype)
+
+    def fake_time(fns, calls):
+        for fn in fns:
+            fn(0)  # the call records the sample's rows and offsets
+        sample = fns[0].keywords.get("sample", -1)
+        # gemv: 10 µs on either sample; tile kernels: 6 µs on the first routing, 20 µs on the second
+        return [10.0 if fn.args[0].config.gemv_groups else (6.0 if sample == 0 else 20.0) for fn in fns]
+
+    monkeypatch.setattr(fp8_gemm, "_run_grouped", run_grouped)
+    monkeypatch.setattr(fp8_gemm, "_time_us", fake_time)
+    experts, n, k = 9, 256, 256
+    w, s = quantize_block_fp8(torch.randn(experts * n, k, generator=torch.Generator().manual_seed(3)))
+    w, s = w.view(experts, n, k), s.view(experts, n // 128, k // 128)
+    tuner = fp8_gemm.Fp8GemmTuner("measure")
+    seen.clear()
+    choice = tuner.choose("grouped", n, k, experts, 3, torch.float32, torch.device("cpu"), [(w, s)], (128, 128))
+    record = tuner.records[-1]
+    assert choice.config.gemv_groups and record.timings_us[choice.label()] == 10.0
+    tiles = [us for label, us in record.timings_us.items() if " gemv " not in label]
+    assert tiles and all(us == 13.0 for us in tiles)  # (6 + 20) / 2
+    assert {(3, (1, 1, 1, 2, 2, 2, 3, 3, 3)), (4, (1, 1, 2, 2, 3, 3, 4, 4, 4))} <= set(seen)
+    seen.clear()  # told the routing (bucket 8): two tokens of three rows, the last expert in each
+    tuner.choose("grouped", n, k, experts, 8, torch.float32, torch.device("cpu"), [(w, s)], (128, 128),
+                 fp8_gemm.Routing(2, shared_last=True))
+    assert {rows for rows, _ in seen} == {6} and all(offsets[-1] - offsets[-2] == 2 for _, offsets in seen)
 
 
 def test_tensor_parallel_ranks_adopt_rank0s_decisions_and_freeze(monkeypatch) -> None:

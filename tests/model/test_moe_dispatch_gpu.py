@@ -93,8 +93,11 @@ def test_fused_shared_expert_matches_the_separate_gemms(monkeypatch) -> None:
     from decode_server.model import build_random_model, load_config
 
     config = load_config("tiny-dsa")
+    # The reference never fuses, whatever tuning mode an earlier test left (measure mode would let it).
+    monkeypatch.setattr(moe_module, "_shared_experts_fusion", False)
     plain = next(m for m in build_random_model(config, "cuda", torch.bfloat16, seed=0, quantization="fp8").modules()
                  if isinstance(m, moe_module.MoE))
+    monkeypatch.setattr(moe_module, "_shared_experts_fusion", True)
     monkeypatch.setattr(moe_module, "grouped_shape_tuned", lambda *args: True)
     layer = next(m for m in build_random_model(config, "cuda", torch.bfloat16, seed=0, quantization="fp8").modules()
                  if isinstance(m, moe_module.MoE))

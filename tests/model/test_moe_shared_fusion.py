@@ -94,6 +94,26 @@ def test_warm_up_plans_the_extra_row_per_token(fused_and_plain) -> None:
     assert plain_buckets == {2, 4, 16}  # 2, 4 and 10 rows
 
 
+def test_warm_up_times_grouped_gemms_on_decode_routing(fused_and_plain, monkeypatch) -> None:
+    """The warm-up tells the tuner how decode routes each grouped GEMM's rows: the experts per token, and the
+    shared expert's row where it is fused (kernels/fp8_gemm.py `grouped_routing_samples`); dense and batched
+    shapes get no routing."""
+    import decode_server.model.fp8_warmup as warmup
+    from kernels.fp8_gemm import Routing
+
+    asked: list[tuple] = []
+    monkeypatch.setattr(warmup, "tune", lambda kind, weights, m, dtype, block, routing=None:
+                        asked.append((kind, tuple(weights[0][0].shape), m, routing)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    fused, plain = fused_and_plain
+    for model, shared in ((fused, True), (plain, False)):
+        asked.clear()
+        warmup.warm_up(model, [1, 5], 2)
+        grouped = [a for a in asked if a[0] == "grouped"]
+        assert grouped and all(a[3] == Routing(2, shared) for a in grouped)
+        assert all(a[3] is None for a in asked if a[0] != "grouped")
+
+
 def _decide(monkeypatch: pytest.MonkeyPatch, config_name: str = "tiny-dsa", tp: int = 1, ep: int = 1,
             tuned: bool = True, config=None) -> tuple[list[bool], list[tuple]]:
     """Build on the meta device (a GPU's decisions without one) and report each MoE's choice, and the grouped
