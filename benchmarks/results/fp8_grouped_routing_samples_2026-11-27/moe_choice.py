@@ -1,5 +1,6 @@
 """Batch-1 MoE layers of dsv32-bench-16l (15 MoE layers, graph replay): each gate/up and down choice forced for the
-fused shared expert's E+1 keys, against the tables' choices and the unfused model.(Reformatted for ruff after the run: the same statements.)
+fused shared expert's E+1 keys, against the tables' choices and the unfused model.
+(Reformatted for ruff after the run: the same statements.)
 """
 
 import sys
