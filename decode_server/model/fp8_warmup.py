@@ -5,7 +5,10 @@ The engine calls `warm_up` on CUDA before capturing decode graphs, with every to
 fall in, on the model's own weights of that shape (all layers, rotated), and the fastest backend is fixed for the
 process. Dense shapes cover the attention, indexer and MLP projections (and the experts' own layers, which
 batch-invariant mode runs one by one); grouped shapes the routed experts, at M = tokens × experts per token (one
-more per token where the shared expert is fused into their stacks, decode_server/model/moe.py); batched shapes MLA's absorbed products with FP8 W_UK / W_UV (one matrix per head, M = tokens).
+more per token where the shared expert is fused into their stacks, decode_server/model/moe.py), timed on the
+model's routing (each token's distinct experts and its shared-expert row: kernels/fp8_gemm.py
+`grouped_routing_samples`); batched shapes MLA's absorbed products with FP8 W_UK / W_UV (one matrix per head,
+M = tokens).
 """
 
 from __future__ import annotations
