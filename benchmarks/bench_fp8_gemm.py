@@ -101,10 +101,12 @@ def routing(m: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, i
 
 
 def choose(restriction: str, kind: str, weights, m: int) -> fp8_gemm.GemmChoice:
-    """The autotuner's pick under a backend restriction (a fresh tuner: nothing cached from other runs)."""
+    """The autotuner's pick under a backend restriction (a fresh tuner: nothing cached from other runs); grouped
+    shapes timed on this bench's routing (top-8 distinct experts a token), as the engine's warm-up times them."""
     fp8_gemm.reset_tuner("measure")
+    routing = fp8_gemm.Routing(TOP_K) if kind == "grouped" else None
     with fp8_gemm.force_backend(restriction):
-        return fp8_gemm.tune(kind, weights, m, torch.bfloat16, BLOCK)
+        return fp8_gemm.tune(kind, weights, m, torch.bfloat16, BLOCK, routing)
 
 
 def bench_shape(name: str, n: int, k: int, kind: str, m: int, args, l2: int, gen) -> dict:
