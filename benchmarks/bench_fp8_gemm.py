@@ -60,6 +60,13 @@ SHAPES = [
     ("routed E32 top8 7168→2048", 2048, 7168, "grouped"),
     ("routed E32 top8 2048→7168", 7168, 2048, "grouped"),
     ("routed E32 top8 gate+up 7168→4096", 4096, 7168, "grouped"),
+    # The engine's fused forms (decode_server/model/fused_linear.py, moe.py): q_a + the indexer's wk + kv_a as one
+    # GEMM of x, q_b + the indexer's wq_b as one GEMM of the query latent, the shared expert as each token's ninth
+    # choice in the routed experts' grouped GEMMs (33 experts: 32 routed + the shared one last).
+    ("inputs q_a+wk+kv_a 7168→2240", 2240, 7168, "dense"),
+    ("queries q_b+wq_b 1536→32768", 32768, 1536, "dense"),
+    ("routed+shared E33 top8+1 gate+up 7168→4096", 4096, 7168, "grouped+shared"),
+    ("routed+shared E33 top8+1 2048→7168", 7168, 2048, "grouped+shared"),
 ]
 # One MoE layer's projections of a decode step (how many times each runs): gate and up share a shape.
 LAYER = {"q_a 7168→1536": 1, "q_b 1536→24576": 1, "kv_a 7168→576": 1, "o_proj 16384→7168": 1,
@@ -68,6 +75,11 @@ LAYER = {"q_a 7168→1536": 1, "q_b 1536→24576": 1, "kv_a 7168→576": 1, "o_p
 # The same layer with the routed experts' gate and up as one grouped GEMM ([E, 2I, H]: MoE.gate_up_stack).
 LAYER_JOINED = {**{name: count for name, count in LAYER.items() if name != "routed E32 top8 7168→2048"},
                 "routed E32 top8 gate+up 7168→4096": 1}
+# The same layer as the engine's decode step runs it (every fusion on, as on DeepSeek-V3.2's FP8 checkpoints): five
+# GEMMs. The step read rate of issue 21 is this form's.
+LAYER_ENGINE = {"inputs q_a+wk+kv_a 7168→2240": 1, "queries q_b+wq_b 1536→32768": 1, "o_proj 16384→7168": 1,
+                "routed+shared E33 top8+1 gate+up 7168→4096": 1, "routed+shared E33 top8+1 2048→7168": 1}
+FORMS = (("apart", LAYER), ("joined", LAYER_JOINED), ("engine", LAYER_ENGINE))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,12 +103,17 @@ def random_fp8(shape: tuple[int, ...], gen: torch.Generator) -> tuple[torch.Tens
     return w, torch.rand(scale_shape, device="cuda", generator=gen).add_(0.5).mul_(1e-3)
 
 
-def routing(m: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """m tokens × TOP_K distinct experts of EXPERTS, uniformly at random → (row order, end offsets, experts hit)."""
+def routing(m: int, gen: torch.Generator, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """m tokens × TOP_K distinct experts of EXPERTS, uniformly at random, plus (`shared`) each token's row on the
+    shared expert, expert EXPERTS → (row order, end offsets, experts hit). Row r belongs to token r // choices."""
     scores = torch.rand(m, EXPERTS, device="cuda", generator=gen)
-    ids = scores.topk(TOP_K, dim=-1).indices.flatten()
+    ids = scores.topk(TOP_K, dim=-1).indices
+    if shared:
+        ids = torch.cat([ids, torch.full((m, 1), EXPERTS, device="cuda", dtype=ids.dtype)], dim=1)
+    ids = ids.flatten()
+    experts = EXPERTS + int(shared)
     sorted_ids, order = torch.sort(ids, stable=True)
-    ends = torch.searchsorted(sorted_ids, torch.arange(EXPERTS, device="cuda"), right=True).to(torch.int32)
+    ends = torch.searchsorted(sorted_ids, torch.arange(experts, device="cuda"), right=True).to(torch.int32)
     return order, ends, int(torch.unique(ids).numel())
 
 
@@ -104,19 +121,21 @@ def choose(restriction: str, kind: str, weights, m: int) -> fp8_gemm.GemmChoice:
     """The autotuner's pick under a backend restriction (a fresh tuner: nothing cached from other runs); grouped
     shapes timed on this bench's routing (top-8 distinct experts a token), as the engine's warm-up times them."""
     fp8_gemm.reset_tuner("measure")
-    routing = fp8_gemm.Routing(TOP_K) if kind == "grouped" else None
+    routing = fp8_gemm.Routing(TOP_K, kind == "grouped+shared") if kind.startswith("grouped") else None
     with fp8_gemm.force_backend(restriction):
-        return fp8_gemm.tune(kind, weights, m, torch.bfloat16, BLOCK, routing)
+        return fp8_gemm.tune(kind.split("+")[0], weights, m, torch.bfloat16, BLOCK, routing)
 
 
 def bench_shape(name: str, n: int, k: int, kind: str, m: int, args, l2: int, gen) -> dict:
     row: dict = {"shape": name, "kind": kind, "n": n, "k": k, "m": m}
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-    if kind == "grouped":
-        order, ends, hit = routing(m, gen)
-        xs = x[order // TOP_K].contiguous()
-        w16 = (torch.randn(EXPERTS, n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
-        w8 = [random_fp8((EXPERTS, n, k), gen)]
+    if kind.startswith("grouped"):
+        shared = kind == "grouped+shared"
+        order, ends, hit = routing(m, gen, shared)
+        xs = x[order // (TOP_K + int(shared))].contiguous()
+        experts = EXPERTS + int(shared)
+        w16 = (torch.randn(experts, n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
+        w8 = [random_fp8((experts, n, k), gen)]
         row.update(rows=xs.shape[0], experts_hit=hit)
         bf16_bytes = hit * n * k * 2
         fp8_bytes = hit * (n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128))
@@ -168,10 +187,10 @@ def bench_shape(name: str, n: int, k: int, kind: str, m: int, args, l2: int, gen
 
 
 def summary(rows: list[dict], hbm: float) -> list[dict]:
-    """Per M and layer form (gate and up of the routed experts apart, `LAYER`, or joined, `LAYER_JOINED`): one
-    MoE layer's projections, FP8 (auto) against bf16."""
+    """Per M and layer form (gate and up of the routed experts apart, `LAYER`; joined, `LAYER_JOINED`; every fusion
+    of the engine, `LAYER_ENGINE`): one MoE layer's projections, FP8 (auto) against bf16."""
     out = []
-    for form, layer in (("apart", LAYER), ("joined", LAYER_JOINED)):
+    for form, layer in FORMS:
         for m in sorted({r["m"] for r in rows}):
             at = {r["shape"]: r for r in rows if r["m"] == m and "error" not in r}
             if not all(name in at for name in layer):
@@ -179,7 +198,7 @@ def summary(rows: list[dict], hbm: float) -> list[dict]:
             fp8 = sum(at[s]["auto_us"] * c for s, c in layer.items())
             bf16 = sum(at[s]["bf16_us"] * c for s, c in layer.items())
             fp8_bytes = sum(at[s]["fp8_bytes"] * c for s, c in layer.items())
-            out.append({"m": m, "routed_gate_up": form, "layer_fp8_us": fp8, "layer_bf16_us": bf16,
+            out.append({"m": m, "form": form, "layer_fp8_us": fp8, "layer_bf16_us": bf16,
                         "ratio": fp8 / bf16, "layer_fp8_gbps": fp8_bytes / (fp8 * 1e-6) / 1e9,
                         "layer_fp8_hbm_fraction": fp8_bytes / (fp8 * 1e-6) / 1e9 / hbm})
     return out
@@ -226,17 +245,17 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({"meta": meta, "rows": rows, "layer_summary": layer}, indent=2))
     print(f"device: {meta['device']}; torch {meta['torch']} (CUDA {meta['cuda']}), triton {meta['triton']}; "
           f"HBM copy {hbm:.0f} GB/s; µs per call (CUDA-graph replay, weights from HBM)")
-    print(f"{'shape':<27}{'M':>5}{'bf16':>9}{'scaled_mm':>11}{'triton':>9}{'auto':>9}{'fp8/bf16':>9}"
+    print(f"{'shape':<44}{'M':>5}{'bf16':>9}{'scaled_mm':>11}{'triton':>9}{'auto':>9}{'fp8/bf16':>9}"
           f"{'GB/s':>7}{'%HBM':>6}  auto pick")
     for r in rows:
         if "error" in r:
-            print(f"{r['shape']:<27}{r['m']:>5}  error: {r['error'][:80]}")
+            print(f"{r['shape']:<44}{r['m']:>5}  error: {r['error'][:80]}")
             continue
         smm = f"{r['scaled_mm_us']:>11.1f}" if "scaled_mm_us" in r else f"{'-':>11}"
-        print(f"{r['shape']:<27}{r['m']:>5}{r['bf16_us']:>9.1f}{smm}{r['triton_us']:>9.1f}{r['auto_us']:>9.1f}"
+        print(f"{r['shape']:<44}{r['m']:>5}{r['bf16_us']:>9.1f}{smm}{r['triton_us']:>9.1f}{r['auto_us']:>9.1f}"
               f"{r['ratio_vs_bf16']:>9.2f}{r['fp8_gbps']:>7.0f}{100 * r['fp8_gbps'] / hbm:>6.0f}  {r['auto_pick']}")
     for s in layer:
-        print(f"one MoE layer's projections (routed gate and up {s['routed_gate_up']}) at M={s['m']}: FP8 {s['layer_fp8_us']:.1f} µs vs bf16 "
+        print(f"one MoE layer's projections ({s['form']}) at M={s['m']}: FP8 {s['layer_fp8_us']:.1f} µs vs bf16 "
               f"{s['layer_bf16_us']:.1f} µs = {s['ratio']:.2f}x; FP8 weights at {s['layer_fp8_gbps']:.0f} GB/s = "
               f"{100 * s['layer_fp8_hbm_fraction']:.0f} % of HBM")
     print(f"wrote {out} ({meta['seconds']:.0f} s)")

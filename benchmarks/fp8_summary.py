@@ -45,18 +45,19 @@ def gemms(out: Path) -> None:
     meta = data["meta"]
     hbm = meta["hbm_copy_gbps"]
     print(f"GEMM bench ({meta['device']}, HBM copy {hbm:.0f} GB/s): µs per call, FP8 = autotuner's pick")
-    print(f"  {'shape':<27}{'M':>4}{'bf16':>8}{'fp8':>8}{'ratio':>7}{'%HBM':>6}  pick")
+    print(f"  {'shape':<44}{'M':>4}{'bf16':>8}{'fp8':>8}{'ratio':>7}{'%HBM':>6}  pick")
     for r in data["rows"]:
         if r["m"] not in (1, 16, 64):
             continue
         if "error" in r:
-            print(f"  {r['shape']:<27}{r['m']:>4}  error: {r['error'][:60]}")
+            print(f"  {r['shape']:<44}{r['m']:>4}  error: {r['error'][:60]}")
             continue
-        print(f"  {r['shape']:<27}{r['m']:>4}{r['bf16_us']:>8.1f}{r['auto_us']:>8.1f}{r['ratio_vs_bf16']:>7.2f}"
+        print(f"  {r['shape']:<44}{r['m']:>4}{r['bf16_us']:>8.1f}{r['auto_us']:>8.1f}{r['ratio_vs_bf16']:>7.2f}"
               f"{100 * r['fp8_gbps'] / hbm:>6.0f}  {r['auto_pick']}")
     for s in data.get("layer_summary", []):
         ok = "meets" if (s["m"] != 1 or s["ratio"] <= TARGET_GEMM) else "misses"
-        form = f" (routed gate and up {s['routed_gate_up']})" if "routed_gate_up" in s else ""
+        name = s.get("form", s.get("routed_gate_up"))  # "routed_gate_up": results written before the engine form
+        form = f" ({name})" if name else ""
         print(f"  one MoE layer's projections{form}, M={s['m']}: FP8/bf16 {s['ratio']:.2f}"
               + (f" ({ok} ≤ {TARGET_GEMM})" if s["m"] == 1 else "")
               + f", FP8 weights at {100 * s['layer_fp8_hbm_fraction']:.0f} % of HBM (target ≥ {100 * TARGET_HBM:.0f} %)")
