@@ -7,5 +7,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD HISPARSE_KERNEL_CACHE=/tmp/kc TRITON_CACHE_DIR=/tmp/triton PYTHONUNBUFFERED=1
 nvidia-smi -L
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then G=h200; else G=h100; fi
-timeout ${SUITE_S:-555} python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfEs --durations=10 --timeout ${TEST_TIMEOUT:-180} --ignore=tests/api --ignore=tests/disagg ${SUITE_PATHS:-tests} > $OUT/${G}_gpu_suite.log 2>&1
+timeout ${SUITE_S:-555} python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfEs --durations=10 --timeout ${TEST_TIMEOUT:-240} --ignore=tests/api --ignore=tests/disagg ${SUITE_PATHS:-tests} > $OUT/${G}_gpu_suite.log 2>&1
 echo "suite rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/${G}_gpu_suite.log | tail -8
