@@ -15,9 +15,14 @@ the top-k kernel against torch.topk, and the whole call, new path against the pr
   scale and the float query's scores, or the e4m3 query's) and as one kernel each
   (kernels/indexer_rotation_triton.py). Bytes = B·L·(128 key + 4 scale + 4 row id + 4 score written); GB/s = bytes / time; `hbm_fraction` =
   GB/s / the copy's GB/s. score err = max |score − fp64| / max |fp64| over the first 4 queries. Each case also
-  times a plain read of the same bytes (`torch.sum` over B·L·140 bytes, "read of the same bytes"): what the size
-  alone allows, launch, first DRAM round trips and tail included (at B 16, 32K: 70 % of the copy's rate on an
-  H200, 76 % on an H100, 2026-11-27); `read_fraction` = that read's time / the kernel's.
+  times a plain read of the same bytes ("read of the same bytes": a streaming Triton read of B·L·140 bytes, 4
+  programs an SM, 32 KB loads): what the size alone allows, launch, first DRAM round trips and tail included (at
+  B 16, 32K: 85 % of the copy's rate on an H200, 88 % on an H100 by events, 2026-11-27; `torch.sum`, the read used
+  here before, reaches 70 / 77 %); `read_fraction` = that read's time / the kernel's.
+- In a replayed graph (`graph_us`, `graph_hbm_fraction`; the read, "fast fp8" and "fast e4m3 q"): what one call
+  adds to a CUDA graph of L2 flushes (16 flush + call pairs against 16 flushes, medians of 15 replays each): the
+  call's cost where the engine runs it, in the decode step's graphs. Events around one call also time the
+  front end's work on the events themselves; `event_floor_us` = a one-element fill timed that way.
 - Top-k (`topk` table): the engine's CUDA kernel (kernels/topk_cuda.py) and the Triton kernel
   (kernels/topk_triton.py, its fallback for very wide rows) against torch.topk (sorted, as the previous path ran
   it, and unsorted) on the same fp32 scores, B ∈ {1, 16, 64, 128}, L ∈ {32K, 64K, 128K}: random normal scores,
@@ -44,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -59,6 +65,8 @@ if SMOKE:  # before triton is imported
     from kernels import triton_interpret
 
     triton_interpret.enable()
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from _timing import device_name, time_gpu_us  # noqa: E402
 
 from kernels.indexer_fast import (  # noqa: E402
@@ -84,12 +92,29 @@ PRECISIONS = ("fp16", "fp16x2", "fp8")
 BYTES_PER_POSITION = 128 + 4 + 4 + 4  # key row, scale, row id, score written
 COPY_BYTES = 2 << 30
 SWEEP_SHAPE = (64, 32768)  # (B, L) of --configs
-READ_FLOOR = "read of the same bytes"  # torch.sum over B·L·BYTES_PER_POSITION bytes: the size's own floor
+READ_FLOOR = "read of the same bytes"  # `_stream_read_kernel` over B·L·BYTES_PER_POSITION bytes: the size's floor
+READ_PROGRAMS_PER_SM = 4  # the streaming read's launch: the fastest of 1–16 programs an SM × 8–32 KB loads, 2026-11-27
+READ_BLOCK = 8192  # int32 words a program loads at once (32 KB)
 E4M3_Q = "fast e4m3 q"  # the fp8 kernel on a query quantized beforehand (the engine's path on CUDA)
+GRAPH_TIMED = (READ_FLOOR, "fast fp8", E4M3_Q)  # also timed in a replayed graph (`Bench.graph_us`)
+GRAPH_PAIRS = 16  # (flush, call) pairs in one graph
+GRAPH_REPLAYS = 15
 DEVICE = "cuda"
 if SMOKE:
     SCORE_BATCHES, SCORE_LENGTHS, TOPK_BATCHES, TOPK_LENGTHS = (1,), (4096,), (2,), (4096, 12288)
     COPY_BYTES, DEVICE, SWEEP_SHAPE = 64 << 20, "cpu", (1, 4096)
+
+
+@triton.jit
+def _stream_read_kernel(words_ptr, out_ptr, num_words, words_per_program, BLOCK: tl.constexpr):
+    """A plain read: each program sums its contiguous share of the buffer in BLOCK-word loads (L2-bypassing), so
+    that the only work is the read itself; the sum is stored so that the loads are not optimized away."""
+    start = tl.program_id(0) * words_per_program
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for offset in range(start, start + words_per_program, BLOCK):
+        offs = offset + tl.arange(0, BLOCK)
+        acc += tl.load(words_ptr + offs, mask=offs < num_words, other=0, cache_modifier=".cg")
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
 
 
 def _wall_us(fn: Callable[[], object], reset: Callable[[], object] | None = None, **_: object) -> float:
@@ -118,6 +143,10 @@ class ScoresResult:
     tflops: float
     score_err: float
     read_fraction: float = float("nan")  # a plain read of the same bytes (READ_FLOOR) / this kernel: time ratio
+    # In a replayed CUDA graph, as the decode step runs it: the time this call adds to a graph of L2 flushes
+    # (`Bench.graph_us`); nan where not measured (only the read, fast fp8 and the e4m3 query's kernel are).
+    graph_us: float = float("nan")
+    graph_hbm_fraction: float = float("nan")
 
 
 @dataclass
@@ -172,6 +201,7 @@ class Report:
     command: str
     date: str
     hbm_copy_gbps: float = 0.0
+    event_floor_us: float = 0.0  # an empty-ish kernel (a one-element fill) timed like the kernels: events' own cost
     scores: list[ScoresResult] = field(default_factory=list)
     topk: list[TopkResult] = field(default_factory=list)
     calls: list[CallResult] = field(default_factory=list)
@@ -257,11 +287,62 @@ class Bench:
     def time(self, fn: Callable[[], object]) -> float:
         return time_gpu_us(fn, reset=self.flush.zero_ if self.args.flush == "write" else self.flush_read)
 
-    def read_us(self, num_bytes: int) -> float:
-        """Time of one plain read (a sum) of num_bytes, timed like the kernels."""
-        words = torch.ones(num_bytes // 8, dtype=torch.int64, device=DEVICE)
-        sink = torch.zeros((), dtype=torch.int64, device=DEVICE)
-        return self.time(lambda: torch.sum(words, dim=0, out=sink))
+    def graph_us(self, fn: Callable[[], object]) -> float:
+        """What one call adds to a replayed CUDA graph: GRAPH_PAIRS × (L2 flush, fn) against GRAPH_PAIRS flushes
+        alone, each graph replayed GRAPH_REPLAYS times (interleaved), the medians' difference / GRAPH_PAIRS. This is
+        the call's cost in the decode step's graphs (launch, DRAM ramp and tail included; no event or host cost),
+        where `time` brackets one call with events. Wall time of one call under --smoke."""
+        if SMOKE:
+            return self.time(fn)
+        fn()
+        torch.cuda.synchronize()
+        graphs = []
+        for with_fn in (True, False):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(GRAPH_PAIRS):
+                    self.flush_read()
+                    if with_fn:
+                        fn()
+            graph.replay()
+            graphs.append(graph)
+        torch.cuda.synchronize()
+        times: list[list[float]] = [[], []]
+        for _ in range(GRAPH_REPLAYS):
+            for graph, out in zip(graphs, times, strict=True):
+                torch.cuda._sleep(1_000_000)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                out.append(start.elapsed_time(end) * 1000.0)
+        del graphs
+        return (statistics.median(times[0]) - statistics.median(times[1])) / GRAPH_PAIRS
+
+    def read_us(self, num_bytes: int) -> tuple[float, float]:
+        """Time of one plain read of num_bytes, timed like the kernels: events, and in a graph. The read is
+        `_stream_read_kernel` on READ_PROGRAMS_PER_SM programs an SM: at B 16, 32K (73 MB) it reaches 85–88 % of
+        the copy's rate by events where `torch.sum` (this floor until 2026-11-27) reaches 70–77 %
+        (benchmarks/results/indexer_in_graph_2026-11-27/read_floor.py)."""
+        words = torch.ones(num_bytes // 4, dtype=torch.int32, device=DEVICE)
+        sms = 1 if SMOKE else torch.cuda.get_device_properties(words.device).multi_processor_count
+        per_program = triton.cdiv(triton.cdiv(words.numel(), READ_PROGRAMS_PER_SM * sms), READ_BLOCK) * READ_BLOCK
+        programs = triton.cdiv(words.numel(), per_program)
+        sums = torch.empty(programs, dtype=torch.int32, device=DEVICE)
+
+        def read() -> None:
+            _stream_read_kernel[(programs,)](words, sums, words.numel(), per_program, BLOCK=READ_BLOCK,
+                                             num_warps=8)
+
+        read()
+        if int(sums.sum()) != words.numel():
+            raise RuntimeError("the streaming read did not read every word once")
+        return self.time(read), self.graph_us(read)
+
+    def fraction(self, num_bytes: int, us: float) -> float:
+        """num_bytes moved in `us`, as a fraction of the copy's rate."""
+        return num_bytes / (us * 1e-6) / 1e9 / self.report.hbm_copy_gbps
 
     def flush_read(self) -> None:
         """Evict the L2 by reading a buffer larger than it (leaves clean lines: nothing to write back)."""
@@ -282,10 +363,10 @@ class Bench:
         flops = 2.0 * batch * length * HEADS * 128
         # The floor at this size: one plain read of the same bytes (launch, first DRAM round trips and tail
         # included), which a small call cannot beat however its loads are scheduled.
-        read_us = self.read_us(position_bytes)
+        read_us, read_graph_us = self.read_us(position_bytes)
         read_gbps = position_bytes / (read_us * 1e-6) / 1e9
         floor = ScoresResult(batch, length, READ_FLOOR, read_us, read_gbps, read_gbps / self.report.hbm_copy_gbps,
-                             0.0, float("nan"), 1.0)
+                             0.0, float("nan"), 1.0, read_graph_us, self.fraction(position_bytes, read_graph_us))
         logger.info("%s", floor)
         self.report.scores.append(floor)
         kernels: list[tuple[str, Callable[[], torch.Tensor]]] = [
@@ -302,9 +383,10 @@ class Bench:
             scores = fn()
             us = self.time(fn)
             gbps = position_bytes / (us * 1e-6) / 1e9
+            graph_us = self.graph_us(fn) if name in GRAPH_TIMED else float("nan")
             res = ScoresResult(batch, length, name, us, gbps, gbps / self.report.hbm_copy_gbps,
                                flops / (us * 1e-6) / 1e12, score_error(scores, q, w, keys, scales, token_rows),
-                               read_us / us)
+                               read_us / us, graph_us, self.fraction(position_bytes, graph_us))
             logger.info("%s", res)
             self.report.scores.append(res)
         self.chain_case(batch, length, args)
@@ -421,6 +503,9 @@ class Bench:
         self.report.hbm_copy_gbps = hbm_copy_gbps()
         torch.cuda.empty_cache()
         logger.info("HBM copy: %.0f GB/s (read + write)", self.report.hbm_copy_gbps)
+        sink = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        self.report.event_floor_us = time_gpu_us(lambda: sink.fill_(1))
+        logger.info("a one-element fill timed with events: %.1f us", self.report.event_floor_us)
         if not self.args.no_main:
             for batch in SCORE_BATCHES:
                 for length in SCORE_LENGTHS:
@@ -456,6 +541,16 @@ class Bench:
                 hit = [s for s in r.scores if (s.batch, s.length, s.kernel) == (batch, length, name)]
                 cells.append(f"{hit[0].us:7.1f} {hit[0].gbps:5.0f} {hit[0].hbm_fraction:5.1%} ({hit[0].score_err:.0e})"
                              if hit else f"{'-':>27}")
+            print(f"{batch:3d} {length:6d} | " + " | ".join(cells))
+        print(f"\nscores in a replayed graph (what a call adds to a graph of L2 flushes): us, fraction of the copy; "
+              f"events around a one-element fill: {r.event_floor_us:.1f} us")
+        print(f"{'B':>3} {'L':>6} | " + " | ".join(f"{n:>23}" for n in GRAPH_TIMED))
+        for batch, length in cases:
+            cells = []
+            for name in GRAPH_TIMED:
+                hit = [s for s in r.scores if (s.batch, s.length, s.kernel) == (batch, length, name)]
+                cells.append(f"{hit[0].graph_us:7.1f} {hit[0].graph_hbm_fraction:7.1%} ({hit[0].us:5.1f})"
+                             if hit else f"{'-':>23}")
             print(f"{batch:3d} {length:6d} | " + " | ".join(cells))
         for quant in r.query_quant:
             print(f"query to e4m3, B {quant.batch}: {quant.quantize_us:.1f} us (the multiply it replaces: "
