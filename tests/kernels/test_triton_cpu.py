@@ -49,6 +49,11 @@ def test_bench_indexer_smoke(tmp_path: Path) -> None:
     assert report["query_quant"] and all(r["quantize_us"] > 0 for r in report["query_quant"])
     assert report["chains"] and all(min(c[key] for key in c if key.endswith("_us")) > 0 for c in report["chains"])
     assert all(s["hbm_fraction"] > 0 and s["read_fraction"] > 0 for s in report["scores"])
+    # The in-graph timing (wall time of one call under --smoke) for the read and the two fp8 kernels only.
+    graph_timed = {name for name, s in scores.items() if s["graph_us"] == s["graph_us"]}  # not nan
+    assert graph_timed == {"read of the same bytes", "fast fp8", "fast e4m3 q"}
+    assert all(scores[name]["graph_us"] > 0 and scores[name]["graph_hbm_fraction"] > 0 for name in graph_timed)
+    assert report["event_floor_us"] > 0
     assert {t["source"] for t in report["topk"]} == {"randn", "indexer scores"} and report["calls"]
     assert all(t["same"] and t["triton_us"] > 0 and t["kernel_us"] > 0 for t in report["topk"])
     # The default scores round q to e4m3 as DeepSeek's indexer does (the previous path: ~22-bit q): ~97.5 % of a
