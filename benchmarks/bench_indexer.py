@@ -52,7 +52,7 @@ import logging
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -533,25 +533,10 @@ class Bench:
             return self.print_errors()
         names = [READ_FLOOR, "previous fp16x2"] + [f"fast {p}" for p in PRECISIONS] + [E4M3_Q]
         print("\nscores: us, GB/s, fraction of the HBM copy (score err); the first column reads the same bytes")
-        print(f"{'B':>3} {'L':>6} | " + " | ".join(f"{n:>27}" for n in names))
-        cases = sorted({(s.batch, s.length) for s in r.scores})
-        for batch, length in cases:
-            cells = []
-            for name in names:
-                hit = [s for s in r.scores if (s.batch, s.length, s.kernel) == (batch, length, name)]
-                cells.append(f"{hit[0].us:7.1f} {hit[0].gbps:5.0f} {hit[0].hbm_fraction:5.1%} ({hit[0].score_err:.0e})"
-                             if hit else f"{'-':>27}")
-            print(f"{batch:3d} {length:6d} | " + " | ".join(cells))
-        print(f"\nscores in a replayed graph (what a call adds to a graph of L2 flushes): us, fraction of the copy; "
-              f"events around a one-element fill: {r.event_floor_us:.1f} us")
-        print(f"{'B':>3} {'L':>6} | " + " | ".join(f"{n:>23}" for n in GRAPH_TIMED))
-        for batch, length in cases:
-            cells = []
-            for name in GRAPH_TIMED:
-                hit = [s for s in r.scores if (s.batch, s.length, s.kernel) == (batch, length, name)]
-                cells.append(f"{hit[0].graph_us:7.1f} {hit[0].graph_hbm_fraction:7.1%} ({hit[0].us:5.1f})"
-                             if hit else f"{'-':>23}")
-            print(f"{batch:3d} {length:6d} | " + " | ".join(cells))
+        self.print_scores(names, 27, lambda s: f"{s.us:7.1f} {s.gbps:5.0f} {s.hbm_fraction:5.1%} ({s.score_err:.0e})")
+        print(f"\nscores in a replayed graph (what a call adds to a graph of L2 flushes): us, fraction of the copy "
+              f"(events); events around a one-element fill: {r.event_floor_us:.1f} us")
+        self.print_scores(GRAPH_TIMED, 23, lambda s: f"{s.graph_us:7.1f} {s.graph_hbm_fraction:7.1%} ({s.us:5.1f})")
         for quant in r.query_quant:
             print(f"query to e4m3, B {quant.batch}: {quant.quantize_us:.1f} us (the multiply it replaces: "
                   f"{quant.multiply_us:.1f} us)")
@@ -574,6 +559,15 @@ class Bench:
             print(f"{c.batch:3d} {c.length:6d} | {c.previous_us:8.1f} {c.new_us:8.1f} | {c.speedup:5.2f}x | "
                   f"{c.overlap_mean:.4f}/{c.overlap_min:.4f}")
         self.print_errors()
+
+    def print_scores(self, names: Sequence[str], width: int, cell: Callable[[ScoresResult], str]) -> None:
+        """One row per (B, L) of the scores cases, one `cell` per kernel in `names` ("-" where not run)."""
+        print(f"{'B':>3} {'L':>6} | " + " | ".join(f"{n:>{width}}" for n in names))
+        found = {(s.batch, s.length, s.kernel): s for s in self.report.scores}
+        for batch, length in sorted({(s.batch, s.length) for s in self.report.scores}):
+            cells = [cell(found[batch, length, name]) if (batch, length, name) in found else f"{'-':>{width}}"
+                     for name in names]
+            print(f"{batch:3d} {length:6d} | " + " | ".join(cells))
 
     def print_errors(self) -> None:
         if self.report.errors:
