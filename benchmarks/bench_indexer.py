@@ -17,7 +17,7 @@ the top-k kernel against torch.topk, and the whole call, new path against the pr
   GB/s / the copy's GB/s. score err = max |score − fp64| / max |fp64| over the first 4 queries. Each case also
   times a plain read of the same bytes ("read of the same bytes": a streaming Triton read of B·L·140 bytes, 4
   programs an SM, 32 KB loads): what the size alone allows, launch, first DRAM round trips and tail included (at
-  B 16, 32K: 85 % of the copy's rate on an H200, 88 % on an H100 by events, 2026-11-27; `torch.sum`, the read used
+  B 16, 32K: 85 % of the copy's rate on an H200, 87–88 % on an H100 by events, 2026-11-27; `torch.sum`, the read used
   here before, reaches 70 / 77 %); `read_fraction` = that read's time / the kernel's.
 - In a replayed graph (`graph_us`, `graph_hbm_fraction`; the read, "fast fp8" and "fast e4m3 q"): what one call
   adds to a CUDA graph of L2 flushes (16 flush + call pairs against 16 flushes, medians of 15 replays each): the
@@ -284,11 +284,18 @@ class Bench:
         torch.cuda.empty_cache()
         self.save()
 
+    def evict_l2(self) -> None:
+        """The untimed L2 eviction before each call (`--flush`)."""
+        if self.args.flush == "write":
+            self.flush.zero_()
+        else:
+            self.flush_read()
+
     def time(self, fn: Callable[[], object]) -> float:
-        return time_gpu_us(fn, reset=self.flush.zero_ if self.args.flush == "write" else self.flush_read)
+        return time_gpu_us(fn, reset=self.evict_l2)
 
     def graph_us(self, fn: Callable[[], object]) -> float:
-        """What one call adds to a replayed CUDA graph: GRAPH_PAIRS × (L2 flush, fn) against GRAPH_PAIRS flushes
+        """What one call adds to a replayed CUDA graph: GRAPH_PAIRS × (L2 eviction, fn) against GRAPH_PAIRS evictions
         alone, each graph replayed GRAPH_REPLAYS times (interleaved), the medians' difference / GRAPH_PAIRS. This is
         the call's cost in the decode step's graphs (launch, DRAM ramp and tail included; no event or host cost),
         where `time` brackets one call with events. Wall time of one call under --smoke."""
@@ -301,7 +308,7 @@ class Bench:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for _ in range(GRAPH_PAIRS):
-                    self.flush_read()
+                    self.evict_l2()
                     if with_fn:
                         fn()
             graph.replay()
