@@ -55,7 +55,10 @@ def main() -> None:
                                     {"stride_rows_l": 1, "HEADS_P": 64, "BLOCK_N": 64, "PRECISION": 2, "Q_E4M3": True}))
     print("paged TMA:      ", stats(_paged_scores_kernel, common | {"keys_desc": "tensordesc<u8[64, 128]>",
                                                                     "scales_desc": "tensordesc<fp32[64]>"},
-                                    {"stride_rows_l": 1, "HEADS_P": 64, "BLOCK_N": 64}))
+                                    {"stride_rows_l": 1, "HEADS_P": 64, "BLOCK_N": 64, "PDL": False}))
+    print("paged TMA + PDL:", stats(_paged_scores_kernel, common | {"keys_desc": "tensordesc<u8[64, 128]>",
+                                                                    "scales_desc": "tensordesc<fp32[64]>"},
+                                    {"stride_rows_l": 1, "HEADS_P": 64, "BLOCK_N": 64, "PDL": True}))
 
 
 if __name__ == "__main__":

@@ -26,8 +26,10 @@ def _paged_scores_kernel(
     q_ptr, w_ptr, keys_desc, scales_desc, rows_ptr, req_ptr, lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_wt, stride_rows_b, stride_rows_l, stride_out,
     num_heads, max_len, blocks_per_prog,
-    HEADS_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEADS_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched with programmatic dependent launch: start early, read nothing before the previous kernel ends
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     span = tl.program_id(1)
     req = tl.load(req_ptr + t).to(tl.int64)
@@ -60,9 +62,11 @@ def _paged_scores_kernel(
 
 def paged_scores(q8: torch.Tensor, w8: torch.Tensor, keys_fp8: torch.Tensor, scales: torch.Tensor,
                  token_rows: torch.Tensor, token_req: torch.Tensor, seq_lens: torch.Tensor, block_n: int = 64,
-                 num_warps: int = 4, num_stages: int = 5) -> torch.Tensor:
+                 num_warps: int = 4, num_stages: int = 5, pdl: bool = False) -> torch.Tensor:
     """fp32 scores [T, L] like `indexer_scores_fast` on the e4m3 query `quantize_query` made; token_rows must be
-    paged (each aligned block of `block_n` positions on `block_n` consecutive rows)."""
+    paged (each aligned block of `block_n` positions on `block_n` consecutive rows). `pdl` (CUDA only): launch with
+    programmatic dependent launch, the kernel waiting for the previous one before its first load, so that only its
+    launch overlaps the previous kernel's end (no read can see stale data)."""
     num_q, heads, _ = q8.shape
     max_len = token_rows.shape[1]
     padded = triton.cdiv(max(max_len, 1), 64) * 64
@@ -72,14 +76,16 @@ def paged_scores(q8: torch.Tensor, w8: torch.Tensor, keys_fp8: torch.Tensor, sca
     keys_desc = TensorDescriptor.from_tensor(keys_fp8.view(torch.uint8), [block_n, 128])
     scales_desc = TensorDescriptor.from_tensor(scales, [block_n])
     device_index = q8.device.index if q8.device.index is not None else 0
-    key = ("paged", block_n, num_warps, num_stages, device_index)
+    pdl = pdl and q8.is_cuda
+    key = ("paged", block_n, num_warps, num_stages, pdl, device_index)
+    launch = {"launch_pdl": True} if pdl else {}
     per_prog = blocks_per_program(num_q, max_len, block_n, q8.device, _RESIDENT.get(key, _RESIDENT_GUESS))
     grid = (num_q, triton.cdiv(max_len, per_prog * block_n))
     kernel = _paged_scores_kernel[grid](
         q8.view(torch.uint8), w8, keys_desc, scales_desc, token_rows, token_req, seq_lens, out,
         q8.stride(0), q8.stride(1), w8.stride(0), token_rows.stride(0), token_rows.stride(1), out.stride(0),
-        heads, max_len, per_prog, HEADS_P=max(16, triton.next_power_of_2(heads)), BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages,
+        heads, max_len, per_prog, HEADS_P=max(16, triton.next_power_of_2(heads)), BLOCK_N=block_n, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if q8.is_cuda and key not in _RESIDENT and hasattr(kernel, "metadata"):
         _RESIDENT[key] = _resident_programs(kernel, num_warps, device_index)

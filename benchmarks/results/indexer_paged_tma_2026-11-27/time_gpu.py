@@ -22,7 +22,7 @@ from kernels.indexer_fast import indexer_scores_fast, quantize_query  # noqa: E4
 
 SHAPES = ((16, 32768), (16, 65536), (16, 131072), (64, 32768), (64, 131072))
 VARIANTS = {"paged (5 stages)": {}, "paged 4 stages": {"num_stages": 4}, "paged 6 stages": {"num_stages": 6},
-            "paged 8 warps": {"num_warps": 8}}
+            "paged 8 warps": {"num_warps": 8}, "paged + PDL": {"pdl": True}}
 
 
 def case(bench: bi.Bench, batch: int, length: int) -> list[tuple]:
