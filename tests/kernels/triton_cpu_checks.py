@@ -1,4 +1,4 @@
-"""Checks of the Triton kernels (the indexer's, the norm, rope, router and SwiGLU kernels) that run without a GPU (used by tests/kernels/test_triton_cpu.py, each in
+"""Checks of the Triton kernels (the indexer's, the norm, rope, router, SwiGLU and sparse MLA kernels) that run without a GPU (used by tests/kernels/test_triton_cpu.py, each in
 its own process; also a tool: `python tests/kernels/triton_cpu_checks.py <check>`).
 
 - `interpret-*`: the kernels run under Triton's interpreter (TRITON_INTERPRET=1, numpy on CPU tensors) against
@@ -801,8 +801,43 @@ def compile_swiglu() -> None:
     print(f"swiglu: libdevice expf without ftz, div.rn, 16-byte accesses; {resources}; {time.time() - t0:.1f} s")
 
 
+def interpret_sparse_mla() -> None:
+    """The Triton sparse MLA decode kernel (the attention fallback where FlashMLA does not run) against the float
+    reference, FP8 rows and float rows, one split and several (the combine kernel), the wide variant, skipped
+    entries and a request with nothing selected (out 0, LSE +inf). In fp16: Triton 3.6's interpreter computes bf16
+    dots wrongly (a 16×16 bf16 dot comes out ~1e10 off), so q and the float rows are fp16 here; on the GPU the
+    kernel runs bf16 (tests/kernels/test_kernels_gpu.py)."""
+    from kernels.dispatch import sparse_mla_decode_rows_ref
+    from kernels.fp8_rows import pack_fp8_rows
+    from kernels.sparse_mla_triton import sparse_mla_decode_triton
+
+    gen = torch.Generator().manual_seed(5)
+    batch, heads, top_k, pool_rows, scale = 3, 16, 64, 300, 576 ** -0.5
+    rows = torch.randn(pool_rows, 576, generator=gen) * torch.rand(pool_rows, 1, generator=gen) * 4
+    q = torch.randn(batch, heads, 576, generator=gen).half()
+    indices = torch.randint(0, pool_rows, (batch, top_k), generator=gen, dtype=torch.int32)
+    indices[0, 5:40:3] = -1
+    indices[2] = -1
+    base = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+    for name, kv in (("fp8 rows", pack_fp8_rows(rows)), ("fp16 rows", rows.half())):
+        ref_out, ref_lse = sparse_mla_decode_rows_ref(q, kv, indices, scale)
+        variants = [("1 split", base | {"SPLITS": 1}), ("4 splits", base | {"SPLITS": 4})]
+        if name == "fp16 rows":
+            variants.append(("wide, 2 splits", base | {"SPLITS": 2, "WIDE": 1}))
+        for label, config in variants:
+            out, lse = sparse_mla_decode_triton(q, kv, indices, scale, config)
+            err = float((out[:2].float() - ref_out[:2].float()).norm() / ref_out[:2].float().norm())
+            lse_err = float((lse[:2] - ref_lse[:2]).abs().max())
+            if err > 2e-3 or lse_err > 1e-4:
+                _fail(f"sparse MLA {name}, {label}: output {err:.1e}, LSE {lse_err:.1e} from the reference")
+            if out[2].abs().max() != 0 or not bool(torch.isinf(lse[2]).all()):
+                _fail(f"sparse MLA {name}, {label}: a request with nothing selected must give 0 and LSE +inf")
+            print(f"sparse MLA {name}, {label}: output {err:.1e}, LSE {lse_err:.1e} from the reference")
+
+
 CHECKS = {
     "interpret-kth-key": interpret_kth_key,
+    "interpret-sparse-mla": interpret_sparse_mla,
     "interpret-moe-route": interpret_moe_route,
     "interpret-moe-dispatch": interpret_moe_dispatch,
     "compile-small-kernels": compile_small_kernels,
