@@ -372,7 +372,7 @@ class Bench:
         # included), which a small call cannot beat however its loads are scheduled.
         read_us, read_graph_us = self.read_us(position_bytes)
         read_gbps = position_bytes / (read_us * 1e-6) / 1e9
-        floor = ScoresResult(batch, length, READ_FLOOR, read_us, read_gbps, read_gbps / self.report.hbm_copy_gbps,
+        floor = ScoresResult(batch, length, READ_FLOOR, read_us, read_gbps, self.fraction(position_bytes, read_us),
                              0.0, float("nan"), 1.0, read_graph_us, self.fraction(position_bytes, read_graph_us))
         logger.info("%s", floor)
         self.report.scores.append(floor)
@@ -391,7 +391,7 @@ class Bench:
             us = self.time(fn)
             gbps = position_bytes / (us * 1e-6) / 1e9
             graph_us = self.graph_us(fn) if name in GRAPH_TIMED else float("nan")
-            res = ScoresResult(batch, length, name, us, gbps, gbps / self.report.hbm_copy_gbps,
+            res = ScoresResult(batch, length, name, us, gbps, self.fraction(position_bytes, us),
                                flops / (us * 1e-6) / 1e12, score_error(scores, q, w, keys, scales, token_rows),
                                read_us / us, graph_us, self.fraction(position_bytes, graph_us))
             logger.info("%s", res)
@@ -499,7 +499,7 @@ class Bench:
                     us = self.time(lambda: indexer_scores_fast(*args, cfg))
                     gbps = batch * length * BYTES_PER_POSITION / (us * 1e-6) / 1e9
                     entry = {"config": asdict(cfg), "us": us, "gbps": gbps,
-                             "hbm_fraction": gbps / self.report.hbm_copy_gbps,
+                             "hbm_fraction": self.fraction(batch * length * BYTES_PER_POSITION, us),
                              "score_err": score_error(scores, *args[:5])}
                     logger.info("config %s", entry)
                     self.report.configs.append(entry)
