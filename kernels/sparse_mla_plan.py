@@ -13,8 +13,9 @@ D_V = 512
 # benchmarks/bench_sparse_mla.py --splits (H 64 and 128, B 1…256, both row formats; docs/benchmarks-history.md):
 # µs per BLOCK_N = 64 tile of one 64-head program (bf16 rows, FP8 rows), fixed µs per program (q load, epilogue),
 # effective bandwidth of the fp32 partial outputs (written by the split programs, read back by the combine kernel;
-# partly from L2), and the combine launch.
-_TILE_US = {False: 4.2, True: 9.5}
+# partly from L2), and the combine launch. FP8: 6.6 µs since its tiles are dequantized with their scale as they
+# load (2026-11-28: one unsplit 32-tile program 213 µs; it was 9.5 when the scale went on the scores and P).
+_TILE_US = {False: 4.2, True: 6.6}
 _PROGRAM_US = 2.0
 _PARTIAL_BYTES_PER_US = 4.0e6
 _COMBINE_US = 4.0
@@ -45,13 +46,6 @@ def choose_splits(batch: int, num_heads: int, top_k: int, block_h: int, block_n:
     """Split count of the top-k list, a function of shapes only (so results never depend on slot placement):
     the divisor of the tile count with the least `split_cost_us` (the smallest on ties)."""
     tiles = top_k // block_n
-    programs_per_split = batch * (num_heads // block_h)
-    if fp8 and block_h >= 64 and programs_per_split * tiles <= 2 * num_sms:
-        # Measured (docs/benchmarks-history.md, split sweep): with FP8 rows, two waves of one-tile programs beat one wave
-        # of two-tile programs (e.g. 6 programs per split: 34.0–34.4 µs at 32 splits vs 36.1–37.1 at 16), which
-        # the wave model prices the other way round; so while every tile as its own split fits in two waves,
-        # split all the way.
-        return tiles
     best, best_cost = 1, math.inf
     for s in range(1, tiles + 1):
         if tiles % s:

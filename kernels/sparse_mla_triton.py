@@ -5,8 +5,10 @@ int32 (−1 = skip) → out [B, H, 512] bf16, lse [B, H] fp32 (natural log; all-
 
 Design (docs/kernels.md): one program per (request, block of heads, split of the top-k list). Each program
 streams BLOCK_N selected rows at a time, gathers them by slot id, and runs an online softmax in base 2 with
-the 512 latent dims handled as four 128-wide tiles (so the FP8 row's per-tile scale is applied to the
-[heads, tokens] score tile and to the probabilities, never per element). When the batch is too small to fill
+the 512 latent dims handled as four 128-wide tiles. An FP8 tile is dequantized with its power-of-two scale
+into q's dtype as it is loaded (exact), so FP8 and float rows share one loop: one chained QK accumulator and
+one P for the four PV dots. (Applying the scale to the score tile and to P instead took four separate QK dots
+and four scaled P tiles and spilled registers: 1.5× slower, docs/benchmarks.md.) When the batch is too small to fill
 the GPU, the top-k list is split and a combine kernel merges the partial results by their LSE.
 The split count depends only on (B, H, K) and each program reads rows in top-k order, so the result depends
 only on the selected rows and their order, not on which slots hold them.
@@ -30,19 +32,20 @@ FP8_ROW_BYTES = 656
 
 
 @triton.jit
-def _load_kv_tile(kv_ptr, kv_f32_ptr, kv_bf16_ptr, rows, valid, stride_kv, stride_f32, stride_bf16,
-                  TILE: tl.constexpr, FP8: tl.constexpr):
-    """One 128-wide latent tile of the gathered rows as bf16 [BLOCK_N, 128], and its per-row scale."""
+def _load_kv_tile(kv_ptr, kv_f32_ptr, rows, valid, stride_kv, stride_f32, TILE: tl.constexpr, FP8: tl.constexpr,
+                  OUT: tl.constexpr):
+    """One 128-wide latent tile of the gathered rows in q's dtype OUT [BLOCK_N, 128]. FP8 tiles come back already
+    multiplied by their per-row scale: kernels/fp8_rows.py's scales are powers of two, so e4m3 · scale is exact in
+    bf16, and the loop after it is the float rows' one (one chained QK accumulator, one P for the four PV dots)."""
     offs = tl.arange(0, 128)
     if FP8:
         raw = tl.load(kv_ptr + rows[:, None] * stride_kv + TILE * 128 + offs[None, :], mask=valid[:, None], other=0)
-        vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
         scale = tl.load(kv_f32_ptr + rows * stride_f32 + 128 + TILE, mask=valid, other=0.0)
+        vals = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]).to(OUT)
     else:
         vals = tl.load(kv_ptr + rows[:, None] * stride_kv + TILE * 128 + offs[None, :], mask=valid[:, None],
                        other=0.0)
-        scale = tl.full(rows.shape, 1.0, tl.float32)
-    return vals, scale
+    return vals
 
 
 @triton.jit
@@ -77,30 +80,22 @@ def _sparse_mla_decode_kernel(
     start = split * TOKENS_PER_SPLIT
     for tile in range(0, TOKENS_PER_SPLIT // BLOCK_N):
         offs_n = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + b.to(tl.int64) * stride_ib + offs_n, mask=offs_n < top_k, other=-1)
+        idx = tl.load(idx_ptr + b.to(tl.int64) * stride_ib + offs_n)  # in range: splits · TOKENS_PER_SPLIT == K
         valid = idx >= 0
         rows = tl.where(valid, idx, 0).to(tl.int64)
-        k0, s0 = _load_kv_tile(kv_ptr, kv_f32_ptr, kv_bf16_ptr, rows, valid, stride_kv, stride_f32, stride_bf16, 0, FP8)
-        k1, s1 = _load_kv_tile(kv_ptr, kv_f32_ptr, kv_bf16_ptr, rows, valid, stride_kv, stride_f32, stride_bf16, 1, FP8)
-        k2, s2 = _load_kv_tile(kv_ptr, kv_f32_ptr, kv_bf16_ptr, rows, valid, stride_kv, stride_f32, stride_bf16, 2, FP8)
-        k3, s3 = _load_kv_tile(kv_ptr, kv_f32_ptr, kv_bf16_ptr, rows, valid, stride_kv, stride_f32, stride_bf16, 3, FP8)
+        k0 = _load_kv_tile(kv_ptr, kv_f32_ptr, rows, valid, stride_kv, stride_f32, 0, FP8, q0.dtype)
+        k1 = _load_kv_tile(kv_ptr, kv_f32_ptr, rows, valid, stride_kv, stride_f32, 1, FP8, q0.dtype)
+        k2 = _load_kv_tile(kv_ptr, kv_f32_ptr, rows, valid, stride_kv, stride_f32, 2, FP8, q0.dtype)
+        k3 = _load_kv_tile(kv_ptr, kv_f32_ptr, rows, valid, stride_kv, stride_f32, 3, FP8, q0.dtype)
         if FP8:
             kr = tl.load(kv_bf16_ptr + rows[:, None] * stride_bf16 + 264 + offs_r[None, :], mask=valid[:, None],
                          other=0.0).to(q0.dtype)
-            k0 = k0.to(q0.dtype)
-            k1 = k1.to(q0.dtype)
-            k2 = k2.to(q0.dtype)
-            k3 = k3.to(q0.dtype)
-            scores = tl.dot(q0, tl.trans(k0)) * s0[None, :]
-            scores += tl.dot(q1, tl.trans(k1)) * s1[None, :]
-            scores += tl.dot(q2, tl.trans(k2)) * s2[None, :]
-            scores += tl.dot(q3, tl.trans(k3)) * s3[None, :]
         else:
             kr = tl.load(kv_ptr + rows[:, None] * stride_kv + 512 + offs_r[None, :], mask=valid[:, None], other=0.0)
-            scores = tl.dot(q0, tl.trans(k0))
-            scores = tl.dot(q1, tl.trans(k1), scores)
-            scores = tl.dot(q2, tl.trans(k2), scores)
-            scores = tl.dot(q3, tl.trans(k3), scores)
+        scores = tl.dot(q0, tl.trans(k0))
+        scores = tl.dot(q1, tl.trans(k1), scores)
+        scores = tl.dot(q2, tl.trans(k2), scores)
+        scores = tl.dot(q3, tl.trans(k3), scores)
         scores = tl.dot(qr, tl.trans(kr), scores)
         scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -108,21 +103,11 @@ def _sparse_mla_decode_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc0 = acc0 * alpha[:, None]
-        acc1 = acc1 * alpha[:, None]
-        acc2 = acc2 * alpha[:, None]
-        acc3 = acc3 * alpha[:, None]
-        if FP8:
-            acc0 = tl.dot((p * s0[None, :]).to(q0.dtype), k0, acc0)
-            acc1 = tl.dot((p * s1[None, :]).to(q0.dtype), k1, acc1)
-            acc2 = tl.dot((p * s2[None, :]).to(q0.dtype), k2, acc2)
-            acc3 = tl.dot((p * s3[None, :]).to(q0.dtype), k3, acc3)
-        else:
-            pb = p.to(k0.dtype)
-            acc0 = tl.dot(pb, k0, acc0)
-            acc1 = tl.dot(pb, k1, acc1)
-            acc2 = tl.dot(pb, k2, acc2)
-            acc3 = tl.dot(pb, k3, acc3)
+        pb = p.to(q0.dtype)
+        acc0 = tl.dot(pb, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(pb, k1, acc1 * alpha[:, None])
+        acc2 = tl.dot(pb, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(pb, k3, acc3 * alpha[:, None])
         m_i = m_new
 
     has = l_i > 0.0
@@ -170,7 +155,7 @@ def _sparse_mla_decode_wide_kernel(
     start = split * TOKENS_PER_SPLIT
     for tile in range(0, TOKENS_PER_SPLIT // BLOCK_N):
         offs_n = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + b.to(tl.int64) * stride_ib + offs_n, mask=offs_n < top_k, other=-1)
+        idx = tl.load(idx_ptr + b.to(tl.int64) * stride_ib + offs_n)
         valid = idx >= 0
         rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kv
         kn = tl.load(rows + offs_d[None, :], mask=valid[:, None], other=0.0)

@@ -12,9 +12,6 @@ def test_choose_splits_divides_the_tiles_and_picks_the_least_cost() -> None:
             for batch in (1, 3, 16, 64, 237, 256):
                 s = choose_splits(batch, heads, 2048, block_h, 64, 132, fp8)
                 assert 32 % s == 0
-                if fp8 and block_h == 64 and batch * heads // 64 * 32 <= 2 * 132:
-                    assert s == 32  # the measured FP8 rule: every tile its own split while that fits in 2 waves
-                    continue
                 costs = {d: split_cost_us(batch, heads, 2048, block_h, 64, 132, fp8, d) for d in (1, 2, 4, 8, 16, 32)}
                 assert costs[s] == min(costs.values())
 
@@ -26,6 +23,14 @@ def test_partial_output_traffic_keeps_large_batches_unsplit() -> None:
         assert choose_splits(237, 128, 2048, 64, 64, 132, fp8) == 1
         assert choose_splits(256, 128, 2048, 64, 64, 132, fp8) == 1
         assert choose_splits(1, 128, 2048, 64, 64, 132, fp8) == 32  # one request: fill the GPU
+
+
+def test_fp8_rows_split_by_the_model() -> None:
+    """FP8 tiles cost ~1.5× a bf16 tile since they are dequantized as they load, so the model, not a rule of their
+    own, picks their split: H200 sweep 2026-11-28, H 128 batch 3: 16 splits 27.2 µs, 32 splits 32.2 µs; batch 1: 32
+    splits 19.9 µs."""
+    assert choose_splits(3, 128, 2048, 64, 64, 132, True) == 16
+    assert choose_splits(1, 128, 2048, 64, 64, 132, True) == 32
 
 
 def test_prefer_flashmla_only_where_measured_faster() -> None:
