@@ -13,6 +13,7 @@ its own process; also a tool: `python tests/kernels/triton_cpu_checks.py <check>
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import sys
@@ -233,6 +234,27 @@ def _resources(kernel) -> str:
         return f"{kernel.metadata.shared} B shared"
     return (f"{found.group(1)} registers, {found.group(3)} B spilled, stack {found.group(2)} B, "
             f"{kernel.metadata.shared} B shared")
+
+
+def _main_loop_ops(kernel) -> collections.Counter[str]:
+    """Opcode counts of a compiled kernel's longest SASS loop (its main loop), read with the nvdisasm that ships
+    with Triton: what the benchmark folders' compile-time figures (instructions a tile, HGMMA, spills) count."""
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nvidia
+
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        lines = subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout.splitlines()
+    labels = {line.strip().rstrip(":"): i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:", line.strip())}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and m.group(1) in labels and labels[m.group(1)] < i]
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    return collections.Counter(m.group(2) for line in lines[start:end + 1]
+                               if (m := re.match(r"^\s*/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)", line)))
 
 
 def _loops(ttgir: str) -> list[str]:

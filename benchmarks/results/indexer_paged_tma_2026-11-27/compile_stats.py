@@ -6,17 +6,11 @@ count, next to the engine's gather kernel (e4m3 q, the default launch: BLOCK_N 6
 """
 from __future__ import annotations
 
-import collections
-import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, "tests/kernels")
-import triton.backends.nvidia as nvidia  # noqa: E402
 import triton_cpu_checks as checks  # noqa: E402
 from scores_paged import _paged_scores_kernel  # noqa: E402
 
@@ -32,17 +26,7 @@ def stats(kernel, types: dict[str, str], constexprs: dict) -> str:
                                                           "stride_out", "num_heads"]
     compiled = checks._compile_sm90(kernel, types, constexprs, [n for n in aligned if n in types], 4, 5)
     main = [body for body in checks._loops(compiled.asm["ttgir"]) if "warp_group_dot" in body][0]
-    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        lines = subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout.splitlines()
-    labels = {line.strip().rstrip(":"): i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:", line.strip())}
-    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
-             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and m.group(1) in labels and labels[m.group(1)] < i]
-    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
-    ops = collections.Counter(m.group(2) for line in lines[start:end + 1]
-                              if (m := re.match(r"^\s*/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)", line)))
+    ops = checks._main_loop_ops(compiled)
     return (f"{checks._resources(compiled)}; main loop: {main.count('tt.load')} synchronous loads, "
             f"{main.count('async_tma_copy')} TMA copies, {main.count('async_copy_global_to_local')} cp.async; "
             f"{sum(ops.values())} SASS instructions")

@@ -10,15 +10,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, "tests/kernels")
-import collections  # noqa: E402
 import importlib.util  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 
 import triton  # noqa: E402
-import triton.backends.nvidia as nvidia  # noqa: E402
 import triton_cpu_checks as checks  # noqa: E402
 from mla_gluon import _sparse_mla_gluon_kernel  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -55,19 +49,7 @@ def compile_gluon(block_n: int, stages: int, splits: int = 1, dup_qk: bool = Fal
 
 def main_loop_mix(kernel) -> str:
     """Instruction count and the counts that matter of the longest loop of the kernel's SASS."""
-    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        lines = subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout.splitlines()
-    labels = {line.strip().rstrip(":"): i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:", line.strip())}
-    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
-             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and m.group(1) in labels and labels[m.group(1)] < i]
-    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
-    ops: collections.Counter[str] = collections.Counter()
-    for line in lines[start:end + 1]:
-        if found := re.match(r"^\s*/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)", line):
-            ops[found.group(2)] += 1
+    ops = checks._main_loop_ops(kernel)
     shown = ("HGMMA", "LDGSTS", "LDS", "STS", "BAR", "FMUL", "MUFU", "SHFL")
     return f"{sum(ops.values())} instructions (" + ", ".join(f"{name} {ops[name]}" for name in shown) + ")"
 

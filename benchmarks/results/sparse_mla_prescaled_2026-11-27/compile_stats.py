@@ -7,17 +7,11 @@ heads: BLOCK_H 64, BLOCK_N 64, 8 warps, 2 stages, one split.
 """
 from __future__ import annotations
 
-import collections
-import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, "tests/kernels")
-import triton.backends.nvidia as nvidia  # noqa: E402
 import triton_cpu_checks as checks  # noqa: E402
 from mla_prescaled import _prescaled_kernel  # noqa: E402
 
@@ -34,23 +28,7 @@ def compile_stats(kernel, fp8: bool, constexprs: dict) -> str:
     types = {name: kind for name, kind in types.items() if name in kernel.arg_names}
     aligned = [name for name in types if name.endswith("_ptr")] + list(STRIDES)
     compiled = checks._compile_sm90(kernel, types, constexprs, aligned, 8, 2)
-    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        lines = subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout.splitlines()
-    labels = {line.strip().rstrip(":"): i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:", line.strip())}
-    loops = []
-    for i, line in enumerate(lines):
-        found = re.search(r"BRA `\((\.L_x_\d+)\)", line)
-        if found and found.group(1) in labels and labels[found.group(1)] < i:
-            loops.append((labels[found.group(1)], i))
-    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
-    ops: collections.Counter[str] = collections.Counter()
-    for line in lines[start:end + 1]:
-        found = re.match(r"^\s*/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
-        if found:
-            ops[found.group(2)] += 1
+    ops = checks._main_loop_ops(compiled)
     shown = ("HGMMA", "LDGSTS", "LDS", "STS", "LDL", "STL", "F2F", "F2FP", "FMUL", "MUFU")
     return (f"{checks._resources(compiled)}; main loop {sum(ops.values())} instructions ("
             + ", ".join(f"{name} {ops[name]}" for name in shown) + ")")
