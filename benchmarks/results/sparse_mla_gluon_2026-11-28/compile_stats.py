@@ -33,11 +33,13 @@ def _prescaled_stats():
     return module
 
 
-def compile_gluon(block_n: int, stages: int, splits: int = 1, dup_qk: bool = False, lazy: bool = False):
+def compile_gluon(block_n: int, stages: int, splits: int = 1, dup_qk: bool = False, lazy: bool = False,
+                  classic: bool = False, p_regs: bool = False):
     fn = _sparse_mla_gluon_kernel
     names = fn.arg_names
     constexprs = {"BLOCK_H": 64, "BLOCK_N": block_n, "STAGES": stages, "TOKENS_PER_SPLIT": 2048 // splits,
                   "NUM_SPLITS": splits, "DUP_QK": dup_qk, "LAZY_RESCALE": lazy,
+                  "CLASSIC": classic, "P_REGS": p_regs,
                   "num_warps": 8}
     signature = {name: TYPES.get(name, "constexpr") for name in names}
     aligned = [n for n in TYPES if n.endswith("_ptr") or n.startswith("stride") or n in ("num_heads", "top_k")]

@@ -76,11 +76,59 @@ def _issue_scores(q_smem, qr_smem, kn_ring, kr_ring, stage, s_layout: gl.constex
 
 
 @gluon.jit
+def _softmax_and_pv(s, m_i, l_i, acc0, acc1, acc2, acc3, p_smem, kn_ring, idx_ptr, b, tile, stride_ib, scale_log2,
+                    offs_s, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    LAZY_RESCALE: gl.constexpr, P_REGS: gl.constexpr):
+    """Online softmax of one tile's scores, the accumulators' rescale, and its four PV wgmmas issued (not waited
+    for). P_REGS: P is the wgmmas' A operand in registers (needs DUP_QK: each warp group holds whole rows of P),
+    so no shared-memory round trip and no barrier; otherwise P goes through shared memory."""
+    idx = gl.load(idx_ptr + b.to(gl.int64) * stride_ib + tile * BLOCK_N + offs_s)
+    valid = idx >= 0
+    scores = gl.where(valid[None, :], s * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    m_i = m_new
+    if P_REGS:
+        p_op = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    else:
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        p_op = p_smem
+    if LAZY_RESCALE:
+        # Multiplying by an alpha of exactly 1 changes nothing, so skip the 4 × [64, 128] multiply when no
+        # row's maximum moved (bit-identical; after the first tiles the running maxima rarely move).
+        moved = gl.max(gl.where(alpha < 1.0, 1, 0), axis=0)
+        if moved > 0:
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            acc0 = acc0 * alpha_o
+            acc1 = acc1 * alpha_o
+            acc2 = acc2 * alpha_o
+            acc3 = acc3 * alpha_o
+    else:
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc0 = acc0 * alpha_o
+        acc1 = acc1 * alpha_o
+        acc2 = acc2 * alpha_o
+        acc3 = acc3 * alpha_o
+    stage = tile % STAGES
+    acc0 = warpgroup_mma(p_op, kn_ring.index(stage * 4 + 0), acc0, is_async=True)
+    acc1 = warpgroup_mma(p_op, kn_ring.index(stage * 4 + 1), acc1, is_async=True)
+    acc2 = warpgroup_mma(p_op, kn_ring.index(stage * 4 + 2), acc2, is_async=True)
+    acc3 = warpgroup_mma(p_op, kn_ring.index(stage * 4 + 3), acc3, is_async=True)
+    return m_i, l_i, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
 def _sparse_mla_gluon_kernel(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_kv, stride_ib, num_heads, top_k, scale_log2,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TOKENS_PER_SPLIT: gl.constexpr,
-    NUM_SPLITS: gl.constexpr, DUP_QK: gl.constexpr, LAZY_RESCALE: gl.constexpr, num_warps: gl.constexpr,
+    NUM_SPLITS: gl.constexpr, DUP_QK: gl.constexpr, LAZY_RESCALE: gl.constexpr, CLASSIC: gl.constexpr,
+    P_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     TILES: gl.constexpr = TOKENS_PER_SPLIT // BLOCK_N
     pid = gl.program_id(0)
@@ -133,61 +181,50 @@ def _sparse_mla_gluon_kernel(
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout))
 
-    # Tile 0's scores.
-    async_copy.wait_group(STAGES - 2)
-    fence_async_shared()
-    gl.thread_barrier()
-    s = _issue_scores(q_smem, qr_smem, kn_ring, kr_ring, start_tile % STAGES, s_layout, BLOCK_H, BLOCK_N)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-
     offs_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    for t in range(0, TILES):
-        tile = start_tile + t
-        # Gathers of tile t + STAGES − 1 into the slot tile t − 1 freed (its PV was waited for, then a barrier).
-        _issue_tile(kn_ring, kr_ring, kv_ptr, idx_ptr, b, tile + STAGES - 1, start_tile + TILES, top_k, stride_kv,
-                    stride_ib, STAGES, BLOCK_N, num_warps)
-        # Tile t + 1 landed (at most STAGES − 2 newer groups outstanding): issue its scores, do not wait.
+    if CLASSIC:
+        # Classic order: the gathers of tile t + STAGES − 1 are issued first and land while tile t's scores,
+        # softmax and PV run (the overlap order below waits for tile t + 1's gathers right after issuing them
+        # when STAGES is 2).
+        for t in range(0, TILES):
+            tile = start_tile + t
+            _issue_tile(kn_ring, kr_ring, kv_ptr, idx_ptr, b, tile + STAGES - 1, start_tile + TILES, top_k,
+                        stride_kv, stride_ib, STAGES, BLOCK_N, num_warps)
+            async_copy.wait_group(STAGES - 1)
+            fence_async_shared()
+            gl.thread_barrier()
+            s = _issue_scores(q_smem, qr_smem, kn_ring, kr_ring, tile % STAGES, s_layout, BLOCK_H, BLOCK_N)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_and_pv(
+                s, m_i, l_i, acc0, acc1, acc2, acc3, p_smem, kn_ring, idx_ptr, b, tile, stride_ib, scale_log2,
+                offs_s, o_layout, BLOCK_N, STAGES, LAZY_RESCALE, P_REGS)
+            acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
+            gl.thread_barrier()
+    else:
+        # Tile 0's scores.
         async_copy.wait_group(STAGES - 2)
         fence_async_shared()
         gl.thread_barrier()
-        s_next = _issue_scores(q_smem, qr_smem, kn_ring, kr_ring, (tile + 1) % STAGES, s_layout, BLOCK_H, BLOCK_N)
-
-        # Softmax of tile t beside them.
-        idx = gl.load(idx_ptr + b.to(gl.int64) * stride_ib + tile * BLOCK_N + offs_s)
-        valid = idx >= 0
-        scores = gl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        p_smem.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
-        if LAZY_RESCALE:
-            # Multiplying by an alpha of exactly 1 changes nothing, so skip the 4 × [64, 128] multiply when no
-            # row's maximum moved (bit-identical; after the first tiles the running maxima rarely move).
-            moved = gl.max(gl.where(alpha < 1.0, 1, 0), axis=0)
-            if moved > 0:
-                alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                acc0 = acc0 * alpha_o
-                acc1 = acc1 * alpha_o
-                acc2 = acc2 * alpha_o
-                acc3 = acc3 * alpha_o
-        else:
-            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            acc0 = acc0 * alpha_o
-            acc1 = acc1 * alpha_o
-            acc2 = acc2 * alpha_o
-            acc3 = acc3 * alpha_o
-        stage = tile % STAGES
-        acc0 = warpgroup_mma(p_smem, kn_ring.index(stage * 4 + 0), acc0, is_async=True)
-        acc1 = warpgroup_mma(p_smem, kn_ring.index(stage * 4 + 1), acc1, is_async=True)
-        acc2 = warpgroup_mma(p_smem, kn_ring.index(stage * 4 + 2), acc2, is_async=True)
-        acc3 = warpgroup_mma(p_smem, kn_ring.index(stage * 4 + 3), acc3, is_async=True)
-        s, acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc0, acc1, acc2, acc3))
-        gl.thread_barrier()
+        s = _issue_scores(q_smem, qr_smem, kn_ring, kr_ring, start_tile % STAGES, s_layout, BLOCK_H, BLOCK_N)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        for t in range(0, TILES):
+            tile = start_tile + t
+            # Gathers of tile t + STAGES − 1 into the slot tile t − 1 freed (its PV was waited for, then a
+            # barrier).
+            _issue_tile(kn_ring, kr_ring, kv_ptr, idx_ptr, b, tile + STAGES - 1, start_tile + TILES, top_k,
+                        stride_kv, stride_ib, STAGES, BLOCK_N, num_warps)
+            # Tile t + 1 landed (at most STAGES − 2 newer groups outstanding): issue its scores, do not wait.
+            async_copy.wait_group(STAGES - 2)
+            fence_async_shared()
+            gl.thread_barrier()
+            s_next = _issue_scores(q_smem, qr_smem, kn_ring, kr_ring, (tile + 1) % STAGES, s_layout, BLOCK_H,
+                                   BLOCK_N)
+            # Softmax of tile t beside them, then its PV.
+            m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_and_pv(
+                s, m_i, l_i, acc0, acc1, acc2, acc3, p_smem, kn_ring, idx_ptr, b, tile, stride_ib, scale_log2,
+                offs_s, o_layout, BLOCK_N, STAGES, LAZY_RESCALE, P_REGS)
+            s, acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc0, acc1, acc2, acc3))
+            gl.thread_barrier()
     async_copy.wait_group(0)
 
     has = l_i > 0.0
@@ -218,7 +255,8 @@ def _sparse_mla_gluon_kernel(
 
 def sparse_mla_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, splits: int = 1,
                      block_n: int = 32, stages: int = 3, dup_qk: bool = False,
-                     lazy_rescale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     lazy_rescale: bool = False, classic: bool = False,
+                     p_regs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, 576] bf16, kv [N, 576] bf16, indices [B, K] int32 (−1 = skip) → out [B, H, 512], lse [B, H] (the
     Triton kernel's contract; `splits` partials merged by its combine kernel)."""
     from kernels.sparse_mla_triton import _combine_kernel
@@ -227,6 +265,7 @@ def sparse_mla_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
     top_k = indices.shape[1]
     assert kv.dtype == torch.bfloat16 and kv.shape[1] == 576 and q.dtype == torch.bfloat16
     assert heads % 64 == 0 and top_k % (block_n * splits) == 0
+    assert dup_qk or not p_regs, "P in registers needs whole rows of P in each warp group (dup_qk)"
     indices = indices.to(torch.int32).contiguous()
     q = q.contiguous()
     out = torch.empty((batch, heads, D_V), dtype=q.dtype, device=q.device)
@@ -240,7 +279,7 @@ def sparse_mla_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
         q, kv, indices, out, lse, part_out, part_lse, q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
         heads, top_k, float(scale) * LOG2E, BLOCK_H=64, BLOCK_N=block_n, STAGES=stages,
         TOKENS_PER_SPLIT=top_k // splits, NUM_SPLITS=splits, DUP_QK=dup_qk,
-        LAZY_RESCALE=lazy_rescale, num_warps=8)
+        LAZY_RESCALE=lazy_rescale, CLASSIC=classic, P_REGS=p_regs, num_warps=8)
     if splits > 1:
         _combine_kernel[(batch * heads,)](part_out, part_lse, out, lse, NUM_SPLITS=splits,
                                           SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
