@@ -8,11 +8,14 @@ enqueueing behind a GPU spin so that launch overhead is not counted. `--configs`
 B=64, H=128 case.
 
 `--splits` sweeps the Triton kernel's split count (every divisor of the 32 tiles) at B 1…256, H 128 and 64, both
-row formats, and prints the split `choose_splits` picks against the fastest (target: within 5 %). `--flashmla`
-times FlashMLA (the `sgl-flash-mla` wheel: FP8 rows through its sparse decode kernel, bf16 rows through its sparse
-prefill kernel) on the same inputs, with its error against the reference, next to the Triton kernel's chosen split.
+row formats, and prints the split `choose_splits` picks against the fastest (target: within 5 %);
+`--splits-gluon` the same sweep for the Gluon kernel (kernels/sparse_mla_gluon.py, Hopper). `--flashmla` times FlashMLA (the
+`sgl-flash-mla` wheel: FP8 rows through its sparse decode kernel, bf16 rows through its sparse prefill kernel) on
+the same inputs, with its error against the reference, next to the Triton kernel's chosen split and, on Hopper,
+the Gluon kernel's (the `triton` backend's kernel there).
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_sparse_mla.py [--quick] [--configs] [--splits] [--flashmla] [--json out.json]
+    PYTHONPATH=$PWD python3 benchmarks/bench_sparse_mla.py [--quick] [--configs] [--splits] [--splits-gluon] [--flashmla]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from _timing import device_name, time_gpu_us  # noqa: E402
 
 from kernels.dispatch import sparse_mla_decode_rows_ref  # noqa: E402
 from kernels.fp8_rows import pack_fp8_rows  # noqa: E402
+from kernels.sparse_mla_gluon import gluon_applies, sparse_mla_decode_gluon  # noqa: E402
 from kernels.sparse_mla_plan import choose_splits  # noqa: E402
 from kernels.sparse_mla_triton import default_config, sparse_mla_decode_triton  # noqa: E402
 
@@ -98,7 +102,16 @@ def run_case(pool: torch.Tensor, fmt: str, batch: int, heads: int, top_k: int, c
 SWEEP_BATCHES = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 50, 64, 80, 96, 128, 160, 192, 237, 256]
 
 
-def split_sweep(pool: torch.Tensor, fmt: str, heads: int, top_k: int, batches: list[int]) -> list[dict]:
+def _forced_split(kernel: str, pool: torch.Tensor, splits: int, cfg0: dict):
+    """The kernel's call with a forced split count."""
+    if kernel == "gluon":
+        return lambda q, ix: sparse_mla_decode_gluon(q, pool, ix, SCALE, splits=splits)
+    cfg = dict(cfg0, SPLITS=splits)
+    return lambda q, ix: sparse_mla_decode_triton(q, pool, ix, SCALE, cfg)
+
+
+def split_sweep(pool: torch.Tensor, fmt: str, heads: int, top_k: int, batches: list[int],
+                kernel: str = "triton") -> list[dict]:
     """Time every split count at each batch; report the chosen one against the best."""
     rows = []
     cfg0 = default_config(heads, fmt == "fp8")
@@ -109,16 +122,16 @@ def split_sweep(pool: torch.Tensor, fmt: str, heads: int, top_k: int, batches: l
         idx = [torch.randint(0, POOL_ROWS, (batch, top_k), device="cuda", dtype=torch.int32) for _ in range(2)]
         times = {}
         for s in (d for d in range(1, tiles + 1) if tiles % d == 0):
-            cfg = dict(cfg0, SPLITS=s)
-            times[s] = bench(lambda i, c=cfg, q=qs, ix=idx: sparse_mla_decode_triton(q[i], pool, ix[i], SCALE, c), 2, flush)
+            call = _forced_split(kernel, pool, s, cfg0)
+            times[s] = bench(lambda i, f=call, q=qs, ix=idx: f(q[i], ix[i]), 2, flush)
         chosen = choose_splits(batch, heads, top_k, cfg0["BLOCK_H"], cfg0["BLOCK_N"],
-                               torch.cuda.get_device_properties(0).multi_processor_count, fmt == "fp8")
+                               torch.cuda.get_device_properties(0).multi_processor_count, fmt == "fp8", kernel)
         best = min(times, key=times.get)
-        row = {"fmt": fmt, "heads": heads, "batch": batch, "times_us": times, "chosen": chosen, "best": best,
-               "chosen_over_best": times[chosen] / times[best]}
+        row = {"kernel": kernel, "fmt": fmt, "heads": heads, "batch": batch, "times_us": times, "chosen": chosen,
+               "best": best, "chosen_over_best": times[chosen] / times[best]}
         rows.append(row)
-        logger.info("split sweep %s H %d B %3d: %s | chosen %d (%.1f us) best %d (%.1f us) ratio %.3f", fmt, heads,
-                    batch, " ".join(f"{k}:{v:.1f}" for k, v in times.items()), chosen, times[chosen], best,
+        logger.info("split sweep %s %s H %d B %3d: %s | chosen %d (%.1f us) best %d (%.1f us) ratio %.3f", kernel,
+                    fmt, heads, batch, " ".join(f"{k}:{v:.1f}" for k, v in times.items()), chosen, times[chosen], best,
                     times[best], row["chosen_over_best"])
     return rows
 
@@ -140,13 +153,20 @@ def flashmla_compare(pool: torch.Tensor, fmt: str, heads: int, top_k: int, batch
         lse_err = float((lse - ref_lse).abs().max())
         fm_us = bench(lambda i, q=qs, ix=idx: sparse_mla_decode_flashmla(q[i], pool, ix[i], SCALE), 2, flush)
         tr_us = bench(lambda i, q=qs, ix=idx: sparse_mla_decode_triton(q[i], pool, ix[i], SCALE), 2, flush)
+        gl_us, gl_err = float("nan"), float("nan")
+        if gluon_applies(qs[0], pool, idx[0]):
+            gl_out, _ = sparse_mla_decode_gluon(qs[0], pool, idx[0], SCALE)
+            gl_err = float((gl_out.float() - ref.float()).norm() / ref.float().norm())
+            gl_us = bench(lambda i, q=qs, ix=idx: sparse_mla_decode_gluon(q[i], pool, ix[i], SCALE), 2, flush)
         flops = 2.0 * batch * heads * top_k * (576 + 512)
         row = {"fmt": fmt, "heads": heads, "batch": batch, "flashmla_us": fm_us, "triton_us": tr_us,
-               "flashmla_tflops": flops / fm_us / 1e6, "triton_tflops": flops / tr_us / 1e6, "flashmla_rel_err": err,
-               "flashmla_lse_max_abs_err": lse_err}
+               "gluon_us": gl_us, "flashmla_tflops": flops / fm_us / 1e6, "triton_tflops": flops / tr_us / 1e6,
+               "flashmla_rel_err": err, "flashmla_lse_max_abs_err": lse_err, "gluon_rel_err": gl_err,
+               "flashmla_over_triton": fm_us / tr_us, "flashmla_over_gluon": fm_us / gl_us}
         rows.append(row)
-        logger.info("flashmla %s H %d B %3d: flashmla %.1f us (%.0f TFLOP/s) triton %.1f us (%.0f) err %.1e lse %.1e",
-                    fmt, heads, batch, fm_us, row["flashmla_tflops"], tr_us, row["triton_tflops"], err, lse_err)
+        logger.info("flashmla %s H %d B %3d: flashmla %.1f us (%.0f TFLOP/s) triton %.1f us (%.0f) gluon %.1f us "
+                    "err %.1e lse %.1e", fmt, heads, batch, fm_us, row["flashmla_tflops"], tr_us,
+                    row["triton_tflops"], gl_us, err, lse_err)
     return rows
 
 
@@ -155,6 +175,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--configs", action="store_true", help="also time alternative block sizes at B=64 H=128")
     parser.add_argument("--splits", action="store_true", help="sweep the split count at B 1..256 (H 128, 64)")
+    parser.add_argument("--splits-gluon", action="store_true", help="the same sweep for the Gluon kernel (Hopper)")
     parser.add_argument("--flashmla", action="store_true", help="time FlashMLA next to the Triton kernel")
     parser.add_argument("--no-main", action="store_true", help="skip the main table (only --splits / --flashmla)")
     parser.add_argument("--json", type=Path, default=None)
@@ -172,6 +193,8 @@ def main() -> None:
         for heads in (128, 64):
             if args.splits:
                 sweeps += split_sweep(pool, fmt, heads, top_k, SWEEP_BATCHES)
+            if args.splits_gluon:
+                sweeps += split_sweep(pool, fmt, heads, top_k, SWEEP_BATCHES, kernel="gluon")
             if args.flashmla:
                 compares += flashmla_compare(pool, fmt, heads, top_k, SWEEP_BATCHES)
         for heads in ([] if args.no_main else heads_list):
@@ -204,21 +227,25 @@ def main() -> None:
                                          "split_sweep": sweeps, "flashmla": compares}, indent=1))
     if sweeps:
         print(f"\nsplit sweep, K={top_k}, {device_name()}: µs per split count; chosen vs best")
-        print("| rows | H | B | " + " | ".join(f"s={s}" for s in sweeps[0]["times_us"]) + " | chosen | best | ratio |")
-        print("|---|---|---|" + "---|" * (len(sweeps[0]["times_us"]) + 3))
+        print("| kernel | rows | H | B | " + " | ".join(f"s={s}" for s in sweeps[0]["times_us"])
+              + " | chosen | best | ratio |")
+        print("|---|---|---|---|" + "---|" * (len(sweeps[0]["times_us"]) + 3))
         for r in sweeps:
-            print(f"| {r['fmt']} | {r['heads']} | {r['batch']} | " + " | ".join(f"{v:.1f}" for v in r["times_us"].values())
+            print(f"| {r['kernel']} | {r['fmt']} | {r['heads']} | {r['batch']} | "
+                  + " | ".join(f"{v:.1f}" for v in r["times_us"].values())
                   + f" | {r['chosen']} | {r['best']} | {r['chosen_over_best']:.3f} |")
-        worst = max(r["chosen_over_best"] for r in sweeps)
-        print(f"worst chosen/best: {worst:.3f} (target <= 1.05)")
+        for kernel in sorted({r["kernel"] for r in sweeps}):
+            worst = max(r["chosen_over_best"] for r in sweeps if r["kernel"] == kernel)
+            print(f"{kernel}: worst chosen/best {worst:.3f} (target <= 1.05)")
     if compares:
-        print(f"\nFlashMLA vs Triton (chosen split), K={top_k}, {device_name()}")
-        print("| rows | H | B | FlashMLA µs | TFLOP/s | Triton µs | TFLOP/s | FlashMLA rel err | lse max err |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print(f"\nFlashMLA vs Triton and Gluon (chosen splits), K={top_k}, {device_name()}")
+        print("| rows | H | B | FlashMLA µs | TFLOP/s | Triton µs | FlashMLA / Triton | Gluon µs | FlashMLA / Gluon "
+              "| FlashMLA rel err | Gluon rel err |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in compares:
             print(f"| {r['fmt']} | {r['heads']} | {r['batch']} | {r['flashmla_us']:.1f} | {r['flashmla_tflops']:.0f} | "
-                  f"{r['triton_us']:.1f} | {r['triton_tflops']:.0f} | {r['flashmla_rel_err']:.1e} | "
-                  f"{r['flashmla_lse_max_abs_err']:.1e} |")
+                  f"{r['triton_us']:.1f} | {r['flashmla_over_triton']:.2f} | {r['gluon_us']:.1f} | "
+                  f"{r['flashmla_over_gluon']:.2f} | {r['flashmla_rel_err']:.1e} | {r['gluon_rel_err']:.1e} |")
     if not results:
         return
     print(f"\nsparse MLA decode, K={top_k}, {device_name()}")

@@ -134,9 +134,10 @@ def sparse_mla_decode(
     """Sparse MLA decode: q [B, H, 576], kv [N, 576] float rows or [N, 656] uint8 FP8 rows, indices [B, K]
     int32 (−1 skip) → (out [B, H, 512] in q's dtype, lse [B, H] fp32, natural log).
 
-    On CUDA: `kernel="triton"` runs the Triton kernel; `"flashmla"` runs FlashMLA where it takes the shapes and is
-    the faster one at this batch (`sparse_mla_plan.prefer_flashmla`), the Triton kernel otherwise. The choice
-    depends on shapes only. Both take 576 / 512 only: the engine refuses other sizes at load
+    On CUDA: `kernel="triton"` runs our own kernel: on Hopper the Gluon one where it takes the launch
+    (kernels/sparse_mla_gluon.py: bf16 q, 64 or 128 heads), the Triton one otherwise; `"flashmla"` runs FlashMLA
+    where it takes the shapes and is the faster one at this batch (`sparse_mla_plan.prefer_flashmla`), our own
+    kernel otherwise. The choice depends on the device and shapes only, never on slot placement. Both take 576 / 512 only: the engine refuses other sizes at load
     (decode_server/engine/kernel_support.py). Elsewhere: the reference, for any row width and value width `d_v`."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; expected one of {ATTENTION_KERNELS}")
@@ -147,6 +148,10 @@ def sparse_mla_decode(
 
             if flashmla_applies(q, kv, indices) and prefer_flashmla(q.shape[0], q.shape[1], kv.dtype == torch.uint8):
                 return sparse_mla_decode_flashmla(q, kv, indices, scale)
+        from kernels.sparse_mla_gluon import gluon_applies, sparse_mla_decode_gluon
+
+        if gluon_applies(q, kv, indices):
+            return sparse_mla_decode_gluon(q, kv, indices, scale)
         from kernels.sparse_mla_triton import sparse_mla_decode_triton
 
         return sparse_mla_decode_triton(q, kv, indices, scale)

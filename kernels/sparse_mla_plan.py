@@ -18,13 +18,18 @@ D_V = 512
 # The per-program 4.0 µs (2.0 before) is the value that keeps the choice nearest the best on the sweeps of both GPUs
 # (2026-11-28: within 1.8 % on the H200, 5.7 % on the H100, against 3.5 % / 9.7 % with 2.0).
 _TILE_US = {False: 4.2, True: 6.6}
+# The Gluon kernel (kernels/sparse_mla_gluon.py, Hopper), with the constants above: tile costs fitted to its split
+# sweeps on both GPUs (2026-11-28, benchmarks/results/sparse_mla_gluon_engine_2026-11-28/fit_splits.py: choice
+# within 4.8 % of the best everywhere). They sit below the measured 3.7 µs (bf16, an unsplit program at batch 64)
+# because the fixed per-program cost above is the Triton kernel's.
+_GLUON_TILE_US = {False: 2.8, True: 3.8}
 _PROGRAM_US = 4.0
 _PARTIAL_BYTES_PER_US = 4.0e6
 _COMBINE_US = 4.0
 
 
 def split_cost_us(batch: int, num_heads: int, top_k: int, block_h: int, block_n: int, num_sms: int, fp8: bool,
-                  splits: int) -> float:
+                  splits: int, kernel: str = "triton") -> float:
     """Modelled time of one call with `splits` splits of the top-k list.
 
     Programs run in waves of `num_sms · per_sm` (a 64-head program fills an SM's shared memory); a program
@@ -36,7 +41,7 @@ def split_cost_us(batch: int, num_heads: int, top_k: int, block_h: int, block_n:
     programs = batch * (num_heads // block_h) * splits
     per_sm = 1 if block_h >= 64 else 2
     waves = math.ceil(programs / (num_sms * per_sm))
-    tile_us = _TILE_US[fp8] * block_h / 64 * block_n / 64
+    tile_us = (_GLUON_TILE_US if kernel == "gluon" else _TILE_US)[fp8] * block_h / 64 * block_n / 64
     cost = waves * (tiles // splits * tile_us + _PROGRAM_US)
     if splits > 1:
         cost += 2 * batch * num_heads * splits * D_V * 4 / _PARTIAL_BYTES_PER_US + _COMBINE_US
@@ -44,15 +49,18 @@ def split_cost_us(batch: int, num_heads: int, top_k: int, block_h: int, block_n:
 
 
 def choose_splits(batch: int, num_heads: int, top_k: int, block_h: int, block_n: int, num_sms: int,
-                  fp8: bool = False) -> int:
+                  fp8: bool = False, kernel: str = "triton") -> int:
     """Split count of the top-k list, a function of shapes only (so results never depend on slot placement):
-    the divisor of the tile count with the least `split_cost_us` (the smallest on ties)."""
+    the divisor of the tile count with the least `split_cost_us` (the smallest on ties). `kernel`: "triton" or
+    "gluon" (their tile costs differ)."""
+    if kernel not in ("triton", "gluon"):
+        raise ValueError(f"unknown sparse MLA kernel {kernel!r}")
     tiles = top_k // block_n
     best, best_cost = 1, math.inf
     for s in range(1, tiles + 1):
         if tiles % s:
             continue
-        cost = split_cost_us(batch, num_heads, top_k, block_h, block_n, num_sms, fp8, s)
+        cost = split_cost_us(batch, num_heads, top_k, block_h, block_n, num_sms, fp8, s, kernel)
         if cost < best_cost:
             best, best_cost = s, cost
     return best

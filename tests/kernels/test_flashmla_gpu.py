@@ -87,9 +87,14 @@ def test_flashmla_independent_of_slot_placement(fp8: bool) -> None:
 
 @pytest.mark.parametrize("fp8", [True, False])
 def test_flashmla_dispatch_picks_per_batch(fp8: bool) -> None:
-    """kernel="flashmla": Triton below the measured crossover batch, FlashMLA from it on; shapes FlashMLA does not
-    take (16 heads) stay on Triton."""
+    """kernel="flashmla": our own kernel below the measured crossover batch (on Hopper the Gluon one), FlashMLA from
+    it on; shapes FlashMLA does not take (16 heads) stay on the Triton kernel."""
+    from kernels.sparse_mla_gluon import gluon_applies, sparse_mla_decode_gluon
     from kernels.sparse_mla_triton import sparse_mla_decode_triton
+
+    def own_kernel(q, pool, indices, scale):
+        run = sparse_mla_decode_gluon if gluon_applies(q, pool, indices) else sparse_mla_decode_triton
+        return run(q, pool, indices, scale)
 
     threshold = FLASHMLA_MIN_BATCH[(128, fp8)]
     for batch, expect_flashmla in ((threshold - 1, False), (threshold, True)):
@@ -97,7 +102,7 @@ def test_flashmla_dispatch_picks_per_batch(fp8: bool) -> None:
             continue
         q, pool, indices, _, _, _ = _case(fp8, 128, batch, 512, 7, 3 + batch)
         got = sparse_mla_decode(q, pool, indices, SCALE, kernel="flashmla")
-        expect = (sparse_mla_decode_flashmla if expect_flashmla else sparse_mla_decode_triton)(q, pool, indices, SCALE)
+        expect = (sparse_mla_decode_flashmla if expect_flashmla else own_kernel)(q, pool, indices, SCALE)
         assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
     q, pool, indices, _, _, _ = _case(fp8, 16, 40, 512, 7, 99)
     got = sparse_mla_decode(q, pool, indices, SCALE, kernel="flashmla")

@@ -38,3 +38,29 @@ def test_prefer_flashmla_only_where_measured_faster() -> None:
         assert not prefer_flashmla(threshold - 1, heads, fp8)
         assert prefer_flashmla(threshold, heads, fp8) and prefer_flashmla(512, heads, fp8)
     assert not prefer_flashmla(256, 16, False)  # FlashMLA takes 64 or 128 heads only
+
+
+def test_gluon_splits_use_the_gluon_costs() -> None:
+    """The Gluon kernel's tiles are cheaper, so its model is its own; unknown kernels are refused."""
+    import pytest
+
+    for fp8 in (False, True):
+        for batch in (1, 3, 16, 64, 256):
+            s = choose_splits(batch, 128, 2048, 64, 64, 132, fp8, kernel="gluon")
+            costs = {d: split_cost_us(batch, 128, 2048, 64, 64, 132, fp8, d, "gluon") for d in (1, 2, 4, 8, 16, 32)}
+            assert costs[s] == min(costs.values())
+        assert split_cost_us(64, 128, 2048, 64, 64, 132, fp8, 1, "gluon") < split_cost_us(64, 128, 2048, 64, 64, 132,
+                                                                                           fp8, 1)
+    with pytest.raises(ValueError, match="unknown sparse MLA kernel"):
+        choose_splits(1, 128, 2048, 64, 64, 132, kernel="cutlass")
+
+
+def test_gluon_kernel_only_on_hopper_launches() -> None:
+    """On a CPU tensor (and so in CI) the Gluon kernel never applies: the reference or Triton runs."""
+    import torch
+
+    from kernels.sparse_mla_gluon import gluon_applies
+
+    q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(100, 576, dtype=torch.bfloat16)
+    assert not gluon_applies(q, kv, torch.zeros(2, 2048, dtype=torch.int32))

@@ -857,6 +857,48 @@ def interpret_sparse_mla() -> None:
             print(f"sparse MLA {name}, {label}: output {err:.1e}, LSE {lse_err:.1e} from the reference")
 
 
+def compile_sparse_mla_gluon() -> None:
+    """The Gluon sparse MLA kernel (kernels/sparse_mla_gluon.py) compiled for sm_90 as launches specialize it, both
+    row formats, unsplit and split: no register spills, shared memory within an SM's 227 KiB (FP8 fills it: q,
+    one bf16 tile, two FP8 slots and P), and the wgmmas in the main loop (five QK and four PV issues, 52 HGMMA
+    instructions a 64-row tile)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels.sparse_mla_gluon import _sparse_mla_gluon_kernel as fn
+
+    names = fn.arg_names
+    for fp8 in (False, True):
+        types = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "kv_f32_ptr": "*fp32" if fp8 else "*bf16",
+                 "kv_bf16_ptr": "*bf16", "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "stride_qb": "i32", "stride_qh": "i32",
+                 "stride_kv": "i32", "stride_f32": "i32", "stride_bf16": "i32", "stride_ib": "i32",
+                 "num_heads": "i32", "top_k": "i32", "scale_log2": "fp32"}
+        # What a launch specializes: pointers, and the ints that are multiples of 16 (656-byte rows: only the
+        # byte stride; 576-wide rows: all three views' strides).
+        aligned = [n for n in types if n.endswith("_ptr")] + ["stride_qb", "stride_qh", "stride_ib", "num_heads",
+                                                              "top_k", "stride_kv"]
+        if not fp8:
+            aligned += ["stride_f32", "stride_bf16"]
+        for splits in (1, 4):
+            constexprs = {"BLOCK_H": 64, "BLOCK_N": 64, "TOKENS_PER_SPLIT": 2048 // splits, "NUM_SPLITS": splits,
+                          "FP8": fp8, "num_warps": 8}
+            src = GluonASTSource(fn=fn, signature={n: types.get(n, "constexpr") for n in names},
+                                 constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                                 attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+            resources = _resources(kernel)
+            ops = _main_loop_ops(kernel)
+            label = f"Gluon sparse MLA {'FP8' if fp8 else 'bf16'} rows, {splits} split(s)"
+            print(f"{label}: {resources}; main loop {sum(ops.values())} instructions, HGMMA {ops['HGMMA']}")
+            if " 0 B spilled" not in resources:
+                _fail(f"{label}: spills registers ({resources})")
+            if kernel.metadata.shared > 232448:
+                _fail(f"{label}: {kernel.metadata.shared} B of shared memory, more than an SM has")
+            if ops["HGMMA"] != 52 or ops["LDGSTS"] == 0:
+                _fail(f"{label}: main loop has {ops['HGMMA']} HGMMA (want 52) and {ops['LDGSTS']} cp.async")
+
+
 CHECKS = {
     "interpret-kth-key": interpret_kth_key,
     "interpret-sparse-mla": interpret_sparse_mla,
@@ -874,6 +916,7 @@ CHECKS = {
     "compile-topk": compile_topk,
     "compile-gemv": compile_gemv,
     "compile-bmm": compile_bmm,
+    "compile-sparse-mla-gluon": compile_sparse_mla_gluon,
     **{f"compile-scores-{p}": (lambda p=p: compile_scores(p)) for p in ("fp16", "fp16x2", "fp8")},
     "compile-scores-fp8-e4m3-q": lambda: compile_scores("fp8", q_e4m3=True),
 }
