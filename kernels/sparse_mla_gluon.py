@@ -60,18 +60,22 @@ def _is_hopper(device_index: int) -> bool:
 
 
 def gluon_applies(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> bool:
-    """Whether this launch runs the Gluon kernel: a Hopper GPU, bf16 q, 576-wide bf16 rows or 656-byte FP8 rows,
-    a multiple of 64 heads and of 64 selected rows. Depends on the device and shapes only, so dense and HiSparse
-    runs (same shapes) always take the same kernel."""
+    """Whether this launch runs the Gluon kernel: a Hopper GPU, bf16 q, 576-wide bf16 rows or 656-byte FP8 rows
+    starting 16-byte aligned, a multiple of 64 heads and of 64 selected rows. Depends on the device and shapes (the
+    alignment holds for every pool the engine allocates: torch's allocations, rows of a multiple of 16 bytes), so
+    dense and HiSparse runs (same shapes) always take the same kernel."""
     if not (GLUON_AVAILABLE and q.is_cuda and _is_hopper(q.device.index or 0)):
         return False
     if q.dim() != 3 or q.shape[2] != D_QK or q.dtype != torch.bfloat16 or q.shape[1] % BLOCK_H:
         return False
     if indices.dim() != 2 or indices.shape[1] == 0 or indices.shape[1] % BLOCK_N or kv.dim() != 2:
         return False
+    # The rows' cp.async copies are 16 bytes wide: every row must start 16-byte aligned.
+    if kv.stride(1) != 1 or kv.data_ptr() % 16 or (kv.stride(0) * kv.element_size()) % 16:
+        return False
     if kv.dtype == torch.uint8:
-        return kv.shape[1] == FP8_ROW_BYTES and kv.stride(1) == 1 and kv.stride(0) % 16 == 0
-    return kv.dtype == torch.bfloat16 and kv.shape[1] == D_QK and kv.stride(1) == 1 and kv.stride(0) % 8 == 0
+        return kv.shape[1] == FP8_ROW_BYTES
+    return kv.dtype == torch.bfloat16 and kv.shape[1] == D_QK
 
 
 if GLUON_AVAILABLE:
