@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels_gpu import _nan_poisoned_pool, assert_matches_sparse_mla_reference
+from test_kernels_gpu import (
+    _nan_poisoned_pool,
+    assert_independent_of_slot_placement,
+    assert_matches_sparse_mla_reference,
+)
 
 from kernels import sparse_mla_decode
 from kernels.dispatch import sparse_mla_decode_rows_ref
@@ -55,20 +59,7 @@ def test_gluon_independent_of_slot_placement(fp8: bool, batch: int) -> None:
     """Same rows in the same order in other slots: the same bits (what HiSparse == dense rests on)."""
     from kernels.sparse_mla_gluon import sparse_mla_decode_gluon
 
-    gen = torch.Generator().manual_seed(7 + batch + fp8)
-    top_k, heads = 1024, 128
-    rows = torch.randn(top_k * batch, 576, generator=gen)
-    pool_a, slots_a = _nan_poisoned_pool(rows, 3 * rows.shape[0], fp8, gen)
-    pool_b, slots_b = _nan_poisoned_pool(rows, 2 * rows.shape[0] + 77, fp8, gen)
-    logical = torch.arange(top_k * batch).reshape(batch, top_k)[:, torch.randperm(top_k, generator=gen)]
-    idx_a = slots_a[logical].to(torch.int32)
-    idx_b = slots_b[logical].to(torch.int32)
-    idx_a[0, -100:] = -1
-    idx_b[0, -100:] = -1
-    q = torch.randn(batch, heads, 576, generator=gen).bfloat16().to(DEV)
-    out_a, lse_a = sparse_mla_decode_gluon(q, pool_a, idx_a.to(DEV), 0.1)
-    out_b, lse_b = sparse_mla_decode_gluon(q, pool_b, idx_b.to(DEV), 0.1)
-    assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+    assert_independent_of_slot_placement(sparse_mla_decode_gluon, fp8, batch, 128, 7 + batch + fp8)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
