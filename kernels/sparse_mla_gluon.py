@@ -10,12 +10,17 @@ with the previous tile's work in one 8-warp program an SM (ncu, 2026-11-27: tens
 the pieces: each tile's rows are gathered with cp.async into a two-slot ring one tile ahead, so they land while the
 current tile's scores, softmax and PV run (benchmarks/results/sparse_mla_gluon_2026-11-28: 0.62× FlashMLA's time
 against the Triton kernel's 0.47× at batch 64 on an H200; issuing the next tile's scores before the softmax instead
-was slower, since with two slots it exposes the gathers).
+was slower, since with two slots it exposes the gathers). Each tile's index entries are loaded one tile before its
+gathers are issued, and the softmax's mask entries one tile before its scores: loaded where they are used, their
+global-memory latency was paid every tile (benchmarks/results/sparse_mla_gluon_prefetch_2026-11-28: 6–10 % faster,
+same bits; bf16 0.68×, FP8 0.62× FlashMLA's time at batch 64 on an H200).
 
 FP8 rows: a slot holds the gathered e4m3 bytes, the four scales and the bf16 RoPE part; each tile is dequantized
 (e4m3 → fp32 × its power-of-two scale → bf16, exact) from its slot into one bf16 tile that the wgmmas read. With
 q (72 KiB), the bf16 tile (64 KiB), two FP8 slots (2 × 41 KiB) and P (8 KiB) this fills an SM's 227 KiB. (Doing
-the next tile's dequantization chunk by chunk beside the PV wgmmas gained nothing measurable on an H100.)
+the next tile's dequantization chunk by chunk beside the PV wgmmas gained nothing measurable on an H100; nor did
+building the bf16 bits with integer ops instead of the e4m3 → f16 → f32 conversions, same bits, 1 % slower: the
+dequantization is latency-, not conversion-bound.)
 
 One program per (request, 64 heads, split of the top-k list), 8 warps: two warp groups splitting each tile's
 columns. Splits write fp32 partials that the Triton kernel's combine kernel merges.
@@ -81,34 +86,49 @@ def gluon_applies(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> b
 if GLUON_AVAILABLE:
 
     @gluon.jit
-    def _row_ids(idx_ptr, b, tile, end_tile, top_k, stride_ib, layout: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Pool rows of one tile's entries in `layout`, and which are real (−1 entries and tiles past the split
-        are masked: their copies zero-fill)."""
+    def _tile_ids(idx_ptr, b, tile, end_tile, top_k, stride_ib, layout: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Index entries of one tile in `layout`; −1 for skipped entries and tiles past the split."""
         offs = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
-        idx = gl.load(idx_ptr + b.to(gl.int64) * stride_ib + offs, mask=(offs < top_k) & (tile < end_tile), other=-1)
-        valid = idx >= 0
-        return gl.where(valid, idx, 0).to(gl.int64), valid
+        return gl.load(idx_ptr + b.to(gl.int64) * stride_ib + offs, mask=(offs < top_k) & (tile < end_tile), other=-1)
 
     @gluon.jit
-    def _gather_tile(kn_ring, kr_ring, raw_ring, scale_ring, kv_ptr, kv_f32_ptr, kv_bf16_ptr, idx_ptr, b, tile,
-                     end_tile, top_k, stride_kv, stride_f32, stride_bf16, stride_ib, FP8: gl.constexpr,
-                     BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
-        """cp.async gathers of one tile's rows into ring slot tile % 2, as one commit group. bf16 rows: four
-        128-wide latent chunks and the RoPE part, straight into the wgmma tiles. FP8 rows (kv_ptr bytes, with its
-        fp32 and bf16 views): the 512 e4m3 bytes, the four fp32 scales
-        and the bf16 RoPE part."""
-        stage = tile % 2
+    def _load_ids(idx_ptr, b, tile, end_tile, top_k, stride_ib, FP8: gl.constexpr, BLOCK_N: gl.constexpr,
+                  num_warps: gl.constexpr):
+        """One tile's index entries in the three layouts `_gather_tile` issues its copies in (the row layout of
+        the latent part, of the FP8 scales and of the RoPE part). The kernel loads them a tile ahead of the
+        gathers: loaded where the gathers are issued, their global-memory latency stalled every tile."""
         narrow: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        rows_r, valid_r = _row_ids(idx_ptr, b, tile, end_tile, top_k, stride_ib, gl.SliceLayout(1, narrow), BLOCK_N)
+        sc: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [num_warps, 1], [1, 0])
+        if FP8:
+            main: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0])
+        else:
+            main: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+        ids_main = _tile_ids(idx_ptr, b, tile, end_tile, top_k, stride_ib, gl.SliceLayout(1, main), BLOCK_N)
+        ids_sc = _tile_ids(idx_ptr, b, tile, end_tile, top_k, stride_ib, gl.SliceLayout(1, sc), BLOCK_N)
+        ids_r = _tile_ids(idx_ptr, b, tile, end_tile, top_k, stride_ib, gl.SliceLayout(1, narrow), BLOCK_N)
+        return ids_main, ids_sc, ids_r
+
+    @gluon.jit
+    def _gather_tile(kn_ring, kr_ring, raw_ring, scale_ring, kv_ptr, kv_f32_ptr, kv_bf16_ptr, ids_main, ids_sc,
+                     ids_r, stage, stride_kv, stride_f32, stride_bf16, FP8: gl.constexpr, num_warps: gl.constexpr):
+        """cp.async gathers of one tile's rows (its index entries from `_load_ids`; −1 entries zero-fill) into ring
+        slot `stage`, as one commit group. bf16 rows: four 128-wide latent chunks and the RoPE part, straight into
+        the wgmma tiles. FP8 rows (kv_ptr bytes, with its fp32 and bf16 views): the 512 e4m3 bytes, the four fp32
+        scales and the bf16 RoPE part."""
+        narrow: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        valid_r = ids_r >= 0
+        rows_r = gl.where(valid_r, ids_r, 0).to(gl.int64)
         cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, narrow))
+        valid = ids_main >= 0
+        rows = gl.where(valid, ids_main, 0).to(gl.int64)
         if FP8:
             raw: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0])
-            rows, valid = _row_ids(idx_ptr, b, tile, end_tile, top_k, stride_ib, gl.SliceLayout(1, raw), BLOCK_N)
             cols = gl.arange(0, 512, layout=gl.SliceLayout(0, raw))
             async_copy.async_copy_global_to_shared(raw_ring.index(stage), kv_ptr + rows[:, None] * stride_kv
                                                    + cols[None, :], mask=valid[:, None])
             sc: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [num_warps, 1], [1, 0])
-            rows_s, valid_s = _row_ids(idx_ptr, b, tile, end_tile, top_k, stride_ib, gl.SliceLayout(1, sc), BLOCK_N)
+            valid_s = ids_sc >= 0
+            rows_s = gl.where(valid_s, ids_sc, 0).to(gl.int64)
             chunk = gl.arange(0, 4, layout=gl.SliceLayout(0, sc))
             async_copy.async_copy_global_to_shared(
                 scale_ring.index(stage), kv_f32_ptr + rows_s[:, None] * stride_f32 + 128 + chunk[None, :],
@@ -119,7 +139,6 @@ if GLUON_AVAILABLE:
             rope_ptr = kv_bf16_ptr + rope_offs[:, None] + cols_r[None, :]
         else:
             wide: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-            rows, valid = _row_ids(idx_ptr, b, tile, end_tile, top_k, stride_ib, gl.SliceLayout(1, wide), BLOCK_N)
             cols = gl.arange(0, 128, layout=gl.SliceLayout(0, wide))
             base = kv_ptr + rows[:, None] * stride_kv + cols[None, :]
             for j in gl.static_range(4):
@@ -187,9 +206,13 @@ if GLUON_AVAILABLE:
 
         start_tile = split * TILES
         end_tile = start_tile + TILES
-        _gather_tile(kn_ring, kr_ring, raw_ring, scale_ring, kv_ptr, kv_f32_ptr, kv_bf16_ptr, idx_ptr, b,
-                     start_tile, end_tile, top_k, stride_kv, stride_f32, stride_bf16, stride_ib, FP8, BLOCK_N,
-                     num_warps)
+        ids_main, ids_sc, ids_r = _load_ids(idx_ptr, b, start_tile, end_tile, top_k, stride_ib, FP8, BLOCK_N,
+                                            num_warps)
+        _gather_tile(kn_ring, kr_ring, raw_ring, scale_ring, kv_ptr, kv_f32_ptr, kv_bf16_ptr, ids_main, ids_sc,
+                     ids_r, start_tile % 2, stride_kv, stride_f32, stride_bf16, FP8, num_warps)
+        # The next tile's index entries, loaded one tile ahead of its gathers.
+        ids_main, ids_sc, ids_r = _load_ids(idx_ptr, b, start_tile + 1, end_tile, top_k, stride_ib, FP8, BLOCK_N,
+                                            num_warps)
         # q lands in shared memory while the first tile's gathers are in flight.
         heads = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_wide))
         cols = gl.arange(0, 128, layout=gl.SliceLayout(0, q_wide))
@@ -208,14 +231,18 @@ if GLUON_AVAILABLE:
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout))
         offs_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        # The softmax's mask entries, also loaded a tile ahead.
+        ids_s = gl.load(idx_ptr + b.to(gl.int64) * stride_ib + start_tile * BLOCK_N + offs_s)
         for t in range(0, TILES):
             tile = start_tile + t
             stage = tile % 2
             # Gathers of the next tile into the slot the previous tile freed (its PV was waited for, then a
-            # barrier); they land while this tile is processed. Then wait for this tile's own group.
-            _gather_tile(kn_ring, kr_ring, raw_ring, scale_ring, kv_ptr, kv_f32_ptr, kv_bf16_ptr, idx_ptr, b,
-                         tile + 1, end_tile, top_k, stride_kv, stride_f32, stride_bf16, stride_ib, FP8, BLOCK_N,
-                         num_warps)
+            # barrier); they land while this tile is processed. Then the index entries of the tile after it, and
+            # wait for this tile's own group.
+            _gather_tile(kn_ring, kr_ring, raw_ring, scale_ring, kv_ptr, kv_f32_ptr, kv_bf16_ptr, ids_main, ids_sc,
+                         ids_r, (tile + 1) % 2, stride_kv, stride_f32, stride_bf16, FP8, num_warps)
+            ids_main, ids_sc, ids_r = _load_ids(idx_ptr, b, tile + 2, end_tile, top_k, stride_ib, FP8, BLOCK_N,
+                                                num_warps)
             async_copy.wait_group(1)
             gl.thread_barrier()
             if FP8:
@@ -234,7 +261,9 @@ if GLUON_AVAILABLE:
             s = warpgroup_mma(qr_smem, kr_ring.index(stage).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
-            idx = gl.load(idx_ptr + b.to(gl.int64) * stride_ib + tile * BLOCK_N + offs_s)
+            idx = ids_s
+            ids_s = gl.load(idx_ptr + b.to(gl.int64) * stride_ib + (tile + 1) * BLOCK_N + offs_s,
+                            mask=tile + 1 < end_tile, other=-1)
             scores = gl.where((idx >= 0)[None, :], s * scale_log2, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(scores, axis=1))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
