@@ -18,11 +18,13 @@ D_V = 512
 # The per-program 4.0 µs (2.0 before) is the value that keeps the choice nearest the best on the sweeps of both GPUs
 # (2026-11-28: within 1.8 % on the H200, 5.7 % on the H100, against 3.5 % / 9.7 % with 2.0).
 _TILE_US = {False: 4.2, True: 6.6}
-# The Gluon kernel (kernels/sparse_mla_gluon.py, Hopper), with the constants above: tile costs fitted to its split
-# sweeps on both GPUs (2026-11-28, benchmarks/results/sparse_mla_gluon_engine_2026-11-28/fit_splits.py: choice
-# within 4.8 % of the best everywhere). They sit below the measured 3.7 µs (bf16, an unsplit program at batch 64)
-# because the fixed per-program cost above is the Triton kernel's.
-_GLUON_TILE_US = {False: 2.8, True: 3.8}
+# The Gluon kernel (kernels/sparse_mla_gluon.py, Hopper): its own tile and per-program costs, fitted to its split
+# sweeps on both GPUs after its index entries moved a tile ahead (2026-11-28,
+# benchmarks/results/sparse_mla_gluon_prefetch_2026-11-28/fit_splits.py: choice within 6.7 % of the best everywhere,
+# 0.2 % on average; the Triton kernel's per-program cost gave 8.9 %: the misses are batches of 1–8 at 64 heads, where
+# the split count trades 2–3 µs).
+_GLUON_TILE_US = {False: 2.0, True: 3.8}
+_GLUON_PROGRAM_US = 2.0
 _PROGRAM_US = 4.0
 _PARTIAL_BYTES_PER_US = 4.0e6
 _COMBINE_US = 4.0
@@ -41,8 +43,9 @@ def split_cost_us(batch: int, num_heads: int, top_k: int, block_h: int, block_n:
     programs = batch * (num_heads // block_h) * splits
     per_sm = 1 if block_h >= 64 else 2
     waves = math.ceil(programs / (num_sms * per_sm))
-    tile_us = (_GLUON_TILE_US if kernel == "gluon" else _TILE_US)[fp8] * block_h / 64 * block_n / 64
-    cost = waves * (tiles // splits * tile_us + _PROGRAM_US)
+    gluon = kernel == "gluon"
+    tile_us = (_GLUON_TILE_US if gluon else _TILE_US)[fp8] * block_h / 64 * block_n / 64
+    cost = waves * (tiles // splits * tile_us + (_GLUON_PROGRAM_US if gluon else _PROGRAM_US))
     if splits > 1:
         cost += 2 * batch * num_heads * splits * D_V * 4 / _PARTIAL_BYTES_PER_US + _COMBINE_US
     return cost
@@ -66,16 +69,20 @@ def choose_splits(batch: int, num_heads: int, top_k: int, block_h: int, block_n:
     return best
 
 
-# Smallest batch from which FlashMLA beats the Triton kernel, per (heads, FP8 rows), measured on the H200 with
-# K = 2048 (benchmarks/bench_sparse_mla.py --flashmla, docs/benchmarks-history.md; Triton µs vs FlashMLA µs): bf16 H128
-# B 16: 56 vs 64, B 20: 89 vs 65; bf16 H64 B 32: 58 vs 67, B 40: 92 vs 68; FP8 H128 B 1: 19.6 vs 20.6, B 2: 21.6
-# vs 19.6; FP8 H64 B 3: 21.1 vs 22.2, B 4: 23.2 vs 21.1. FlashMLA's bf16 kernel is its sparse prefill kernel:
-# ~57 µs even for one query.
-FLASHMLA_MIN_BATCH: dict[tuple[int, bool], int] = {(128, True): 2, (128, False): 20, (64, True): 4, (64, False): 40}
+# Smallest batch from which FlashMLA beats our own kernel, per (heads, FP8 rows), K = 2048
+# (benchmarks/bench_sparse_mla.py --flashmla). On Hopper our kernel is the Gluon one; measured on both GPUs
+# (2026-11-28, benchmarks/results/sparse_mla_gluon_prefetch_2026-11-28, Gluon µs vs FlashMLA µs, H200 / H100):
+# bf16 H128 B 32: 65.8 / 69.2 vs 68.4 / 71.8, B 40: 104.7 / 107.2 vs 69.9 / 73.4; bf16 H64 B 64: 68.1 / 81.0 vs
+# 71.6 / 81.6, B 80: 106.6 / 109.3 vs 75.3 / 91.5. The step is where two splits of every request stop fitting one
+# wave of 132 SMs (B 33 at 128 heads, 66 at 64): above it each program streams the whole top-k list, so the bf16
+# thresholds sit there. FP8 H128 B 1: 18.0 / 19.3 vs 20.7 / 21.8, B 2: FlashMLA ahead on both; FP8 H64 B 3: Gluon
+# ahead on the H200, FlashMLA by 0.4 % on the H100, B 4: FlashMLA ahead on both. FlashMLA's bf16 kernel is its
+# sparse prefill kernel: ~57 µs even for one query.
+FLASHMLA_MIN_BATCH: dict[tuple[int, bool], int] = {(128, True): 2, (128, False): 34, (64, True): 4, (64, False): 67}
 
 
 def prefer_flashmla(batch: int, num_heads: int, fp8: bool) -> bool:
-    """Whether the `flashmla` attention backend runs FlashMLA (rather than Triton) for this launch shape. Depends
-    only on shapes, so dense and HiSparse (same batch) always pick the same kernel."""
+    """Whether the `flashmla` attention backend runs FlashMLA (rather than our own kernel) for this launch shape.
+    Depends only on shapes, so dense and HiSparse (same batch) always pick the same kernel."""
     threshold = FLASHMLA_MIN_BATCH.get((num_heads, fp8))
     return threshold is not None and batch >= threshold
