@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU test and the decode-throughput benchmark, in stages that each fit one 600 s device call (the whole
 # suite took ~620 s on an H100 on 2026-11-27, so it no longer fits one). Logs under $OUT (or ./gpu-out).
-#   hisparse  pytest -m gpu tests/hisparse tests/deploy            (HiSparse lossless, graphs, prefetches; 2026-11-27:
-#             274 s H100, 297 s H200)
-#   rest      pytest -m gpu on every other test directory          (kernels, models, parallel, engine; 2026-11-27:
-#             473 s H100, 379 s H200 — near TESTS_TIMEOUT's 560 s on an H100: split the call if it grows)
+#   hisparse  pytest -m gpu tests/hisparse tests/deploy            (HiSparse lossless, graphs, prefetches; 2026-11-28:
+#             288 s H100; H200 297 s on 2026-11-27)
+#   rest      pytest -m gpu on every other test directory          (kernels, models, parallel, engine; 2026-11-28:
+#             412 s H200; H100 473 s on 2026-11-27 — near TESTS_TIMEOUT's 560 s on an H100: split the call if it grows)
 #   bench     bench_decode.py at the given contexts (default 32768 65536 8192), 5 and 15 % misses
 # Usage on the GPU machine, from the project root (wheels for pydantic etc. in .whl/, see docs/benchmarks.md):
 #   bash benchmarks/gpu_suite.sh [hisparse] [rest] [bench] [-- contexts...]      (no stage named: all three)
