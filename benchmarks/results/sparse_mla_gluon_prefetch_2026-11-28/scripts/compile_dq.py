@@ -1,12 +1,20 @@
-"""Compile the dequantization variants for sm_90 (no GPU): registers, spills, main-loop opcode mix."""
+"""Compile the experiment kernels for sm_90 (no GPU): registers, spills, main-loop opcode mix.
+
+    PYTHONPATH=$PWD python3 compile_dq.py gluon_dq 0 1 2 3     (DEQUANT variants; gluon_pf 1 2: PREFETCH variants)
+run with this folder on the path (it ran from bench_tmp/)."""
 # ruff: noqa: E402
+import importlib
+import os
 import sys
-sys.path.insert(0, "tests/kernels"); sys.path.insert(0, "bench_tmp")
+
+sys.path.insert(0, "tests/kernels")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from triton_cpu_checks import _resources, _main_loop_ops
-import importlib; fn = importlib.import_module(sys.argv[1])._sparse_mla_gluon_kernel
+from triton_cpu_checks import _main_loop_ops, _resources
+
+fn = importlib.import_module(sys.argv[1])._sparse_mla_gluon_kernel
 
 names = fn.arg_names
 types = {"q_ptr": "*bf16", "kv_ptr": "*u8", "kv_f32_ptr": "*fp32", "kv_bf16_ptr": "*bf16", "idx_ptr": "*i32",
@@ -24,5 +32,3 @@ for dq in [int(a) for a in sys.argv[2:]]:
     ops = _main_loop_ops(k)
     print(f"DEQUANT {dq}: {_resources(k)}; loop {sum(ops.values())} instr;",
           ", ".join(f"{o} {n}" for o, n in ops.most_common(18)))
-    if dq == 1:
-        open("/tmp/dq1.sass", "w").write(k.asm.get("sass", "")) if "sass" in k.asm else None

@@ -3,7 +3,7 @@ integer ops: the byte's bits moved into a bf16 (x 2^-120), then two bf16x2 multi
 e4m3x2 -> f16x2, bits moved into a bf16 (x 2^-112), two multiplies; (2) not at all (a bound; wrong results).
 Checks 1 and 3 give the same bits as 0 (random rows and rows holding every finite e4m3 byte with extreme scales),
 then times all against FlashMLA (L2 flushed)."""
-# ruff: noqa: B023, E402, I001
+# ruff: noqa: B023, E402, E702, I001
 import sys
 
 import torch

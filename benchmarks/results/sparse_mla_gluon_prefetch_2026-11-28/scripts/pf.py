@@ -1,7 +1,7 @@
 """The Gluon kernel with the index entries loaded one tile ahead of the gathers (prefetch 1), and the softmax's
 mask entries too (prefetch 2), against the kernel as it is (0): same bits checked, then timed against FlashMLA
 (L2 flushed), both row formats."""
-# ruff: noqa: B023, E402, I001, E702
+# ruff: noqa: B023, E402, I001, E702, F821
 import sys
 
 import torch
