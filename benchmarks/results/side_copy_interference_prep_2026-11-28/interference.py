@@ -40,7 +40,7 @@ except ImportError:
 def _spin_kernel(out_ptr, n_iter):
     """Arithmetic only: holds an SM slot (8 warps) for n_iter iterations, no memory traffic until the end."""
     acc = tl.zeros([1024], tl.float32) + tl.program_id(0).to(tl.float32)
-    for _ in range(n_iter):
+    for _ in range(0, n_iter):
         acc = acc * 0.999999 + 0.5
     tl.store(out_ptr + tl.program_id(0) * 1024 + tl.arange(0, 1024), acc)
 
@@ -50,7 +50,7 @@ def _stream_kernel(src_ptr, dst_ptr, per_prog, rounds, BLOCK: tl.constexpr):
     """Device-to-device copy of this program's slice, `rounds` times: HBM traffic from a fixed set of SMs."""
     base = tl.program_id(0).to(tl.int64) * per_prog
     offs = tl.arange(0, BLOCK)
-    for _ in range(rounds):
+    for _ in range(0, rounds):
         for off in range(0, per_prog, BLOCK):
             tl.store(dst_ptr + base + off + offs, tl.load(src_ptr + base + off + offs))
 
