@@ -85,6 +85,25 @@ def gluon_applies(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> b
 
 if GLUON_AVAILABLE:
 
+    # Row layouts of the gathers' cp.async copies (16 bytes a thread), shared by `_load_ids` (which loads each
+    # tile's index entries in them) and `_gather_tile` (which issues the copies).
+    @gluon.constexpr_function
+    def _latent_layout(fp8, num_warps):
+        """The 512 e4m3 bytes of an FP8 row, or one 128-wide bf16 latent chunk."""
+        if fp8:
+            return gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0])
+        return gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+
+    @gluon.constexpr_function
+    def _scale_layout(num_warps):
+        """The four fp32 scales of an FP8 row."""
+        return gl.BlockedLayout([1, 1], [8, 4], [num_warps, 1], [1, 0])
+
+    @gluon.constexpr_function
+    def _rope_layout(num_warps):
+        """The 64 bf16 RoPE values of a row."""
+        return gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+
     @gluon.jit
     def _tile_ids(idx_ptr, b, tile, end_tile, top_k, stride_ib, layout: gl.constexpr, BLOCK_N: gl.constexpr):
         """Index entries of one tile in `layout`; −1 for skipped entries and tiles past the split."""
@@ -97,15 +116,15 @@ if GLUON_AVAILABLE:
         """One tile's index entries in the three layouts `_gather_tile` issues its copies in (the row layout of
         the latent part, of the FP8 scales and of the RoPE part). The kernel loads them a tile ahead of the
         gathers: loaded where the gathers are issued, their global-memory latency stalled every tile."""
-        narrow: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        sc: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [num_warps, 1], [1, 0])
-        if FP8:
-            main: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0])
-        else:
-            main: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+        main: gl.constexpr = _latent_layout(FP8, num_warps)
+        sc: gl.constexpr = _scale_layout(num_warps)
+        narrow: gl.constexpr = _rope_layout(num_warps)
         ids_main = _tile_ids(idx_ptr, b, tile, end_tile, top_k, stride_ib, gl.SliceLayout(1, main), BLOCK_N)
-        ids_sc = _tile_ids(idx_ptr, b, tile, end_tile, top_k, stride_ib, gl.SliceLayout(1, sc), BLOCK_N)
+        if FP8:
+            ids_sc = _tile_ids(idx_ptr, b, tile, end_tile, top_k, stride_ib, gl.SliceLayout(1, sc), BLOCK_N)
         ids_r = _tile_ids(idx_ptr, b, tile, end_tile, top_k, stride_ib, gl.SliceLayout(1, narrow), BLOCK_N)
+        if not FP8:
+            ids_sc = ids_r  # bf16 rows have no scales to gather
         return ids_main, ids_sc, ids_r
 
     @gluon.jit
@@ -115,18 +134,18 @@ if GLUON_AVAILABLE:
         slot `stage`, as one commit group. bf16 rows: four 128-wide latent chunks and the RoPE part, straight into
         the wgmma tiles. FP8 rows (kv_ptr bytes, with its fp32 and bf16 views): the 512 e4m3 bytes, the four fp32
         scales and the bf16 RoPE part."""
-        narrow: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        narrow: gl.constexpr = _rope_layout(num_warps)
         valid_r = ids_r >= 0
         rows_r = gl.where(valid_r, ids_r, 0).to(gl.int64)
         cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, narrow))
         valid = ids_main >= 0
         rows = gl.where(valid, ids_main, 0).to(gl.int64)
         if FP8:
-            raw: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0])
+            raw: gl.constexpr = _latent_layout(True, num_warps)
             cols = gl.arange(0, 512, layout=gl.SliceLayout(0, raw))
             async_copy.async_copy_global_to_shared(raw_ring.index(stage), kv_ptr + rows[:, None] * stride_kv
                                                    + cols[None, :], mask=valid[:, None])
-            sc: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [num_warps, 1], [1, 0])
+            sc: gl.constexpr = _scale_layout(num_warps)
             valid_s = ids_sc >= 0
             rows_s = gl.where(valid_s, ids_sc, 0).to(gl.int64)
             chunk = gl.arange(0, 4, layout=gl.SliceLayout(0, sc))
@@ -138,7 +157,7 @@ if GLUON_AVAILABLE:
             rope_offs = gl.multiple_of(rows_r * stride_bf16 + 264, 8)
             rope_ptr = kv_bf16_ptr + rope_offs[:, None] + cols_r[None, :]
         else:
-            wide: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+            wide: gl.constexpr = _latent_layout(False, num_warps)
             cols = gl.arange(0, 128, layout=gl.SliceLayout(0, wide))
             base = kv_ptr + rows[:, None] * stride_kv + cols[None, :]
             for j in gl.static_range(4):
