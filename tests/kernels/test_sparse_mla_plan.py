@@ -1,7 +1,13 @@
 """Launch planning of the sparse MLA decode (no GPU needed): the split cost model and the per-shape choice
-between FlashMLA and Triton."""
+between FlashMLA and our own kernel."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
 
 from kernels.sparse_mla_plan import FLASHMLA_MIN_BATCH, choose_splits, prefer_flashmla, split_cost_us
 
@@ -42,8 +48,6 @@ def test_prefer_flashmla_only_where_measured_faster() -> None:
 
 def test_gluon_splits_use_the_gluon_costs() -> None:
     """The Gluon kernel's tiles are cheaper, so its model is its own; unknown kernels are refused."""
-    import pytest
-
     for fp8 in (False, True):
         for batch in (1, 3, 16, 64, 256):
             s = choose_splits(batch, 128, 2048, 64, 64, 132, fp8, kernel="gluon")
@@ -57,8 +61,6 @@ def test_gluon_splits_use_the_gluon_costs() -> None:
 
 def test_gluon_kernel_only_on_hopper_launches() -> None:
     """On a CPU tensor (and so in CI) the Gluon kernel never applies: the reference or Triton runs."""
-    import torch
-
     from kernels.sparse_mla_gluon import gluon_applies
 
     q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
@@ -70,9 +72,6 @@ def test_gluon_split_choice_near_the_measured_best() -> None:
     """Replays the Gluon kernel's recorded split sweeps (every split count timed at every batch, H100 and H200,
     benchmarks/results/sparse_mla_gluon_prefetch_2026-11-28): the modelled choice is never more than 7 % slower than
     the best measured split, and within 0.5 % on average."""
-    import json
-    from pathlib import Path
-
     folder = Path(__file__).resolve().parents[2] / "benchmarks/results/sparse_mla_gluon_prefetch_2026-11-28"
     ratios = []
     for path in sorted(folder.glob("h*_splits_gluon.json")):
