@@ -14,8 +14,11 @@ row formats, and prints the split `choose_splits` picks against the fastest (tar
 the same inputs, with its error against the reference, next to the Triton kernel's chosen split and, on Hopper,
 the Gluon kernel's (the `triton` backend's kernel there).
 
+`--tp-heads` times a tensor-parallel rank's 16 / 32 heads through the Triton kernel and the Gluon kernel padded to
+64 heads, and checks that `sparse_mla_decode` runs the kernel `gluon_takes_heads` names.
+
     PYTHONPATH=$PWD python3 benchmarks/bench_sparse_mla.py [--quick] [--configs] [--splits] [--splits-gluon] [--flashmla]
-        [--json out.json]
+        [--tp-heads] [--json out.json]
 """
 
 from __future__ import annotations
@@ -170,6 +173,35 @@ def flashmla_compare(pool: torch.Tensor, fmt: str, heads: int, top_k: int, batch
     return rows
 
 
+TP_BATCHES = [1, 4, 16, 32, 48, 64, 96, 128, 256]
+
+
+def tp_heads_compare(pool: torch.Tensor, fmt: str, heads: int, top_k: int, batches: list[int]) -> list[dict]:
+    """A tensor-parallel rank's heads (16 at TP 8, 32 at TP 4 of a 128-head model): the Triton kernel against the
+    Gluon kernel padded to 64 heads (both at their chosen splits), and what `sparse_mla_decode` runs."""
+    from kernels.dispatch import sparse_mla_decode
+
+    rows = []
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for batch in batches:
+        qs = [torch.randn(batch, heads, 576, device="cuda").bfloat16() for _ in range(2)]
+        idx = [torch.randint(0, POOL_ROWS, (batch, top_k), device="cuda", dtype=torch.int32) for _ in range(2)]
+        ref, _ = sparse_mla_decode_rows_ref(qs[0], pool, idx[0], SCALE)
+        gl_out, _ = sparse_mla_decode_gluon(qs[0], pool, idx[0], SCALE)
+        gl_err = float((gl_out.float() - ref.float()).norm() / ref.float().norm())
+        tr_us = bench(lambda i, q=qs, ix=idx: sparse_mla_decode_triton(q[i], pool, ix[i], SCALE), 2, flush)
+        gl_us = bench(lambda i, q=qs, ix=idx: sparse_mla_decode_gluon(q[i], pool, ix[i], SCALE), 2, flush)
+        runs = "gluon" if gluon_applies(qs[0], pool, idx[0]) else "triton"
+        assert torch.equal(sparse_mla_decode(qs[0], pool, idx[0], SCALE)[0],
+                           gl_out if runs == "gluon" else sparse_mla_decode_triton(qs[0], pool, idx[0], SCALE)[0])
+        row = {"fmt": fmt, "heads": heads, "batch": batch, "triton_us": tr_us, "gluon_padded_us": gl_us,
+               "triton_over_gluon": tr_us / gl_us, "gluon_rel_err": gl_err, "dispatch_runs": runs}
+        rows.append(row)
+        logger.info("tp heads %s H %d B %3d: triton %.1f us gluon (padded) %.1f us (%.2fx) err %.1e, runs %s", fmt,
+                    heads, batch, tr_us, gl_us, row["triton_over_gluon"], gl_err, runs)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -177,6 +209,8 @@ def main() -> None:
     parser.add_argument("--splits", action="store_true", help="sweep the split count at B 1..256 (H 128, 64)")
     parser.add_argument("--splits-gluon", action="store_true", help="the same sweep for the Gluon kernel (Hopper)")
     parser.add_argument("--flashmla", action="store_true", help="time FlashMLA next to the Triton kernel")
+    parser.add_argument("--tp-heads", action="store_true",
+                        help="a TP rank's 16 / 32 heads: the Triton kernel against the Gluon kernel padded to 64")
     parser.add_argument("--no-main", action="store_true", help="skip the main table (only --splits / --flashmla)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -188,6 +222,7 @@ def main() -> None:
     results: list[Result] = []
     sweeps: list[dict] = []
     compares: list[dict] = []
+    tp_rows: list[dict] = []
     for fmt in ("bf16", "fp8"):
         pool = make_pool(fmt)
         for heads in (128, 64):
@@ -197,6 +232,8 @@ def main() -> None:
                 sweeps += split_sweep(pool, fmt, heads, top_k, SWEEP_BATCHES, kernel="gluon")
             if args.flashmla:
                 compares += flashmla_compare(pool, fmt, heads, top_k, SWEEP_BATCHES)
+        for heads in ((16, 32) if args.tp_heads else ()):
+            tp_rows += tp_heads_compare(pool, fmt, heads, top_k, TP_BATCHES)
         for heads in ([] if args.no_main else heads_list):
             for batch in batches:
                 r = run_case(pool, fmt, batch, heads, top_k, None, with_ref=True)
@@ -224,7 +261,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps({"device": device_name(), "results": [asdict(r) for r in results],
-                                         "split_sweep": sweeps, "flashmla": compares}, indent=1))
+                                         "split_sweep": sweeps, "flashmla": compares, "tp_heads": tp_rows},
+                                        indent=1))
     if sweeps:
         print(f"\nsplit sweep, K={top_k}, {device_name()}: µs per split count; chosen vs best")
         print("| kernel | rows | H | B | " + " | ".join(f"s={s}" for s in sweeps[0]["times_us"])
@@ -246,6 +284,13 @@ def main() -> None:
             print(f"| {r['fmt']} | {r['heads']} | {r['batch']} | {r['flashmla_us']:.1f} | {r['flashmla_tflops']:.0f} | "
                   f"{r['triton_us']:.1f} | {r['flashmla_over_triton']:.2f} | {r['gluon_us']:.1f} | "
                   f"{r['flashmla_over_gluon']:.2f} | {r['flashmla_rel_err']:.1e} | {r['gluon_rel_err']:.1e} |")
+    if tp_rows:
+        print(f"\nA TP rank's heads: Triton kernel vs Gluon padded to 64 heads, K={top_k}, {device_name()}")
+        print("| rows | H | B | Triton µs | Gluon (padded) µs | Triton / Gluon | Gluon rel err | dispatch runs |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in tp_rows:
+            print(f"| {r['fmt']} | {r['heads']} | {r['batch']} | {r['triton_us']:.1f} | {r['gluon_padded_us']:.1f} | "
+                  f"{r['triton_over_gluon']:.2f} | {r['gluon_rel_err']:.1e} | {r['dispatch_runs']} |")
     if not results:
         return
     print(f"\nsparse MLA decode, K={top_k}, {device_name()}")

@@ -3,11 +3,12 @@
 # suite took ~620 s on an H100 on 2026-11-27, so it no longer fits one). Logs under $OUT (or ./gpu-out).
 #   hisparse  pytest -m gpu tests/hisparse tests/deploy            (HiSparse lossless, graphs, prefetches; 2026-11-28:
 #             288 s H100; H200 297 s on 2026-11-27)
-#   rest      pytest -m gpu on every other test directory          (kernels, models, parallel, engine; 2026-11-28:
-#             412 s H200; H100 473 s on 2026-11-27 — near TESTS_TIMEOUT's 560 s on an H100: split the call if it grows)
+#   kernels   pytest -m gpu tests/kernels                          (270 tests; the stage split off from `rest` on
+#             2026-11-28, when `rest` outgrew one call on an H100: 410 tests, 365 done in 580 s)
+#   rest      pytest -m gpu on every other test directory          (models, engine, parallel; ~140 tests)
 #   bench     bench_decode.py at the given contexts (default 32768 65536 8192), 5 and 15 % misses
 # Usage on the GPU machine, from the project root (wheels for pydantic etc. in .whl/, see docs/benchmarks.md):
-#   bash benchmarks/gpu_suite.sh [hisparse] [rest] [bench] [-- contexts...]      (no stage named: all three)
+#   bash benchmarks/gpu_suite.sh [hisparse] [kernels] [rest] [bench] [-- contexts...]  (no stage named: all four)
 # tests/api holds no GPU test (its schemathesis module needs a wheel the image lacks, so collection would fail);
 # tests/disagg/test_pd_gpu.py needs the mooncake CUDA 13 wheel: run it in a call that carries that wheel.
 set -uo pipefail
@@ -23,13 +24,13 @@ stages=()
 contexts=()
 while (($#)); do
   case $1 in
-    hisparse | rest | bench) stages+=("$1") ;;
+    hisparse | kernels | rest | bench) stages+=("$1") ;;
     --) shift; contexts=("$@"); break ;;
-    *) echo "unknown stage $1 (hisparse, rest, bench; contexts after --)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (hisparse, kernels, rest, bench; contexts after --)" >&2; exit 2 ;;
   esac
   shift
 done
-((${#stages[@]})) || stages=(hisparse rest bench)
+((${#stages[@]})) || stages=(hisparse kernels rest bench)
 ((${#contexts[@]})) || contexts=(32768 65536 8192)
 nvidia-smi -L
 gpu_tests() {  # stage, then the test paths
@@ -43,11 +44,14 @@ gpu_tests() {  # stage, then the test paths
 for stage in "${stages[@]}"; do
   case $stage in
     hisparse) gpu_tests hisparse tests/hisparse tests/deploy ;;
+    kernels) gpu_tests kernels tests/kernels ;;
     rest)
       rest=()
       for path in tests/*/ tests/test_*.py; do
         path=${path%/}
-        case $path in tests/api | tests/disagg | tests/hisparse | tests/deploy | tests/__pycache__) continue ;; esac
+        case $path in
+          tests/api | tests/disagg | tests/hisparse | tests/deploy | tests/kernels | tests/__pycache__) continue ;;
+        esac
         rest+=("$path")
       done
       gpu_tests rest "${rest[@]}"

@@ -23,7 +23,9 @@ building the bf16 bits with integer ops instead of the e4m3 → f16 → f32 conv
 dequantization is latency-, not conversion-bound.)
 
 One program per (request, 64 heads, split of the top-k list), 8 warps: two warp groups splitting each tile's
-columns. Splits write fp32 partials that the Triton kernel's combine kernel merges.
+columns. Splits write fp32 partials that the Triton kernel's combine kernel merges. A tensor-parallel rank's 16 or
+32 heads run as one 64-head program, q's rows past the heads loaded as zeros and their outputs not stored
+(`gluon_takes_heads`; FlashMLA and vLLM pad the same way).
 """
 
 from __future__ import annotations
@@ -64,14 +66,32 @@ def _is_hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
+def gluon_takes_heads(num_heads: int, fp8: bool) -> bool:
+    """Head counts `sparse_mla_decode` runs the Gluon kernel for: multiples of 64, and a tensor-parallel rank's 32
+    heads (TP 4 of a 128-head model) or, with FP8 rows, 16 (TP 8), padded to one 64-head program a request. At those head counts
+    attention is bound by the row gathers, so the padded MMAs cost little: against the Triton kernel (H200,
+    benchmarks/results/sparse_mla_gluon_tp_heads_2026-11-28) 1.35–1.45× faster at 16 heads and 2.7–3.4× at 32
+    with FP8 rows, 1.05–1.26× at 32 with bf16 rows; bf16 rows at 16 heads stay on the Triton kernel (Gluon 1.06×
+    faster at batch 16, 0.87–0.95× from batch 64)."""
+    return num_heads > 0 and (num_heads % BLOCK_H == 0 or num_heads == 32 or (num_heads == 16 and fp8))
+
+
 def gluon_applies(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> bool:
-    """Whether this launch runs the Gluon kernel: a Hopper GPU, bf16 q, 576-wide bf16 rows or 656-byte FP8 rows
-    starting 16-byte aligned, a multiple of 64 heads and of 64 selected rows. Depends on the device and shapes (the
+    """Whether `sparse_mla_decode` runs the Gluon kernel for this launch: it can (`gluon_can_run`) and the head
+    count is one it is the faster kernel for (`gluon_takes_heads`). Depends on the device and shapes only (the
     alignment holds for every pool the engine allocates: torch's allocations, rows of a multiple of 16 bytes), so
     dense and HiSparse runs (same shapes) always take the same kernel."""
+    return gluon_can_run(q, kv, indices) and gluon_takes_heads(q.shape[1], kv.dtype == torch.uint8)
+
+
+def gluon_can_run(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> bool:
+    """Whether the Gluon kernel takes this launch at all: a Hopper GPU, bf16 q with a multiple of 64 heads or 16 /
+    32 (padded), 576-wide bf16 rows or 656-byte FP8 rows starting 16-byte aligned, a multiple of 64 selected rows."""
     if not (GLUON_AVAILABLE and q.is_cuda and _is_hopper(q.device.index or 0)):
         return False
-    if q.dim() != 3 or q.shape[2] != D_QK or q.dtype != torch.bfloat16 or q.shape[1] % BLOCK_H:
+    if q.dim() != 3 or q.shape[2] != D_QK or q.dtype != torch.bfloat16:
+        return False
+    if q.shape[1] % BLOCK_H and q.shape[1] not in (16, 32):
         return False
     if indices.dim() != 2 or indices.shape[1] == 0 or indices.shape[1] % BLOCK_N or kv.dim() != 2:
         return False
@@ -189,14 +209,18 @@ if GLUON_AVAILABLE:
         q_ptr, kv_ptr, kv_f32_ptr, kv_bf16_ptr, idx_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
         stride_qb, stride_qh, stride_kv, stride_f32, stride_bf16, stride_ib, num_heads, top_k, scale_log2,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS_PER_SPLIT: gl.constexpr, NUM_SPLITS: gl.constexpr,
-        FP8: gl.constexpr, num_warps: gl.constexpr,
+        FP8: gl.constexpr, PAD_HEADS: gl.constexpr, num_warps: gl.constexpr,
     ):
         TILES: gl.constexpr = TOKENS_PER_SPLIT // BLOCK_N
         pid = gl.program_id(0)
         split = gl.program_id(1)
-        head_blocks = num_heads // BLOCK_H
-        b = pid // head_blocks
-        h0 = (pid % head_blocks) * BLOCK_H
+        if PAD_HEADS:  # 16 or 32 heads: one 64-head program a request; the rows past the heads are zeros
+            b = pid
+            h0 = 0
+        else:
+            head_blocks = num_heads // BLOCK_H
+            b = pid // head_blocks
+            h0 = (pid % head_blocks) * BLOCK_H
 
         # The scores [BLOCK_H, BLOCK_N] and each accumulator [BLOCK_H, 128] split over the two warp groups by
         # columns; shared tiles in the wgmma's swizzled layout.
@@ -236,12 +260,16 @@ if GLUON_AVAILABLE:
         heads = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_wide))
         cols = gl.arange(0, 128, layout=gl.SliceLayout(0, q_wide))
         q_rows = q_ptr + b.to(gl.int64) * stride_qb + heads[:, None] * stride_qh
+        # Padded (16 / 32 heads): the rows past the heads load as zeros (scores 0; their outputs are not stored).
+        q_mask = (heads < num_heads)[:, None] if PAD_HEADS else None
+        q_other = 0.0 if PAD_HEADS else None
         for j in gl.static_range(4):
-            q_smem.index(j).store(gl.load(q_rows + j * 128 + cols[None, :]))
+            q_smem.index(j).store(gl.load(q_rows + j * 128 + cols[None, :], mask=q_mask, other=q_other))
         heads_r = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_narrow))
         cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, q_narrow))
+        qr_mask = (heads_r < num_heads)[:, None] if PAD_HEADS else None
         qr_smem.store(gl.load(q_ptr + b.to(gl.int64) * stride_qb + heads_r[:, None] * stride_qh + 512
-                              + cols_r[None, :]))
+                              + cols_r[None, :], mask=qr_mask, other=q_other))
 
         acc0 = gl.zeros([BLOCK_H, 128], gl.float32, layout=o_layout)
         acc1 = gl.zeros([BLOCK_H, 128], gl.float32, layout=o_layout)
@@ -310,29 +338,31 @@ if GLUON_AVAILABLE:
         cols_o = gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout))
         bh_o = b.to(gl.int64) * num_heads + heads_o
         bh_s = b.to(gl.int64) * num_heads + h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
+        ok_o = (heads_o < num_heads)[:, None] if PAD_HEADS else None  # padded: the rows past the heads not stored
+        ok_s = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout)) < num_heads if PAD_HEADS else None
         if NUM_SPLITS == 1:
             o_rows = out_ptr + bh_o[:, None] * 512 + cols_o[None, :]
-            gl.store(o_rows, (acc0 * inv_o).to(gl.bfloat16))
-            gl.store(o_rows + 128, (acc1 * inv_o).to(gl.bfloat16))
-            gl.store(o_rows + 256, (acc2 * inv_o).to(gl.bfloat16))
-            gl.store(o_rows + 384, (acc3 * inv_o).to(gl.bfloat16))
-            gl.store(lse_ptr + bh_s, gl.where(has, lse2 * 0.6931471805599453, float("inf")))
+            gl.store(o_rows, (acc0 * inv_o).to(gl.bfloat16), mask=ok_o)
+            gl.store(o_rows + 128, (acc1 * inv_o).to(gl.bfloat16), mask=ok_o)
+            gl.store(o_rows + 256, (acc2 * inv_o).to(gl.bfloat16), mask=ok_o)
+            gl.store(o_rows + 384, (acc3 * inv_o).to(gl.bfloat16), mask=ok_o)
+            gl.store(lse_ptr + bh_s, gl.where(has, lse2 * 0.6931471805599453, float("inf")), mask=ok_s)
         else:
             p_rows = part_out_ptr + (bh_o * NUM_SPLITS + split)[:, None] * 512 + cols_o[None, :]
-            gl.store(p_rows, acc0 * inv_o)
-            gl.store(p_rows + 128, acc1 * inv_o)
-            gl.store(p_rows + 256, acc2 * inv_o)
-            gl.store(p_rows + 384, acc3 * inv_o)
-            gl.store(part_lse_ptr + bh_s * NUM_SPLITS + split, lse2)
+            gl.store(p_rows, acc0 * inv_o, mask=ok_o)
+            gl.store(p_rows + 128, acc1 * inv_o, mask=ok_o)
+            gl.store(p_rows + 256, acc2 * inv_o, mask=ok_o)
+            gl.store(p_rows + 384, acc3 * inv_o, mask=ok_o)
+            gl.store(part_lse_ptr + bh_s * NUM_SPLITS + split, lse2, mask=ok_s)
 
 
 def sparse_mla_decode_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
                             splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring; only for launches `gluon_applies` accepts. `splits` forces the split count of the
+    """See the module docstring; only for launches `gluon_can_run` accepts. `splits` forces the split count of the
     top-k list (benchmarks); by default it follows the shapes (`sparse_mla_plan.choose_splits`, Gluon's costs)."""
     from kernels.sparse_mla_triton import _combine_kernel, _num_sms
 
-    if not gluon_applies(q, kv, indices):
+    if not gluon_can_run(q, kv, indices):
         raise ValueError(f"the Gluon kernel does not take q {tuple(q.shape)} {q.dtype}, kv {tuple(kv.shape)} "
                          f"{kv.dtype}, indices {tuple(indices.shape)} on this device")
     batch, num_heads, _ = q.shape
@@ -344,9 +374,10 @@ def sparse_mla_decode_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Te
     if indices.stride(1) != 1:
         indices = indices.contiguous()
     tiles = top_k // BLOCK_N
-    if splits is None:
-        splits = choose_splits(batch, num_heads, top_k, BLOCK_H, BLOCK_N, _num_sms(q.device.index or 0), fp8,
-                               kernel="gluon")
+    pad_heads = num_heads < BLOCK_H
+    if splits is None:  # the split model prices the programs as they run: 16 / 32 heads padded to 64
+        splits = choose_splits(batch, max(num_heads, BLOCK_H), top_k, BLOCK_H, BLOCK_N,
+                               _num_sms(q.device.index or 0), fp8, kernel="gluon")
     if tiles % splits:
         raise ValueError(f"splits={splits} must divide the {tiles} tiles of the top-k list")
     out = torch.empty((batch, num_heads, D_V), dtype=q.dtype, device=q.device)
@@ -362,11 +393,11 @@ def sparse_mla_decode_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Te
         kv_f32, kv_bf16 = kv.view(torch.float32), kv.view(torch.bfloat16)
     else:
         kv_f32 = kv_bf16 = kv
-    _sparse_mla_gluon_kernel[(batch * (num_heads // BLOCK_H), splits)](
+    _sparse_mla_gluon_kernel[(batch * max(num_heads // BLOCK_H, 1), splits)](
         q, kv, kv_f32, kv_bf16, indices, out, lse, part_out, part_lse, q.stride(0), q.stride(1), kv.stride(0),
         kv_f32.stride(0), kv_bf16.stride(0), indices.stride(0),
         num_heads, top_k, float(scale) * LOG2E, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, TOKENS_PER_SPLIT=top_k // splits,
-        NUM_SPLITS=splits, FP8=fp8, num_warps=NUM_WARPS)
+        NUM_SPLITS=splits, FP8=fp8, PAD_HEADS=pad_heads, num_warps=NUM_WARPS)
     if splits > 1:
         _combine_kernel[(batch * num_heads,)](part_out, part_lse, out, lse, NUM_SPLITS=splits,
                                               SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)

@@ -54,7 +54,7 @@ def _sparse_mla_decode_kernel(
     stride_qb, stride_qh, stride_kv, stride_f32, stride_bf16, stride_ib,
     num_heads, top_k, scale_log2,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, ROPE_ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -88,7 +88,12 @@ def _sparse_mla_decode_kernel(
         k2 = _load_kv_tile(kv_ptr, kv_f32_ptr, rows, valid, stride_kv, stride_f32, 2, FP8, q0.dtype)
         k3 = _load_kv_tile(kv_ptr, kv_f32_ptr, rows, valid, stride_kv, stride_f32, 3, FP8, q0.dtype)
         if FP8:
-            kr = tl.load(kv_bf16_ptr + rows[:, None] * stride_bf16 + 264 + offs_r[None, :], mask=valid[:, None],
+            rope_offs = rows * stride_bf16 + 264
+            if ROPE_ALIGNED:
+                # Byte 528 of a 16-byte aligned row: the hint lets these loads (and the tile's index entries with
+                # them) be pipelined 16-byte cp.async copies instead of a synchronous load every iteration.
+                rope_offs = tl.multiple_of(rope_offs, 8)
+            kr = tl.load(kv_bf16_ptr + rope_offs[:, None] + offs_r[None, :], mask=valid[:, None],
                          other=0.0).to(q0.dtype)
         else:
             kr = tl.load(kv_ptr + rows[:, None] * stride_kv + 512 + offs_r[None, :], mask=valid[:, None], other=0.0)
@@ -284,6 +289,7 @@ def sparse_mla_decode_triton(
             q.stride(0), q.stride(1), *strides, indices.stride(0),
             num_heads, top_k, float(scale) * LOG2E,
             BLOCK_H=block_h, BLOCK_N=block_n, TOKENS_PER_SPLIT=top_k // splits, NUM_SPLITS=splits, FP8=fp8,
+            ROPE_ALIGNED=fp8 and kv.data_ptr() % 16 == 0 and kv.stride(0) % 16 == 0,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if splits > 1:

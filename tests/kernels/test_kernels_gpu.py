@@ -280,6 +280,25 @@ def test_sparse_mla_triton_independent_of_slot_placement(fp8: bool, batch: int) 
     assert_independent_of_slot_placement(sparse_mla_decode_triton, fp8, batch, 64, 5 + batch + fp8)
 
 
+@pytest.mark.parametrize("heads", [16, 64])
+def test_sparse_mla_triton_fp8_pool_off_16_byte_alignment_same_bits(heads: int) -> None:
+    """The FP8 loop loads the RoPE part as 16-byte copies only when the pool is 16-byte aligned; a pool 4 bytes off
+    takes the other path and must give the same bits."""
+    gen = torch.Generator().manual_seed(heads)
+    rows = torch.randn(700, 576, generator=gen)
+    pool, slots = _nan_poisoned_pool(rows, 900, True, gen)
+    shifted_storage = torch.empty(pool.numel() + 4, dtype=torch.uint8, device=DEV)
+    shifted = shifted_storage[4:].view(pool.shape)
+    shifted.copy_(pool)
+    assert shifted.data_ptr() % 16 == 4
+    indices = slots[torch.randperm(700, generator=gen)[:512].reshape(1, 512).repeat(5, 1)].to(torch.int32)
+    indices[1, ::3] = -1
+    q = torch.randn(5, heads, 576, generator=gen).bfloat16().to(DEV)
+    out_a, lse_a = sparse_mla_decode_triton(q, pool, indices.to(DEV), 0.12)
+    out_b, lse_b = sparse_mla_decode_triton(q, shifted, indices.to(DEV), 0.12)
+    assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+
+
 def test_indexer_gpu_matches_reference() -> None:
     gen = torch.Generator().manual_seed(11)
     num_q, heads, n_keys, max_len, top_k = 12, 64, 5000, 3000, 256

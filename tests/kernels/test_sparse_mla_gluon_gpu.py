@@ -53,6 +53,24 @@ def test_gluon_matches_reference(fp8: bool, heads: int, batch: int, top_k: int, 
     assert_matches_sparse_mla_reference(out, lse, ref_out, ref_lse, all_skipped_row=2 if batch > 2 else None)
 
 
+@pytest.mark.parametrize(("fp8", "heads"), [(True, 16), (False, 16), (False, 32), (True, 32)])
+@pytest.mark.parametrize(("batch", "top_k", "splits"), [(1, 2048, None), (3, 128, 2), (17, 512, None), (5, 1024, 4)])
+def test_gluon_tp_rank_heads_padded_match_reference(fp8: bool, heads: int, batch: int, top_k: int,
+                                                    splits: int | None) -> None:
+    """A tensor-parallel rank's 16 / 32 heads run as one 64-head program (padding rows zero, not stored): against
+    the reference (a real head's row left unwritten or written from a padding row would fail it), unsplit and
+    split."""
+    from kernels.sparse_mla_gluon import gluon_applies, gluon_can_run, sparse_mla_decode_gluon
+
+    q, pool, indices = _case(fp8, heads, batch, top_k, heads * 37 + batch + top_k + fp8)
+    assert gluon_can_run(q, pool, indices)
+    assert gluon_applies(q, pool, indices) == (fp8 or heads == 32)  # bf16 at 16 heads: the Triton kernel is faster
+    out, lse = sparse_mla_decode_gluon(q, pool, indices, 0.135, splits=splits)
+    ref_out, ref_lse = sparse_mla_decode_rows_ref(q, pool, indices, 0.135)
+    assert out.shape == (batch, heads, 512) and lse.shape == (batch, heads)
+    assert_matches_sparse_mla_reference(out, lse, ref_out, ref_lse, all_skipped_row=2 if batch > 2 else None)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("batch", [1, 9])
 def test_gluon_independent_of_slot_placement(fp8: bool, batch: int) -> None:
@@ -64,8 +82,9 @@ def test_gluon_independent_of_slot_placement(fp8: bool, batch: int) -> None:
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_dispatch_runs_gluon_on_hopper_and_the_same_bits_in_a_graph(fp8: bool) -> None:
-    """`sparse_mla_decode` (both attention backends' fallback) runs the Gluon kernel for 64 / 128 heads and the
-    Triton kernel for 16; a captured graph replays the same bits as the eager call."""
+    """`sparse_mla_decode` (both attention backends' fallback) runs the Gluon kernel for 64 / 128 and 32 heads,
+    for 16 with FP8 rows, the Triton kernel for 16 with bf16 rows; a captured graph replays the same bits as the
+    eager call."""
     from kernels.sparse_mla_gluon import sparse_mla_decode_gluon
     from kernels.sparse_mla_triton import sparse_mla_decode_triton
 
@@ -75,7 +94,12 @@ def test_dispatch_runs_gluon_on_hopper_and_the_same_bits_in_a_graph(fp8: bool) -
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     q16 = q[:, :16].contiguous()
     out16, _ = sparse_mla_decode(q16, pool, indices, 0.135)
-    assert torch.equal(out16, sparse_mla_decode_triton(q16, pool, indices, 0.135)[0])
+    # 16 heads: padded Gluon with FP8 rows, the Triton kernel with bf16 rows (measured faster there).
+    want16 = (sparse_mla_decode_gluon if fp8 else sparse_mla_decode_triton)(q16, pool, indices, 0.135)[0]
+    assert torch.equal(out16, want16)
+    q32 = q[:, :32].contiguous()
+    assert torch.equal(sparse_mla_decode(q32, pool, indices, 0.135)[0],
+                       sparse_mla_decode_gluon(q32, pool, indices, 0.135)[0])
 
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()

@@ -68,6 +68,17 @@ def test_gluon_kernel_only_on_hopper_launches() -> None:
     assert not gluon_applies(q, kv, torch.zeros(2, 2048, dtype=torch.int32))
 
 
+def test_gluon_takes_a_tp_ranks_heads_where_measured_faster() -> None:
+    """64-head multiples always; a TP rank's 32 heads in both row formats, 16 only with FP8 rows (bf16 rows at 16
+    heads ran faster through the Triton kernel from batch 64); other counts never (the kernel cannot pad them)."""
+    from kernels.sparse_mla_gluon import gluon_takes_heads
+
+    for fp8 in (False, True):
+        assert gluon_takes_heads(64, fp8) and gluon_takes_heads(128, fp8) and gluon_takes_heads(32, fp8)
+        assert not any(gluon_takes_heads(h, fp8) for h in (0, 8, 24, 48, 96))
+    assert gluon_takes_heads(16, True) and not gluon_takes_heads(16, False)
+
+
 def test_gluon_split_choice_near_the_measured_best() -> None:
     """Replays the Gluon kernel's recorded split sweeps (every split count timed at every batch, H100 and H200,
     benchmarks/results/sparse_mla_gluon_prefetch_2026-11-28): the modelled choice is never more than 7 % slower than

@@ -859,7 +859,7 @@ def interpret_sparse_mla() -> None:
 
 def compile_sparse_mla_gluon() -> None:
     """The Gluon sparse MLA kernel (kernels/sparse_mla_gluon.py) compiled for sm_90 as launches specialize it, both
-    row formats, unsplit and split: no register spills, shared memory within an SM's 227 KiB (FP8 fills it: q,
+    row formats, unsplit and split, 64-head programs and a TP rank's 16 / 32 heads padded to one: no register spills, shared memory within an SM's 227 KiB (FP8 fills it: q,
     one bf16 tile, two FP8 slots and P), and the wgmmas in the main loop (five QK and four PV issues, 52 HGMMA
     instructions a 64-row tile)."""
     from triton.backends.compiler import GPUTarget
@@ -880,16 +880,17 @@ def compile_sparse_mla_gluon() -> None:
                                                               "top_k", "stride_kv"]
         if not fp8:
             aligned += ["stride_f32", "stride_bf16"]
-        for splits in (1, 4):
+        for splits, pad_heads in ((1, False), (4, False), (1, True), (4, True)):
             constexprs = {"BLOCK_H": 64, "BLOCK_N": 64, "TOKENS_PER_SPLIT": 2048 // splits, "NUM_SPLITS": splits,
-                          "FP8": fp8, "num_warps": 8}
+                          "FP8": fp8, "PAD_HEADS": pad_heads, "num_warps": 8}
             src = GluonASTSource(fn=fn, signature={n: types.get(n, "constexpr") for n in names},
                                  constexprs={(names.index(k),): v for k, v in constexprs.items()},
                                  attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
             resources = _resources(kernel)
             ops = _main_loop_ops(kernel)
-            label = f"Gluon sparse MLA {'FP8' if fp8 else 'bf16'} rows, {splits} split(s)"
+            label = (f"Gluon sparse MLA {'FP8' if fp8 else 'bf16'} rows, {splits} split(s)"
+                     + (", heads padded to 64" if pad_heads else ""))
             print(f"{label}: {resources}; main loop {sum(ops.values())} instructions, HGMMA {ops['HGMMA']}")
             if " 0 B spilled" not in resources:
                 _fail(f"{label}: spills registers ({resources})")
