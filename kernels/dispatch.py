@@ -137,9 +137,9 @@ def sparse_mla_decode(
     On CUDA: `kernel="triton"` runs our own kernel: on Hopper the Gluon one where it takes the launch
     (kernels/sparse_mla_gluon.py: bf16 q, 64 or 128 heads, a TP rank's 32, and 16 with FP8 rows), the Triton one
     otherwise; `"flashmla"` runs FlashMLA where it takes the shapes and is the faster one at this batch
-    (`sparse_mla_plan.prefer_flashmla`), our own kernel otherwise. The choice depends on the device and shapes only, never on slot placement. All take 576 /
-    512 only: the engine refuses other sizes at load (decode_server/engine/kernel_support.py). Elsewhere: the
-    reference, for any row width and value width `d_v`."""
+    (`sparse_mla_plan.prefer_flashmla`), our own kernel otherwise. The choice depends on the device and shapes
+    only, never on slot placement. All take 576 / 512 only: the engine refuses other sizes at load
+    (decode_server/engine/kernel_support.py). Elsewhere: the reference, for any row width and value width `d_v`."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; expected one of {ATTENTION_KERNELS}")
     if q.is_cuda:

@@ -68,11 +68,11 @@ def _is_hopper(device_index: int) -> bool:
 
 def gluon_takes_heads(num_heads: int, fp8: bool) -> bool:
     """Head counts `sparse_mla_decode` runs the Gluon kernel for: multiples of 64, and a tensor-parallel rank's 32
-    heads (TP 4 of a 128-head model) or, with FP8 rows, 16 (TP 8), padded to one 64-head program a request. At those head counts
-    attention is bound by the row gathers, so the padded MMAs cost little: against the Triton kernel (H200,
-    benchmarks/results/sparse_mla_gluon_tp_heads_2026-11-28) 1.35–1.45× faster at 16 heads and 2.7–3.4× at 32
-    with FP8 rows, 1.05–1.26× at 32 with bf16 rows; bf16 rows at 16 heads stay on the Triton kernel (Gluon 1.06×
-    faster at batch 16, 0.87–0.95× from batch 64)."""
+    heads (TP 4 of a 128-head model) or, with FP8 rows, 16 (TP 8), padded to one 64-head program a request. At
+    those head counts attention is bound by the row gathers, so the padded MMAs cost little. Against the Triton
+    kernel (B 1-256, H100 and H200, benchmarks/results/sparse_mla_tp_heads_2026-11-28): FP8 rows 1.10-1.35x
+    faster at 16 heads and 1.08-3.07x at 32, bf16 rows 1.03-1.32x at 32; bf16 rows at 16 heads stay on the Triton
+    kernel (0.84-1.07x: slower from batch 48 on the H200)."""
     return num_heads > 0 and (num_heads % BLOCK_H == 0 or num_heads == 32 or (num_heads == 16 and fp8))
 
 

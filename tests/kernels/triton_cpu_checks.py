@@ -859,9 +859,9 @@ def interpret_sparse_mla() -> None:
 
 def compile_sparse_mla_gluon() -> None:
     """The Gluon sparse MLA kernel (kernels/sparse_mla_gluon.py) compiled for sm_90 as launches specialize it, both
-    row formats, unsplit and split, 64-head programs and a TP rank's 16 / 32 heads padded to one: no register spills, shared memory within an SM's 227 KiB (FP8 fills it: q,
-    one bf16 tile, two FP8 slots and P), and the wgmmas in the main loop (five QK and four PV issues, 52 HGMMA
-    instructions a 64-row tile)."""
+    row formats, unsplit and split, 64-head programs and a TP rank's 16 / 32 heads padded to one: no register
+    spills, shared memory within an SM's 227 KiB (FP8 fills it: q, one bf16 tile, two FP8 slots and P), and the
+    wgmmas in the main loop (five QK and four PV issues, 52 HGMMA instructions a 64-row tile)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
