@@ -1,10 +1,9 @@
-# ruff: noqa: E402, I001, E702
+# ruff: noqa: E402, I001
 """Compile-time resources of the Triton sparse MLA kernel for sm_90 by BLOCK_H and warps (CPU only: run from the
 project root with `PYTHONPATH=$PWD python3 benchmarks/results/sparse_mla_triton_warps_prep_2026-11-28/compile_stats.py`)."""
 import sys
-sys.path.insert(0, '.'); sys.path.insert(0, 'tests/kernels')
-import os
-os.environ.setdefault("HSCHECK", "1")
+sys.path.insert(0, ".")
+sys.path.insert(0, "tests/kernels")
 import triton_cpu_checks as t
 from kernels.sparse_mla_triton import _sparse_mla_decode_kernel as fn
 types = {"q_ptr": "*bf16", "kv_ptr": "*u8", "kv_f32_ptr": "*fp32", "kv_bf16_ptr": "*bf16", "idx_ptr": "*i32",
@@ -15,7 +14,8 @@ aligned = [n for n in types if n.endswith("_ptr")] + ["stride_qb", "stride_qh", 
 for bh, nw in ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8)):
     for fp8 in (True, False):
         if not fp8:
-            types2 = dict(types, kv_ptr="*bf16", kv_f32_ptr="*bf16"); al = aligned + ["stride_f32", "stride_bf16"]
+            types2 = dict(types, kv_ptr="*bf16", kv_f32_ptr="*bf16")
+            al = aligned + ["stride_f32", "stride_bf16"]
         else:
             types2, al = types, aligned
         c = {"BLOCK_H": bh, "BLOCK_N": 64, "TOKENS_PER_SPLIT": 2048, "NUM_SPLITS": 1, "FP8": fp8, "ROPE_ALIGNED": fp8}
