@@ -59,6 +59,7 @@ BLOCK_H = 64
 BLOCK_N = 64
 NUM_WARPS = 8
 STAGES = 2
+PADDED_HEADS = (16, 32)  # a TP rank's heads of a 128-head model, run as one 64-head program (`PAD_HEADS`)
 
 
 @functools.lru_cache(maxsize=8)
@@ -73,7 +74,9 @@ def gluon_takes_heads(num_heads: int, fp8: bool) -> bool:
     kernel (B 1-256, H100 and H200, benchmarks/results/sparse_mla_tp_heads_2026-11-28): FP8 rows 1.10-1.35x
     faster at 16 heads and 1.08-3.07x at 32, bf16 rows 1.03-1.32x at 32; bf16 rows at 16 heads stay on the Triton
     kernel (0.84-1.07x: slower from batch 48 on the H200)."""
-    return num_heads > 0 and (num_heads % BLOCK_H == 0 or num_heads == 32 or (num_heads == 16 and fp8))
+    if num_heads in PADDED_HEADS:
+        return fp8 or num_heads == 32
+    return num_heads > 0 and num_heads % BLOCK_H == 0
 
 
 def gluon_applies(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> bool:
@@ -91,7 +94,7 @@ def gluon_can_run(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> b
         return False
     if q.dim() != 3 or q.shape[2] != D_QK or q.dtype != torch.bfloat16:
         return False
-    if q.shape[1] % BLOCK_H and q.shape[1] not in (16, 32):
+    if q.shape[1] % BLOCK_H and q.shape[1] not in PADDED_HEADS:
         return False
     if indices.dim() != 2 or indices.shape[1] == 0 or indices.shape[1] % BLOCK_N or kv.dim() != 2:
         return False
