@@ -857,6 +857,38 @@ def interpret_sparse_mla() -> None:
             print(f"sparse MLA {name}, {label}: output {err:.1e}, LSE {lse_err:.1e} from the reference")
 
 
+def compile_sparse_mla_triton() -> None:
+    """The Triton sparse MLA kernel in the configurations `default_config` gives a TP rank's 16 / 32 heads (the
+    mma.sync path every GPU without wgmma runs), compiled for sm_90: no spills and at most 128 B of stack a thread.
+    With 4 warps, 32 heads and FP8 rows kept 672 B of stack and ran 1.6-1.8x slower than with 8 (H200,
+    benchmarks/results/sparse_mla_triton_warps_2026-11-28); bf16 rows at 32 heads keep 96 B with 4 warps and
+    still run faster than with 8 there."""
+    from kernels.sparse_mla_triton import _sparse_mla_decode_kernel as fn
+    from kernels.sparse_mla_triton import default_config
+
+    for fp8 in (True, False):
+        types = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "kv_f32_ptr": "*fp32" if fp8 else "*bf16",
+                 "kv_bf16_ptr": "*bf16", "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "stride_qb": "i32", "stride_qh": "i32",
+                 "stride_kv": "i32", "stride_f32": "i32", "stride_bf16": "i32", "stride_ib": "i32",
+                 "num_heads": "i32", "top_k": "i32", "scale_log2": "fp32"}
+        aligned = [n for n in types if n.endswith("_ptr")] + ["stride_qb", "stride_qh", "stride_ib", "num_heads",
+                                                              "top_k", "stride_kv"]
+        if not fp8:
+            aligned += ["stride_f32", "stride_bf16"]
+        for heads in (16, 32):
+            cfg = default_config(heads, fp8)
+            constexprs = {"BLOCK_H": cfg["BLOCK_H"], "BLOCK_N": cfg["BLOCK_N"], "TOKENS_PER_SPLIT": 2048,
+                          "NUM_SPLITS": 1, "FP8": fp8, "ROPE_ALIGNED": fp8}
+            kernel = _compile_sm90(fn, types, constexprs, aligned, cfg["num_warps"], cfg["num_stages"])
+            resources = _resources(kernel)
+            label = f"Triton sparse MLA {'FP8' if fp8 else 'bf16'} rows, {heads} heads, {cfg['num_warps']} warps"
+            print(f"{label}: {resources}")
+            stack = re.search(r"stack (\d+) B", resources)
+            if " 0 B spilled" not in resources or stack is None or int(stack.group(1)) > 128:
+                _fail(f"{label}: spills or keeps more than 128 B of stack ({resources})")
+
+
 def compile_sparse_mla_gluon() -> None:
     """The Gluon sparse MLA kernel (kernels/sparse_mla_gluon.py) compiled for sm_90 as launches specialize it, both
     row formats, unsplit and split, 64-head programs and a TP rank's 16 / 32 heads padded to one: no register
@@ -918,6 +950,7 @@ CHECKS = {
     "compile-gemv": compile_gemv,
     "compile-bmm": compile_bmm,
     "compile-sparse-mla-gluon": compile_sparse_mla_gluon,
+    "compile-sparse-mla-triton": compile_sparse_mla_triton,
     **{f"compile-scores-{p}": (lambda p=p: compile_scores(p)) for p in ("fp16", "fp16x2", "fp8")},
     "compile-scores-fp8-e4m3-q": lambda: compile_scores("fp8", q_e4m3=True),
 }

@@ -1,6 +1,6 @@
 # ruff: noqa: E402, I001
 """Compile-time resources of the Triton sparse MLA kernel for sm_90 by BLOCK_H and warps (CPU only: run from the
-project root with `PYTHONPATH=$PWD python3 benchmarks/results/sparse_mla_triton_warps_prep_2026-11-28/compile_stats.py`)."""
+project root with `PYTHONPATH=$PWD python3 benchmarks/results/sparse_mla_triton_warps_2026-11-28/compile_stats.py`)."""
 import sys
 sys.path.insert(0, ".")
 sys.path.insert(0, "tests/kernels")

@@ -4,7 +4,7 @@ warps keeps 672 B of stack for FP8 rows (3589 SASS instructions a tile against 1
 4 warps 40 B (2281 against 1186). Times the product config (`default_config`) against 8 warps at B 1-256, both row
 formats, with each one's error against the float reference; the product picks its split count the same way for both.
 
-    PYTHONPATH=$PWD python3 benchmarks/results/sparse_mla_triton_warps_prep_2026-11-28/time_warps.py
+    PYTHONPATH=$PWD python3 benchmarks/results/sparse_mla_triton_warps_2026-11-28/time_warps.py
 """
 # ruff: noqa: E402, I001
 import sys
