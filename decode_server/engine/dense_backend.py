@@ -83,6 +83,7 @@ class DenseBackend(AttentionBackend):
         self._new_slots: torch.Tensor | None = None
         self._query_rows: torch.Tensor | None = None
         self._token_rows: torch.Tensor | None = None  # the indexer's [B, width] slot rows, one gather a forward
+        self._query_lens: torch.Tensor | None = None  # positions + 1: what each query sees, made once a forward
 
     @property
     def scratch_row(self) -> int:
@@ -107,6 +108,8 @@ class DenseBackend(AttentionBackend):
         # 160K context graphs' width that is ~42 MB a gather). Under CUDA graphs this runs inside the captured
         # region (forward_context), so each replay gathers the step's rows before the layers read them.
         self._token_rows = self.cache.tokens.table[batch.req_rows, : batch.token_table_width()]
+        # Likewise the lengths the indexer's queries see (one add a forward instead of one a layer).
+        self._query_lens = batch.positions + 1
 
     def prepare_static_forward(self, batch: ForwardBatch) -> None:
         """Every request of the batch (the scratch row aside) has slots for its tokens."""
@@ -120,6 +123,7 @@ class DenseBackend(AttentionBackend):
         self._new_slots = None
         self._query_rows = None
         self._token_rows = None
+        self._query_lens = None
 
     def _current(self) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
         if self._batch is None or self._new_slots is None or self._query_rows is None:
@@ -138,11 +142,11 @@ class DenseBackend(AttentionBackend):
 
     def index_topk(self, layer_id: int, q: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
         batch, _, _ = self._current()
-        assert self._token_rows is not None  # set with the batch in begin_forward
+        assert self._token_rows is not None and self._query_lens is not None  # set with the batch in begin_forward
         index = self.cache.index_slot[layer_id]
         return batch.mask_padded_topk(indexer_topk(
             q, weights, self.cache.index_keys[index], self.cache.index_scales[index],
-            self._token_rows, batch.token_req, batch.positions + 1, top_k, self.reference_kernels,
+            self._token_rows, batch.token_req, self._query_lens, top_k, self.reference_kernels,
         ))
 
     def physical_rows(self, topk_positions: torch.Tensor) -> torch.Tensor:

@@ -83,6 +83,7 @@ class HiSparseBackend(AttentionBackend):
         self._query_rows: torch.Tensor | None = None
         self._index_rows: torch.Tensor | None = None
         self._token_rows: torch.Tensor | None = None  # the indexer's [B, width] key rows, one gather a forward
+        self._query_lens: torch.Tensor | None = None  # positions + 1: what each query sees, made once a forward
         self._new_slots: torch.Tensor | None = None  # decode: device slot of each new token
         self._new_host_rows: torch.Tensor | None = None  # decode: host row of each new token
         self._extend_host_rows_cpu: torch.Tensor | None = None  # prefill: host rows of the new tokens
@@ -151,6 +152,7 @@ class HiSparseBackend(AttentionBackend):
         # Every layer's indexer reads the same rows: gathered once a forward, not once a layer; inside the
         # captured region under CUDA graphs (forward_context), so each replay gathers the step's rows.
         self._token_rows = co.indexer.rows.table[batch.req_rows, : batch.token_table_width()]
+        self._query_lens = batch.positions + 1
         host_rows = co.host.rows.table[self._query_rows, batch.positions].long()
         if batch.is_decode:
             self._new_slots = self._slots_of_new_tokens(batch)
@@ -200,7 +202,7 @@ class HiSparseBackend(AttentionBackend):
                 self.co.set_pending_backup(self.co.staging.finish(), batch.req_rows_cpu)
         finally:
             self._batch = None
-            self._query_rows = self._index_rows = self._token_rows = None
+            self._query_rows = self._index_rows = self._token_rows = self._query_lens = None
             self._new_slots = self._new_host_rows = self._extend_host_rows_cpu = self._seq_lens = None
 
     def _backup(self, slots: torch.Tensor, host_rows: torch.Tensor, req_rows: list[int]) -> None:
@@ -243,11 +245,11 @@ class HiSparseBackend(AttentionBackend):
 
     def index_topk(self, layer_id: int, q: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
         batch = self._current()
-        assert self._token_rows is not None  # set with the batch in begin_forward
+        assert self._token_rows is not None and self._query_lens is not None  # set with the batch in begin_forward
         index = self.co.index_slot[layer_id]
         return batch.mask_padded_topk(ops.indexer_topk(
             q, weights, self.co.indexer.keys[index], self.co.indexer.scales[index],
-            self._token_rows, batch.token_req, batch.positions + 1, top_k, self.co.reference_kernels,
+            self._token_rows, batch.token_req, self._query_lens, top_k, self.co.reference_kernels,
         ))
 
     def prepare_attention(self, layer_id: int, topk_positions: torch.Tensor) -> None:
