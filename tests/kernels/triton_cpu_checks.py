@@ -857,6 +857,22 @@ def interpret_sparse_mla() -> None:
             print(f"sparse MLA {name}, {label}: output {err:.1e}, LSE {lse_err:.1e} from the reference")
 
 
+def _sparse_mla_signature(fp8: bool) -> tuple[dict[str, str], list[str]]:
+    """Argument types of the sparse MLA kernels (Triton and Gluon share the signature) for FP8 or bf16 rows, and
+    what a launch specializes as 16-divisible: pointers, and the ints that are multiples of 16 (656-byte rows: only
+    the byte stride; 576-wide rows: all three views' strides)."""
+    types = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "kv_f32_ptr": "*fp32" if fp8 else "*bf16",
+             "kv_bf16_ptr": "*bf16", "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+             "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "stride_qb": "i32", "stride_qh": "i32",
+             "stride_kv": "i32", "stride_f32": "i32", "stride_bf16": "i32", "stride_ib": "i32",
+             "num_heads": "i32", "top_k": "i32", "scale_log2": "fp32"}
+    aligned = [n for n in types if n.endswith("_ptr")] + ["stride_qb", "stride_qh", "stride_ib", "num_heads",
+                                                          "top_k", "stride_kv"]
+    if not fp8:
+        aligned += ["stride_f32", "stride_bf16"]
+    return types, aligned
+
+
 def compile_sparse_mla_triton() -> None:
     """The Triton sparse MLA kernel in the configurations `default_config` gives a TP rank's 16 / 32 heads (the
     mma.sync path every GPU without wgmma runs), compiled for sm_90: no spills and at most 128 B of stack a thread.
@@ -867,15 +883,7 @@ def compile_sparse_mla_triton() -> None:
     from kernels.sparse_mla_triton import default_config
 
     for fp8 in (True, False):
-        types = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "kv_f32_ptr": "*fp32" if fp8 else "*bf16",
-                 "kv_bf16_ptr": "*bf16", "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "stride_qb": "i32", "stride_qh": "i32",
-                 "stride_kv": "i32", "stride_f32": "i32", "stride_bf16": "i32", "stride_ib": "i32",
-                 "num_heads": "i32", "top_k": "i32", "scale_log2": "fp32"}
-        aligned = [n for n in types if n.endswith("_ptr")] + ["stride_qb", "stride_qh", "stride_ib", "num_heads",
-                                                              "top_k", "stride_kv"]
-        if not fp8:
-            aligned += ["stride_f32", "stride_bf16"]
+        types, aligned = _sparse_mla_signature(fp8)
         for heads in (16, 32):
             cfg = default_config(heads, fp8)
             constexprs = {"BLOCK_H": cfg["BLOCK_H"], "BLOCK_N": cfg["BLOCK_N"], "TOKENS_PER_SPLIT": 2048,
@@ -901,17 +909,7 @@ def compile_sparse_mla_gluon() -> None:
 
     names = fn.arg_names
     for fp8 in (False, True):
-        types = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "kv_f32_ptr": "*fp32" if fp8 else "*bf16",
-                 "kv_bf16_ptr": "*bf16", "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "stride_qb": "i32", "stride_qh": "i32",
-                 "stride_kv": "i32", "stride_f32": "i32", "stride_bf16": "i32", "stride_ib": "i32",
-                 "num_heads": "i32", "top_k": "i32", "scale_log2": "fp32"}
-        # What a launch specializes: pointers, and the ints that are multiples of 16 (656-byte rows: only the
-        # byte stride; 576-wide rows: all three views' strides).
-        aligned = [n for n in types if n.endswith("_ptr")] + ["stride_qb", "stride_qh", "stride_ib", "num_heads",
-                                                              "top_k", "stride_kv"]
-        if not fp8:
-            aligned += ["stride_f32", "stride_bf16"]
+        types, aligned = _sparse_mla_signature(fp8)
         for splits, pad_heads in ((1, False), (4, False), (1, True), (4, True)):
             constexprs = {"BLOCK_H": 64, "BLOCK_N": 64, "TOKENS_PER_SPLIT": 2048 // splits, "NUM_SPLITS": splits,
                           "FP8": fp8, "PAD_HEADS": pad_heads, "num_warps": 8}
