@@ -23,6 +23,10 @@ the top-k kernel against torch.topk, and the whole call, new path against the pr
   adds to a CUDA graph of L2 flushes (16 flush + call pairs against 16 flushes, medians of 15 replays each): the
   call's cost where the engine runs it, in the decode step's graphs. Events around one call also time the
   front end's work on the events themselves; `event_floor_us` = a one-element fill timed that way.
+  "e4m3 q after the key write": the engine's order since 2026-11-28 — the layer's index-key write
+  (`write_index_rows`, B new keys) and then the scores with `tables_ready` (started early by programmatic
+  dependent launch on Hopper): what the scores add to 16 × (flush, write) in a graph. `index_writes`: the write
+  itself in the graph, one kernel against the two indexed assignments it replaced.
 - Top-k (`topk` table): the engine's CUDA kernel (kernels/topk_cuda.py) and the Triton kernel
   (kernels/topk_triton.py, its fallback for very wide rows) against torch.topk (sorted, as the previous path ran
   it, and unsorted) on the same fp32 scores, B ∈ {1, 16, 64, 128}, L ∈ {32K, 64K, 128K}: random normal scores,
@@ -74,6 +78,7 @@ from kernels.indexer_fast import (  # noqa: E402
     indexer_scores_fast,
     indexer_topk_fast,
     quantize_query,
+    write_index_rows,
 )
 from kernels.indexer_ref import quantize_index_keys  # noqa: E402
 from kernels.indexer_triton import ScoresConfig, indexer_scores_triton, indexer_topk_triton  # noqa: E402
@@ -96,7 +101,8 @@ READ_FLOOR = "read of the same bytes"  # `_stream_read_kernel` over B·L·BYTES_
 READ_PROGRAMS_PER_SM = 4  # the streaming read's launch: the fastest of 1–16 programs an SM × 8–32 KB loads, 2026-11-27
 READ_BLOCK = 8192  # int32 words a program loads at once (32 KB)
 E4M3_Q = "fast e4m3 q"  # the fp8 kernel on a query quantized beforehand (the engine's path on CUDA)
-GRAPH_TIMED = (READ_FLOOR, "fast fp8", E4M3_Q)  # also timed in a replayed graph (`Bench.graph_us`)
+AFTER_WRITE = "e4m3 q after the key write"  # the engine's order: index-key write, scores started early
+GRAPH_TIMED = (READ_FLOOR, "fast fp8", E4M3_Q, AFTER_WRITE)  # also timed in a replayed graph (`Bench.graph_us`)
 GRAPH_PAIRS = 16  # (flush, call) pairs in one graph
 GRAPH_REPLAYS = 15
 DEVICE = "cuda"
@@ -183,6 +189,13 @@ class ChainResult:
 
 
 @dataclass
+class WriteResult:
+    batch: int
+    indexed_us: float  # keys[rows] = new keys; scales[rows] = new scales (the engine's write until 2026-11-28)
+    kernel_us: float  # write_index_rows: one kernel (in a replayed graph, what each adds to 16 L2 flushes)
+
+
+@dataclass
 class CallResult:
     batch: int
     length: int
@@ -207,6 +220,7 @@ class Report:
     calls: list[CallResult] = field(default_factory=list)
     query_quant: list[QueryQuantResult] = field(default_factory=list)
     chains: list[ChainResult] = field(default_factory=list)
+    index_writes: list[WriteResult] = field(default_factory=list)
     configs: list[dict] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -294,13 +308,16 @@ class Bench:
     def time(self, fn: Callable[[], object]) -> float:
         return time_gpu_us(fn, reset=self.evict_l2)
 
-    def graph_us(self, fn: Callable[[], object]) -> float:
-        """What one call adds to a replayed CUDA graph: GRAPH_PAIRS × (L2 eviction, fn) against GRAPH_PAIRS evictions
-        alone, each graph replayed GRAPH_REPLAYS times (interleaved), the medians' difference / GRAPH_PAIRS. This is
-        the call's cost in the decode step's graphs (launch, DRAM ramp and tail included; no event or host cost),
-        where `time` brackets one call with events. Wall time of one call under --smoke."""
+    def graph_us(self, fn: Callable[[], object], before: Callable[[], object] | None = None) -> float:
+        """What one call adds to a replayed CUDA graph: GRAPH_PAIRS × (L2 eviction, [before,] fn) against
+        GRAPH_PAIRS × (L2 eviction[, before]), each graph replayed GRAPH_REPLAYS times (interleaved), the medians'
+        difference / GRAPH_PAIRS. This is the call's cost in the decode step's graphs (launch, DRAM ramp and tail
+        included; no event or host cost), where `time` brackets one call with events. `before`: the kernel the
+        engine runs right before the call. Wall time of one call under --smoke."""
         if SMOKE:
             return self.time(fn)
+        if before is not None:
+            before()
         fn()
         torch.cuda.synchronize()
         graphs = []
@@ -309,6 +326,8 @@ class Bench:
             with torch.cuda.graph(graph):
                 for _ in range(GRAPH_PAIRS):
                     self.evict_l2()
+                    if before is not None:
+                        before()
                     if with_fn:
                         fn()
             graph.replay()
@@ -382,6 +401,9 @@ class Bench:
                     for p in PRECISIONS]
         q8, w8 = quantize_query(q, w)
         kernels.append((E4M3_Q, lambda: indexer_scores_fast(q8, w8, *args[2:], FastScoresConfig(precision="fp8"))))
+        kernels.append((AFTER_WRITE, lambda: indexer_scores_fast(q8, w8, *args[2:], FastScoresConfig(precision="fp8"),
+                                                                 tables_ready=True)))
+        write = self.key_write(args, batch)
         if not any(r.batch == batch for r in self.report.query_quant):
             quant = QueryQuantResult(batch, self.time(lambda: quantize_query(q, w, 0.1)), self.time(lambda: w * 0.1))
             logger.info("%s", quant)
@@ -390,7 +412,8 @@ class Bench:
             scores = fn()
             us = self.time(fn)
             gbps = position_bytes / (us * 1e-6) / 1e9
-            graph_us = self.graph_us(fn) if name in GRAPH_TIMED else float("nan")
+            graph_us = (self.graph_us(fn, before=write if name == AFTER_WRITE else None) if name in GRAPH_TIMED
+                        else float("nan"))
             res = ScoresResult(batch, length, name, us, gbps, self.fraction(position_bytes, us),
                                flops / (us * 1e-6) / 1e12, score_error(scores, q, w, keys, scales, token_rows),
                                read_us / us, graph_us, self.fraction(position_bytes, graph_us))
@@ -408,6 +431,26 @@ class Bench:
         call = CallResult(batch, length, old_us, new_us, old_us / new_us, mean, low)
         logger.info("%s", call)
         self.report.calls.append(call)
+
+    def key_write(self, args: tuple, batch: int) -> Callable[[], None]:
+        """The layer's index-key write as the engine runs it before the scores (B new keys at each request's last
+        position, here their own bytes again); times it once a batch size against the indexed assignments."""
+        _, _, keys, scales, token_rows, req, seq = args
+        rows = token_rows[req, seq - 1].long()
+        new_keys, new_scales = keys[rows].clone(), scales[rows].clone()
+
+        def write() -> None:
+            write_index_rows(keys, scales, rows, new_keys, new_scales)
+
+        def indexed() -> None:
+            keys[rows] = new_keys
+            scales[rows] = new_scales
+
+        if not any(r.batch == batch for r in self.report.index_writes):
+            res = WriteResult(batch, self.graph_us(indexed), self.graph_us(write))
+            logger.info("%s", res)
+            self.report.index_writes.append(res)
+        return write
 
     def chain_case(self, batch: int, length: int, args: tuple) -> None:
         """The indexer's query chain and the scores kernel, and its key chain, as the engine has run them, each
@@ -538,12 +581,15 @@ class Bench:
                       f"{c['hbm_fraction']:5.1%} HBM  err {c['score_err']:.1e}")
         if not r.scores and not r.topk:
             return self.print_errors()
-        names = [READ_FLOOR, "previous fp16x2"] + [f"fast {p}" for p in PRECISIONS] + [E4M3_Q]
+        names = [READ_FLOOR, "previous fp16x2"] + [f"fast {p}" for p in PRECISIONS] + [E4M3_Q, AFTER_WRITE]
         print("\nscores: us, GB/s, fraction of the HBM copy (score err); the first column reads the same bytes")
         self.print_scores(names, 27, lambda s: f"{s.us:7.1f} {s.gbps:5.0f} {s.hbm_fraction:5.1%} ({s.score_err:.0e})")
         print(f"\nscores in a replayed graph (what a call adds to a graph of L2 flushes): us, fraction of the copy "
               f"(events); events around a one-element fill: {r.event_floor_us:.1f} us")
         self.print_scores(GRAPH_TIMED, 23, lambda s: f"{s.graph_us:7.1f} {s.graph_hbm_fraction:7.1%} ({s.us:5.1f})")
+        for wr in r.index_writes:
+            print(f"index-key write, B {wr.batch}, in the graph: {wr.kernel_us:.1f} us (the two indexed assignments "
+                  f"it replaced: {wr.indexed_us:.1f} us)")
         for quant in r.query_quant:
             print(f"query to e4m3, B {quant.batch}: {quant.quantize_us:.1f} us (the multiply it replaces: "
                   f"{quant.multiply_us:.1f} us)")

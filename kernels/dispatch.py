@@ -168,13 +168,35 @@ def indexer_topk(
     token_req: torch.Tensor,
     seq_lens: torch.Tensor,
     top_k: int,
+    tables_ready: bool = False,
 ) -> torch.Tensor:
-    """Lightning-indexer top-k (semantics and arguments: kernels/indexer_ref.py). Batched torch ops on CUDA."""
+    """Lightning-indexer top-k (semantics and arguments: kernels/indexer_ref.py). The Triton kernels on CUDA.
+    tables_ready: token_rows, token_req and seq_lens were written before the kernel launched just before this call
+    (the engine: before the layer), so the scores kernel may read them while that kernel still runs
+    (kernels/indexer_fast.py); it changes no result."""
     if q.is_cuda:
         from kernels.indexer_gpu import indexer_topk_batched
 
-        return indexer_topk_batched(q, weights, keys_fp8, scales, token_rows, token_req, seq_lens, top_k)
+        return indexer_topk_batched(q, weights, keys_fp8, scales, token_rows, token_req, seq_lens, top_k,
+                                    tables_ready=tables_ready)
     return indexer_topk_ref(q, weights, keys_fp8, scales, token_rows, token_req, seq_lens, top_k)
+
+
+def write_index_rows(keys_dst: torch.Tensor, scales_dst: torch.Tensor, rows: torch.Tensor, keys_fp8: torch.Tensor,
+                     scales: torch.Tensor) -> None:
+    """The index-key write of a layer: keys_dst[rows] = keys_fp8, scales_dst[rows] = scales (float32). One Triton
+    kernel on CUDA (`kernels.indexer_fast.write_index_rows`: it also lets the scores kernel after it start
+    early), indexed assignments elsewhere; the same bytes either way."""
+    if keys_dst.is_cuda:
+        from kernels.indexer_gpu import triton_available
+
+        if triton_available():
+            from kernels.indexer_fast import write_index_rows as write_index_rows_triton
+
+            write_index_rows_triton(keys_dst, scales_dst, rows, keys_fp8, scales)
+            return
+    keys_dst[rows] = keys_fp8
+    scales_dst[rows] = scales.float()
 
 
 def backup_rows(

@@ -37,15 +37,17 @@ def indexer_topk_batched(
     token_req: torch.Tensor,
     seq_lens: torch.Tensor,
     top_k: int,
+    tables_ready: bool = False,
 ) -> torch.Tensor:
     """q [T, Hi, 128], weights [T, Hi], keys_fp8 [N, 128], scales [N], token_rows [B, L] (cache row of each
     position of each request), token_req [T] (request of each query), seq_lens [T]
-    → [T, top_k] int32 positions (ascending), −1 pads. Triton on CUDA, torch ops otherwise."""
+    → [T, top_k] int32 positions (ascending), −1 pads. Triton on CUDA, torch ops otherwise. tables_ready: see
+    `kernels.indexer_fast.indexer_scores_fast` (timing only)."""
     args = (q, weights, keys_fp8, scales, token_rows, token_req, seq_lens, top_k)
     if q.is_cuda and triton_available():
         from kernels.indexer_fast import indexer_topk_fast
 
-        return indexer_topk_fast(*args)
+        return indexer_topk_fast(*args, tables_ready=tables_ready)
     return indexer_topk_torch(*args)
 
 

@@ -164,9 +164,11 @@ def test_indexer_token_rows_are_gathered_once_a_forward(monkeypatch) -> None:
     seen: list[torch.Tensor] = []
     original = dense_backend.indexer_topk
 
-    def recording(q, weights, keys, scales, token_rows, token_req, seq_lens, top_k, reference=False):
+    def recording(q, weights, keys, scales, token_rows, token_req, seq_lens, top_k, reference=False,
+                  tables_ready=False):
+        assert tables_ready  # gathered in begin_forward, before the write that precedes the scores
         seen.append(token_rows)
-        got = original(q, weights, keys, scales, token_rows, token_req, seq_lens, top_k, reference)
+        got = original(q, weights, keys, scales, token_rows, token_req, seq_lens, top_k, reference, tables_ready)
         batch = backend._batch
         own = cache.tokens.table.clone()[batch.req_rows, : batch.token_table_width()]  # as each layer gathered
         assert torch.equal(got, original(q, weights, keys, scales, own, token_req, seq_lens, top_k, reference))

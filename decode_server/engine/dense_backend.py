@@ -15,6 +15,7 @@ from decode_server.engine.kv_rows import CacheGeometry, encode_rows, storage_lay
 from decode_server.model import batch_invariant
 from kernels import indexer_topk as _indexer_topk
 from kernels import sparse_mla_decode as _sparse_mla
+from kernels import write_index_rows
 from kernels.dispatch import sparse_mla_decode_rows_ref
 from kernels.indexer_ref import indexer_topk_ref
 from kernels.sparse_mla_ref import D_V
@@ -137,16 +138,16 @@ class DenseBackend(AttentionBackend):
     def write_index_keys(self, layer_id: int, keys_fp8: torch.Tensor, scales: torch.Tensor) -> None:
         _, slots, _ = self._current()
         index = self.cache.index_slot[layer_id]
-        self.cache.index_keys[index, slots] = keys_fp8
-        self.cache.index_scales[index, slots] = scales.float()
+        write_index_rows(self.cache.index_keys[index], self.cache.index_scales[index], slots, keys_fp8, scales)
 
     def index_topk(self, layer_id: int, q: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
         batch, _, _ = self._current()
         assert self._token_rows is not None and self._query_lens is not None  # set with the batch in begin_forward
         index = self.cache.index_slot[layer_id]
+        # The write above is the kernel right before; the tables were made in begin_forward (tables_ready).
         return batch.mask_padded_topk(indexer_topk(
             q, weights, self.cache.index_keys[index], self.cache.index_scales[index],
-            self._token_rows, batch.token_req, self._query_lens, top_k, self.reference_kernels,
+            self._token_rows, batch.token_req, self._query_lens, top_k, self.reference_kernels, tables_ready=True,
         ))
 
     def physical_rows(self, topk_positions: torch.Tensor) -> torch.Tensor:
@@ -166,11 +167,15 @@ class DenseBackend(AttentionBackend):
 
 def indexer_topk(
     q: torch.Tensor, weights: torch.Tensor, keys_fp8: torch.Tensor, scales: torch.Tensor, token_rows: torch.Tensor,
-    token_req: torch.Tensor, seq_lens: torch.Tensor, top_k: int, reference: bool = False,
+    token_req: torch.Tensor, seq_lens: torch.Tensor, top_k: int, reference: bool = False, tables_ready: bool = False,
 ) -> torch.Tensor:
-    """The indexer top-k dispatcher, or its PyTorch reference on any device when `reference` is set."""
-    fn = indexer_topk_ref if reference else _indexer_topk
-    return fn(q, weights, keys_fp8, scales, token_rows, token_req, seq_lens, top_k)
+    """The indexer top-k dispatcher, or its PyTorch reference on any device when `reference` is set.
+    tables_ready: token_rows, token_req and seq_lens were written before the kernel right before this call (the
+    backends: in begin_forward), so the scores kernel may start early (kernels/indexer_fast.py; timing only)."""
+    if reference:
+        return indexer_topk_ref(q, weights, keys_fp8, scales, token_rows, token_req, seq_lens, top_k)
+    return _indexer_topk(q, weights, keys_fp8, scales, token_rows, token_req, seq_lens, top_k,
+                         tables_ready=tables_ready)
 
 
 def attend_in_chunks(

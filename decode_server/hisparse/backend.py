@@ -240,16 +240,18 @@ class HiSparseBackend(AttentionBackend):
     def write_index_keys(self, layer_id: int, keys_fp8: torch.Tensor, scales: torch.Tensor) -> None:
         self._current()
         index = self.co.index_slot[layer_id]
-        self.co.indexer.keys[index, self._index_rows] = keys_fp8
-        self.co.indexer.scales[index, self._index_rows] = scales.float()
+        ops.write_index_rows(self.co.indexer.keys[index], self.co.indexer.scales[index], self._index_rows, keys_fp8,
+                             scales)
 
     def index_topk(self, layer_id: int, q: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
         batch = self._current()
         assert self._token_rows is not None and self._query_lens is not None  # set with the batch in begin_forward
         index = self.co.index_slot[layer_id]
+        # As dense: the write above is the kernel right before, the tables were made in begin_forward.
         return batch.mask_padded_topk(ops.indexer_topk(
             q, weights, self.co.indexer.keys[index], self.co.indexer.scales[index],
             self._token_rows, batch.token_req, self._query_lens, top_k, self.co.reference_kernels,
+            tables_ready=True,
         ))
 
     def prepare_attention(self, layer_id: int, topk_positions: torch.Tensor) -> None:

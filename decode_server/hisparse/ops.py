@@ -33,6 +33,12 @@ def indexer_topk(*args, **kwargs) -> torch.Tensor:
     return dense_backend.indexer_topk(*args, **kwargs)
 
 
+def write_index_rows(keys_dst: torch.Tensor, scales_dst: torch.Tensor, rows: torch.Tensor, keys_fp8: torch.Tensor,
+                     scales: torch.Tensor) -> None:
+    """The index-key write dense mode does (`kernels.write_index_rows`)."""
+    kernels.write_index_rows(keys_dst, scales_dst, rows, keys_fp8, scales)
+
+
 def sparse_attention(
     q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, scale: float, d_v: int, reference: bool = False, *,
     kernel: str = "triton",

@@ -25,8 +25,10 @@ def test_every_layer_reads_the_forwards_one_token_rows(tiny_cpu, monkeypatch) ->
     engine_of_run: list = []
     calls: list[tuple[object, torch.Tensor, bool]] = []  # (forward context, token_rows, static batch)
 
-    def recording(q, weights, keys, scales, token_rows, token_req, seq_lens, top_k, reference=False):
-        got = original(q, weights, keys, scales, token_rows, token_req, seq_lens, top_k, reference)
+    def recording(q, weights, keys, scales, token_rows, token_req, seq_lens, top_k, reference=False,
+                  tables_ready=False):
+        assert tables_ready  # made in begin_forward: the scores kernel may read them before the write ends
+        got = original(q, weights, keys, scales, token_rows, token_req, seq_lens, top_k, reference, tables_ready)
         ctx = get_forward_context()
         batch = ctx.batch
         own = _indexer_table(engine_of_run[-1]).clone()[batch.req_rows, : batch.token_table_width()]

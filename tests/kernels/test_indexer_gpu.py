@@ -291,6 +291,81 @@ def test_indexer_no_host_sync_and_cuda_graph_replay() -> None:
         assert torch.equal(out, indexer_topk_fast(q, w, keys, scales, token_rows, req, seq, 2048))
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_write_index_rows_is_the_indexed_assignment() -> None:
+    """The one-kernel index-key write (the engine's, both modes) leaves the bytes indexed assignment leaves, on a
+    view of a multi-layer cache; rows < 0 are skipped."""
+    from kernels.indexer_fast import write_index_rows
+
+    gen = torch.Generator().manual_seed(4)
+    cache_keys, cache_scales = quantize_index_keys(torch.randn(3 * 5000, 128, generator=gen))
+    cache_keys, cache_scales = _to(DEV, cache_keys.view(3, 5000, 128), cache_scales.view(3, 5000))
+    for num in (1, 17, 64, 300):
+        keys, scales = _to(DEV, *quantize_index_keys(torch.randn(num, 128, generator=gen)))
+        rows = torch.randperm(5000, generator=gen)[:num].to(DEV)
+        rows[num // 2] = -1
+        want_keys, want_scales = cache_keys.clone(), cache_scales.clone()
+        kept = rows >= 0
+        want_keys[1, rows[kept]] = keys[kept]
+        want_scales[1, rows[kept]] = scales[kept]
+        write_index_rows(cache_keys[1], cache_scales[1], rows, keys, scales)
+        assert torch.equal(cache_keys.view(torch.uint8), want_keys.view(torch.uint8))
+        assert torch.equal(cache_scales, want_scales)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_early_started_scores_after_the_write_give_the_same_bits() -> None:
+    """The engine's order — index-key write, then the scores launched early (`tables_ready`, programmatic
+    dependent launch on Hopper) — scores the keys the write just stored: eager and in a replayed CUDA graph, the
+    scores and the selection equal those of the plain launch, including the new token's position."""
+    from kernels.indexer_fast import indexer_scores_fast, indexer_topk_fast, quantize_query, write_index_rows
+
+    gen, keys, scales, table = _make_case(64, 12, [9000, 4000, 12000, 700], 12000, n_keys=40000)
+    q = torch.randn(4, 64, 128, generator=gen)
+    w = torch.randn(4, 64, generator=gen)
+    seq = torch.tensor([9000, 4000, 12000, 700])
+    q, w, keys, scales, table, seq = _to(DEV, q, w, keys, scales, table, seq)
+    q8, w8 = quantize_query(q, w)
+    token_rows, req = table[:, :12000], torch.arange(4, device=DEV)
+    new_rows = table[req, seq - 1].long()
+
+    def new_keys() -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_index_keys(torch.randn(4, 128, device=DEV))
+
+    def engine_order(k: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        write_index_rows(keys, scales, new_rows, k, s)
+        scores = indexer_scores_fast(q8, w8, keys, scales, token_rows, req, seq, tables_ready=True)
+        write_index_rows(keys, scales, new_rows, k, s)
+        return scores, indexer_topk_fast(q8, w8, keys, scales, token_rows, req, seq, 2048, tables_ready=True)
+
+    def plain(k: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys[new_rows], scales[new_rows] = k, s
+        return (indexer_scores_fast(q8, w8, keys, scales, token_rows, req, seq),
+                indexer_topk_fast(q8, w8, keys, scales, token_rows, req, seq, 2048))
+
+    def assert_same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+        for t, n in enumerate(seq.tolist()):
+            assert torch.equal(got[0][t, :n], want[0][t, :n]), f"query {t}: scores differ"
+        assert torch.equal(got[1], want[1])
+
+    k, s = new_keys()
+    assert_same(engine_order(k, s), plain(k, s))  # eager (also compiles outside the capture)
+    k_in, s_in = new_keys()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = engine_order(k_in, s_in)
+    for _ in range(3):  # each replay writes new keys at the last positions, then scores them
+        k, s = new_keys()
+        k_in.copy_(k)
+        s_in.copy_(s)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same(out, plain(k, s))
+
+
 def test_indexer_all_short_is_dense_everywhere() -> None:
     """Every request within top_k: positions 0..n-1 then −1, on CPU (torch fallback) and on the GPU if any."""
     gen = torch.Generator().manual_seed(5)

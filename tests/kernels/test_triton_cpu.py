@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 SCRIPT = Path(__file__).with_name("triton_cpu_checks.py")
 CHECKS = ["interpret-kth-key", "interpret-sparse-mla", "interpret-norm-rope", "interpret-norm-quant", "interpret-moe-route", "interpret-moe-dispatch", "interpret-fp8-quant", "interpret-indexer-rotation", "interpret-swiglu", "compile-swiglu", "compile-small-kernels", "interpret-topk", "interpret-scores", "compile-topk", "compile-scores-fp16", "compile-scores-fp16x2",
-          "compile-scores-fp8", "compile-scores-fp8-e4m3-q", "compile-gemv", "compile-bmm", "compile-sparse-mla-gluon",
+          "compile-scores-fp8", "compile-scores-fp8-e4m3-q", "compile-scores-early", "compile-gemv", "compile-bmm", "compile-sparse-mla-gluon",
           "compile-sparse-mla-triton"]
 
 
@@ -44,15 +44,18 @@ def test_bench_indexer_smoke(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert not report["errors"], report["errors"]
     assert {s["kernel"] for s in report["scores"]} == {"read of the same bytes", "previous fp16x2", "fast fp16",
-                                                       "fast fp16x2", "fast fp8", "fast e4m3 q"}
+                                                       "fast fp16x2", "fast fp8", "fast e4m3 q",
+                                                       "e4m3 q after the key write"}
     scores = {s["kernel"]: s for s in report["scores"]}
     assert scores["fast e4m3 q"]["score_err"] == scores["fast fp8"]["score_err"]  # the same bits
+    assert scores["e4m3 q after the key write"]["score_err"] == scores["fast fp8"]["score_err"]
+    assert report["index_writes"] and all(w["indexed_us"] > 0 and w["kernel_us"] > 0 for w in report["index_writes"])
     assert report["query_quant"] and all(r["quantize_us"] > 0 for r in report["query_quant"])
     assert report["chains"] and all(min(c[key] for key in c if key.endswith("_us")) > 0 for c in report["chains"])
     assert all(s["hbm_fraction"] > 0 and s["read_fraction"] > 0 for s in report["scores"])
     # The in-graph timing (wall time of one call under --smoke) for the read and the two fp8 kernels only.
     graph_timed = {name for name, s in scores.items() if s["graph_us"] == s["graph_us"]}  # not nan
-    assert graph_timed == {"read of the same bytes", "fast fp8", "fast e4m3 q"}
+    assert graph_timed == {"read of the same bytes", "fast fp8", "fast e4m3 q", "e4m3 q after the key write"}
     assert all(scores[name]["graph_us"] > 0 and scores[name]["graph_hbm_fraction"] > 0 for name in graph_timed)
     assert report["event_floor_us"] > 0
     assert {t["source"] for t in report["topk"]} == {"randn", "indexer scores"} and report["calls"]

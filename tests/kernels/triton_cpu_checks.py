@@ -171,6 +171,28 @@ def interpret_scores() -> None:
                 _fail(f"indexer_topk_fast {precision} H {heads}: not the rule applied to its own scores")
             print(f"scores {precision} H {heads}: {worst:.1e} from the emulation; top-k = rule(scores)")
         _check_e4m3_query(q, w, keys, scales, token_rows, token_req, seq_lens)
+    _check_write_index_rows(gen)
+
+
+def _check_write_index_rows(gen: torch.Generator) -> None:
+    """`write_index_rows` (the Triton kernel, interpreted) writes what indexed assignment writes; rows < 0 are
+    skipped, every other row of the destination is left as it was."""
+    from kernels.indexer_fast import write_index_rows
+    from kernels.indexer_ref import quantize_index_keys
+
+    dst_keys, dst_scales = quantize_index_keys(torch.randn(100, 128, generator=gen))
+    keys, scales = quantize_index_keys(torch.randn(37, 128, generator=gen))
+    rows = torch.randperm(100, generator=gen)[:37]
+    rows[5] = -1
+    want_keys, want_scales = dst_keys.clone(), dst_scales.clone()
+    kept = rows >= 0
+    want_keys[rows[kept]] = keys[kept]
+    want_scales[rows[kept]] = scales[kept]
+    write_index_rows(dst_keys, dst_scales, rows, keys, scales)
+    if not (torch.equal(dst_keys.view(torch.uint8), want_keys.view(torch.uint8))
+            and torch.equal(dst_scales, want_scales)):
+        _fail("write_index_rows: not the indexed assignment's bytes")
+    print("index-key write: the indexed assignment's bytes, rows < 0 skipped")
 
 
 def _check_e4m3_query(q, w, keys, scales, token_rows, token_req, seq_lens) -> None:
@@ -270,8 +292,9 @@ def _loops(ttgir: str) -> list[str]:
     return bodies
 
 
-def compile_scores(precision: str, q_e4m3: bool = False) -> None:
-    """precision "fp8" with q_e4m3: the variant that reads a query `quantize_query` made (the engine's on CUDA)."""
+def compile_scores(precision: str, q_e4m3: bool = False, early: bool = False) -> None:
+    """precision "fp8" with q_e4m3: the variant that reads a query `quantize_query` made (the engine's on CUDA);
+    early: that variant launched as a programmatic dependent (the engine's, after the index-key write)."""
     from kernels.indexer_fast import _PRECISION_CODE, DEFAULT_CONFIG, _scores_kernel
 
     cfg = DEFAULT_CONFIG
@@ -282,9 +305,11 @@ def compile_scores(precision: str, q_e4m3: bool = False) -> None:
     aligned = [n for n in types if n.endswith("_ptr")] + ["stride_qt", "stride_qh", "stride_wt", "stride_keys",
                                                           "stride_out", "num_heads"]
     constexprs = {"stride_rows_l": 1, "HEADS_P": 64, "BLOCK_N": cfg.block_n, "PRECISION": _PRECISION_CODE[precision],
-                  "Q_E4M3": q_e4m3}
+                  "Q_E4M3": q_e4m3, "EARLY": early}
     t0 = time.time()
     kernel = _compile_sm90(_scores_kernel, types, constexprs, aligned, cfg.num_warps, cfg.num_stages)
+    if early:
+        _check_early_start(kernel.asm["ptx"])
     ttgir = kernel.asm["ttgir"]
     loops = _loops(ttgir)
     main = [body for body in loops if "warp_group_dot" in body]
@@ -303,6 +328,50 @@ def compile_scores(precision: str, q_e4m3: bool = False) -> None:
         _fail(f"expected the main loop only (the scales are applied in it), found {len(loops)} loops")
     print(f"scores {precision}{' (e4m3 q given)' if q_e4m3 else ''}: compiled for sm_90 in {time.time() - t0:.0f} s, {_resources(kernel)}; main loop "
           f"fully asynchronous, {max(int(b) for b in buffers)} key tiles buffered")
+
+
+def _check_early_start(ptx: str) -> None:
+    """The early-start scores kernel's PTX: before its first griddepcontrol.wait only the request id, its length
+    and the first block's row ids are loaded (what the engine wrote before the kernel launched just before) and
+    the first key rows are prefetched into the L2; q, weights, scales and keys come after it; every program
+    reaches a wait (the branch for spans beyond the length has its own)."""
+    lines = ptx.splitlines()
+    waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+    if len(waits) != 2:
+        _fail(f"early scores: {len(waits)} griddepcontrol.wait (want one on each branch)")
+    before, after = lines[: waits[0]], lines[waits[0]:]
+    # The request id and length are 64-bit scalars, a block's row ids 32-bit ones; q and the weights are loaded
+    # as vectors (v2 / v4), the keys by async copies.
+    loads = [line for line in before if re.search(r"\bld\.global", line)]
+    if (len(loads) > 6 or any(".v2." in line or ".v4." in line for line in loads)
+            or any("cp.async" in line for line in before)):
+        _fail(f"early scores: {len(loads)} loads / async copies before the wait (want the request, length and "
+              "row-id loads only)")
+    if not any(re.search(r"\bld\.global\.v[24]", line) for line in after):
+        _fail("early scores: no vector load (q, weights) after the wait")
+    if not any("prefetch.global.L2" in line for line in before):
+        _fail("early scores: the first key rows are not prefetched before the wait")
+    print(f"early scores: {len(loads)} loads and the first keys' L2 prefetch before griddepcontrol.wait")
+
+
+def compile_write_index_rows() -> None:
+    """The index-key write kernel compiled for sm_90 as the engine launches it: griddepcontrol.launch_dependents
+    before any memory access (the scores kernel after it may start at once), no spills."""
+    from kernels.indexer_fast import _write_index_rows_kernel
+
+    types = {"keys_ptr": "*u8", "scales_ptr": "*fp32", "rows_ptr": "*i64", "dst_keys_ptr": "*u8",
+             "dst_scales_ptr": "*fp32", "stride_src": "i32", "stride_dst": "i32", "num": "i32"}
+    kernel = _compile_sm90(_write_index_rows_kernel, types, {"LET_NEXT_START": True, "BLOCK_T": 16},
+                           ["keys_ptr", "dst_keys_ptr", "stride_src", "stride_dst"], 4, 1)
+    lines = kernel.asm["ptx"].splitlines()
+    trigger = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
+    memory = [i for i, line in enumerate(lines) if re.search(r"\b(ld|st)\.global", line)]
+    if len(trigger) != 1 or not memory or trigger[0] > memory[0]:
+        _fail(f"index-key write: launch_dependents at {trigger}, first memory access at {memory[:1]}")
+    usage = _resources(kernel)
+    if " 0 B spilled" not in usage:
+        _fail(f"index-key write spills: {usage}")
+    print(f"index-key write: dependents released before its first access; {usage}")
 
 
 def compile_topk() -> None:
@@ -951,6 +1020,7 @@ CHECKS = {
     "compile-sparse-mla-triton": compile_sparse_mla_triton,
     **{f"compile-scores-{p}": (lambda p=p: compile_scores(p)) for p in ("fp16", "fp16x2", "fp8")},
     "compile-scores-fp8-e4m3-q": lambda: compile_scores("fp8", q_e4m3=True),
+    "compile-scores-early": lambda: (compile_scores("fp8", q_e4m3=True, early=True), compile_write_index_rows()),
 }
 
 if __name__ == "__main__":
