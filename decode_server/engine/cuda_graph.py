@@ -3,8 +3,8 @@
 
 A decode batch of b requests runs as the smallest captured bucket bs >= b: rows b..bs-1 are padding. Padded rows
 are requests of the backends' scratch row (forward_batch.SCRATCH_SLOTS): each decodes its "first token" at
-position 0 into a scratch slot that no request owns, and its top-k is masked to -1, so it reads no KV, loads
-nothing, moves no LRU state and counts no swap-in hit; its new row is never backed up. What a step needs that
+position 0 into a scratch slot that no request owns, and its top-k is all -1 (its indexer sees no position), so
+it reads no KV, loads nothing, moves no LRU state and counts no swap-in hit; its new row is never backed up. What a step needs that
 changes from step to step (input ids, positions, request rows, prefix lengths, the number of real rows) is copied
 into static buffers before the replay (one host-to-device copy and one device copy); every shape inside is the
 bucket's, and the indexer reads every request's token table at the table's full width (the context length)

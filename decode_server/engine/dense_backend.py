@@ -110,7 +110,7 @@ class DenseBackend(AttentionBackend):
         # region (forward_context), so each replay gathers the step's rows before the layers read them.
         self._token_rows = self.cache.tokens.table[batch.req_rows, : batch.token_table_width()]
         # Likewise the lengths the indexer's queries see (one add a forward instead of one a layer).
-        self._query_lens = batch.positions + 1
+        self._query_lens = batch.indexer_query_lens()
 
     def prepare_static_forward(self, batch: ForwardBatch) -> None:
         """Every request of the batch (the scratch row aside) has slots for its tokens."""
@@ -145,10 +145,11 @@ class DenseBackend(AttentionBackend):
         assert self._token_rows is not None and self._query_lens is not None  # set with the batch in begin_forward
         index = self.cache.index_slot[layer_id]
         # The write above is the kernel right before; the tables were made in begin_forward (tables_ready).
-        return batch.mask_padded_topk(indexer_topk(
+        # Padded rows see 0 positions (`_query_lens`): their selection is all -1 without a mask here.
+        return indexer_topk(
             q, weights, self.cache.index_keys[index], self.cache.index_scales[index],
             self._token_rows, batch.token_req, self._query_lens, top_k, self.reference_kernels, tables_ready=True,
-        ))
+        )
 
     def physical_rows(self, topk_positions: torch.Tensor) -> torch.Tensor:
         """Map logical positions [T, K] (−1 pads) of the current batch's queries to cache slots."""

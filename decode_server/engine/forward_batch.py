@@ -42,8 +42,8 @@ class ForwardBatch:
     extend_lens_cpu: list[int] = field(default_factory=list)
     is_decode: bool = False
     # Padded decode batches (CUDA graph buckets, decode_server/engine/cuda_graph.py): the rows past the real ones
-    # belong to the backends' scratch row. `pad_mask` [B] bool marks them (their top-k is masked to -1, so they
-    # read nothing and count no swap-in hit); `static`: the tensors are views of the graph runner's static
+    # belong to the backends' scratch row. `pad_mask` [B] bool marks them (their indexer sees no position, so
+    # their top-k is all -1: they read nothing and count no swap-in hit); `static`: the tensors are views of the graph runner's static
     # buffers and `begin_forward`/`end_forward` do device work only (capturable), the host side being done by
     # `prepare_static_forward`/`finish_static_forward`; `index_width`: every request's token table is read at
     # this fixed width (the table's) instead of the longest sequence's, so no shape depends on the step.
@@ -77,6 +77,13 @@ class ForwardBatch:
         if self.pad_mask is None:
             return topk
         return topk.masked_fill(self.pad_mask.unsqueeze(1), -1)
+
+    def indexer_query_lens(self) -> torch.Tensor:
+        """[T] int64: the positions each query's indexer sees (its own included), 0 for a padded row — whose
+        selection is then all −1 by the top-k rule (n <= top_k: 0..n−1, then −1), what `mask_padded_topk` gives,
+        without a masking kernel in every layer. The backends make it once a forward (begin_forward)."""
+        lens = self.positions + 1
+        return lens if self.pad_mask is None else lens.masked_fill(self.pad_mask, 0)
 
     @property
     def last_token_indices(self) -> torch.Tensor:

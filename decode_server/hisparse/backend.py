@@ -152,7 +152,7 @@ class HiSparseBackend(AttentionBackend):
         # Every layer's indexer reads the same rows: gathered once a forward, not once a layer; inside the
         # captured region under CUDA graphs (forward_context), so each replay gathers the step's rows.
         self._token_rows = co.indexer.rows.table[batch.req_rows, : batch.token_table_width()]
-        self._query_lens = batch.positions + 1
+        self._query_lens = batch.indexer_query_lens()
         host_rows = co.host.rows.table[self._query_rows, batch.positions].long()
         if batch.is_decode:
             self._new_slots = self._slots_of_new_tokens(batch)
@@ -247,12 +247,13 @@ class HiSparseBackend(AttentionBackend):
         batch = self._current()
         assert self._token_rows is not None and self._query_lens is not None  # set with the batch in begin_forward
         index = self.co.index_slot[layer_id]
-        # As dense: the write above is the kernel right before, the tables were made in begin_forward.
-        return batch.mask_padded_topk(ops.indexer_topk(
+        # As dense: the write above is the kernel right before, the tables were made in begin_forward, and padded
+        # rows see 0 positions, so their selection is all -1.
+        return ops.indexer_topk(
             q, weights, self.co.indexer.keys[index], self.co.indexer.scales[index],
             self._token_rows, batch.token_req, self._query_lens, top_k, self.co.reference_kernels,
             tables_ready=True,
-        ))
+        )
 
     def prepare_attention(self, layer_id: int, topk_positions: torch.Tensor) -> None:
         batch = self._current()

@@ -45,7 +45,7 @@ class HostKVPool:
         else:
             self.kv = host_empty((num_layers, num_rows, row_bytes), torch.uint8, device, "host KV pool")
         # One table row more than request rows: the scratch row of padded decode batches, which maps no host row
-        # (its top-k is masked and its new token is never backed up: forward_batch.SCRATCH_SLOTS).
+        # (its top-k is all -1 and its new token is never backed up: forward_batch.SCRATCH_SLOTS).
         self.scratch_row = max_reqs
         self.rows = RequestTokenTable(PagedAllocator(num_rows, page_size, name="host KV"), max_reqs + 1, max_ctx,
                                       device)

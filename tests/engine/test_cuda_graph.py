@@ -17,6 +17,8 @@ from decode_server.engine.cuda_graph import (
     resolve_batch_sizes,
 )
 from decode_server.engine.forward_batch import SCRATCH_SLOTS, ForwardBatch
+from kernels import indexer_topk
+from kernels.indexer_ref import quantize_index_keys
 
 
 def test_default_batch_sizes() -> None:
@@ -105,6 +107,16 @@ def test_static_inputs_of_a_padded_batch(make_engine, hisparse: bool) -> None:
     static.pad_mask = runner._arange[:4] >= runner._meta[12:13]
     topk = torch.zeros(4, 3, dtype=torch.int32)
     assert static.mask_padded_topk(topk)[:, 0].tolist() == [0, 0, 0, -1]
+    # The indexer's query lengths give a padded row no position, so the top-k rule selects nothing for it (all -1)
+    # with no mask in the layers; the real rows keep theirs.
+    assert static.indexer_query_lens().tolist() == [11, 4, 8, 0]
+    assert ForwardBatch.build([2, 0], [10, 3], [1, 1], "cpu").indexer_query_lens().tolist() == [11, 4]
+    keys, scales = quantize_index_keys(torch.randn(64, 128))
+    table = torch.randperm(64)[:48].view(4, 12).to(torch.int32)
+    picked = indexer_topk(torch.randn(4, 2, 128), torch.rand(4, 2), keys, scales, table, static.token_req,
+                          static.indexer_query_lens(), 6)
+    assert picked[3].tolist() == [-1] * 6 and picked[1].tolist() == [0, 1, 2, 3, -1, -1]
+    assert sorted(picked[0].tolist()) == picked[0].tolist() and min(picked[0].tolist()) >= 0
     assert static.token_table_width() == engine.context_length
     with pytest.raises(ValueError, match="decode"):
         runner.run(ForwardBatch.build([1], [3], [2], "cpu"), torch.tensor([1, 2]))

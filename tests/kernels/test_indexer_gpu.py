@@ -366,6 +366,29 @@ def test_early_started_scores_after_the_write_give_the_same_bits() -> None:
         assert_same(out, plain(k, s))
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tables_ready", [False, True])
+def test_a_row_with_no_position_selects_nothing(tables_ready: bool) -> None:
+    """A query that sees 0 positions (a CUDA-graph batch's padded row: `ForwardBatch.indexer_query_lens`) gets
+    only -1, and the other rows are what they are without it (plain and early-started scores)."""
+    from kernels.indexer_fast import indexer_topk_fast, quantize_query
+
+    gen, keys, scales, table = _make_case(64, 21, [9000, 5000, 7000], 9000, n_keys=20000)
+    q = torch.randn(3, 64, 128, generator=gen)
+    w = torch.randn(3, 64, generator=gen)
+    q, w, keys, scales, table = _to(DEV, q, w, keys, scales, table)
+    q8, w8 = quantize_query(q, w)
+    token_rows, req = table[:, :9000], torch.arange(3, device=DEV)
+    got = indexer_topk_fast(q8, w8, keys, scales, token_rows, req, torch.tensor([9000, 0, 7000], device=DEV), 2048,
+                            tables_ready=tables_ready)
+    assert (got[1] == -1).all()
+    for t, n in ((0, 9000), (2, 7000)):
+        alone = indexer_topk_fast(q8[t : t + 1], w8[t : t + 1], keys, scales, token_rows, req[t : t + 1],
+                                  torch.tensor([n], device=DEV), 2048)
+        assert torch.equal(got[t], alone[0])
+
+
 def test_indexer_all_short_is_dense_everywhere() -> None:
     """Every request within top_k: positions 0..n-1 then −1, on CPU (torch fallback) and on the GPU if any."""
     gen = torch.Generator().manual_seed(5)
