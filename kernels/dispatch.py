@@ -184,9 +184,9 @@ def indexer_topk(
 
 def write_index_rows(keys_dst: torch.Tensor, scales_dst: torch.Tensor, rows: torch.Tensor, keys_fp8: torch.Tensor,
                      scales: torch.Tensor) -> None:
-    """The index-key write of a layer: keys_dst[rows] = keys_fp8, scales_dst[rows] = scales (float32). One Triton
-    kernel on CUDA (`kernels.indexer_fast.write_index_rows`: it also lets the scores kernel after it start
-    early), indexed assignments elsewhere; the same bytes either way."""
+    """The index-key write of a layer: keys_dst[rows] = keys_fp8, scales_dst[rows] = scales (float32), rows >= 0.
+    One Triton kernel on CUDA (`kernels.indexer_fast.write_index_rows`: it also lets the scores kernel after it
+    start early; it skips negative rows as a guard), indexed assignments elsewhere; the same bytes either way."""
     if keys_dst.is_cuda:
         from kernels.indexer_gpu import triton_available
 
