@@ -4,13 +4,14 @@
 A decode batch of b requests runs as the smallest captured bucket bs >= b: rows b..bs-1 are padding. Padded rows
 are requests of the backends' scratch row (forward_batch.SCRATCH_SLOTS): each decodes its "first token" at
 position 0 into a scratch slot that no request owns, and its top-k is all -1 (its indexer sees no position), so
-it reads no KV, loads nothing, moves no LRU state and counts no swap-in hit; its new row is never backed up. What a step needs that
-changes from step to step (input ids, positions, request rows, prefix lengths, the number of real rows) is copied
-into static buffers before the replay (one host-to-device copy and one device copy); every shape inside is the
-bucket's, and the indexer reads every request's token table at the table's full width (the context length)
-instead of the longest sequence's, so nothing the capture baked in depends on the step. The captured region is
-the model forward up to the logits, the backends' per-step device work included (token → slot gathers, the
-swap-in, the indexer, attention); sampling and the backup of the new rows (HiSparse) stay outside, as in SGLang.
+it reads no KV, loads nothing, moves no LRU state and counts no swap-in hit; its new row is never backed up. What
+a step needs that changes from step to step (input ids, positions, request rows, prefix lengths, the number of
+real rows) is copied into static buffers before the replay (one host-to-device copy and one device copy); every
+shape inside is the bucket's, and the indexer reads every request's token table at the table's full width (the
+context length) instead of the longest sequence's, so nothing the capture baked in depends on the step. The
+captured region is the model forward up to the logits, the backends' per-step device work included (token → slot
+gathers, the swap-in, the indexer, attention); sampling and the backup of the new rows (HiSparse) stay outside,
+as in SGLang.
 
 The same padded, static-buffer forward runs eagerly where a bucket has no graph (`capture=False`: CPU, tests), so
 with graphs enabled a step's logits do not depend on whether it was replayed (tests/engine/test_cuda_graph*.py).

@@ -43,10 +43,11 @@ class ForwardBatch:
     is_decode: bool = False
     # Padded decode batches (CUDA graph buckets, decode_server/engine/cuda_graph.py): the rows past the real ones
     # belong to the backends' scratch row. `pad_mask` [B] bool marks them (their indexer sees no position, so
-    # their top-k is all -1: they read nothing and count no swap-in hit); `static`: the tensors are views of the graph runner's static
-    # buffers and `begin_forward`/`end_forward` do device work only (capturable), the host side being done by
-    # `prepare_static_forward`/`finish_static_forward`; `index_width`: every request's token table is read at
-    # this fixed width (the table's) instead of the longest sequence's, so no shape depends on the step.
+    # their top-k is all -1: they read nothing and count no swap-in hit); `static`: the tensors are views of the
+    # graph runner's static buffers and `begin_forward`/`end_forward` do device work only (capturable), the host
+    # side being done by `prepare_static_forward`/`finish_static_forward`; `index_width`: every request's token
+    # table is read at this fixed width (the table's) instead of the longest sequence's, so no shape depends on
+    # the step.
     pad_mask: torch.Tensor | None = None
     static: bool = False
     index_width: int | None = None
