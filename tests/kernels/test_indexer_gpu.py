@@ -242,7 +242,7 @@ def test_indexer_kernels_compile_once_as_lengths_grow() -> None:
     from kernels import indexer_fast, topk_triton
     from kernels.indexer_fast import indexer_topk_fast
 
-    kernels = (indexer_fast._scores_kernel, topk_triton._topk_kernel)
+    kernels = (indexer_fast._scores_kernel, indexer_fast._scores_balanced_kernel, topk_triton._topk_kernel)
     gen, keys, scales, table = _make_case(64, 5, [3000, 2500], 3100)
     q = torch.randn(2, 64, 128, generator=gen)
     w = torch.rand(2, 64, generator=gen)
@@ -251,11 +251,15 @@ def test_indexer_kernels_compile_once_as_lengths_grow() -> None:
         return sum(len(cache[0]) for kernel in kernels for cache in kernel.device_caches.values())
 
     q, w, keys, scales, table = _to(DEV, q, w, keys, scales, table)
+    q8, w8 = indexer_fast.quantize_query(q, w)
     counts = []
     for max_len in range(2990, 3010):  # crosses multiples of 16 and of 64
         seq = torch.tensor([max_len, max_len - 400], device=DEV)
         # As the engine does: a slice of the device table (row stride fixed), lengths growing.
         indexer_topk_fast(q, w, keys, scales, table[:, :max_len], torch.tensor([0, 1], device=DEV), seq, 256)
+        # and an e4m3 query through the balanced kernel, started early
+        indexer_topk_fast(q8, w8, keys, scales, table[:, :max_len], torch.tensor([0, 1], device=DEV), seq, 256,
+                          indexer_fast.FastScoresConfig(balanced=True), tables_ready=True)
         counts.append(variants())
     assert counts[-1] == counts[0], f"compiled variants grew with the length: {counts}"
 
@@ -469,3 +473,43 @@ def test_previous_path_independent_of_batch(monkeypatch: pytest.MonkeyPatch) -> 
     whole = indexer_topk_triton(*args, 2048)
     monkeypatch.setattr(indexer_triton, "MAX_SCORES", 2 * 5000)  # two queries per chunk
     assert torch.equal(indexer_topk_triton(*args, 2048), whole)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tables_ready", [False, True])
+def test_balanced_split_gives_the_per_query_kernels_bits(tables_ready: bool) -> None:
+    """The balanced kernel (`FastScoresConfig(balanced=True)`: every program takes an even share of the batch's
+    blocks, across queries) against the per-query kernel on mixed lengths (0, 1, short, long), at several grids,
+    eager and in a CUDA graph replayed with new lengths (the split is made in the kernel from them)."""
+    from kernels.indexer_fast import FastScoresConfig, indexer_scores_fast, quantize_query
+
+    lens = [9000, 0, 4000, 12000, 700, 1, 64, 12000]
+    gen, keys, scales, table = _make_case(64, 21, lens, 12000, n_keys=40000)
+    q = torch.randn(8, 64, 128, generator=gen)
+    w = torch.randn(8, 64, generator=gen)
+    seq = torch.tensor(lens)
+    q, w, keys, scales, table, seq = _to(DEV, q, w, keys, scales, table, seq)
+    q8, w8 = quantize_query(q, w)
+    token_rows, req = table[:, :12000], torch.arange(8, device=DEV)
+
+    def check(got: torch.Tensor, lengths: torch.Tensor) -> None:
+        want = indexer_scores_fast(q8, w8, keys, scales, token_rows, req, lengths, FastScoresConfig(balanced=False))
+        for t, n in enumerate(lengths.tolist()):
+            assert torch.equal(got[t, :n], want[t, :n]), f"query {t} (length {n}): scores differ"
+
+    for programs in (None, 1, 3, 8):
+        got = indexer_scores_fast(q8, w8, keys, scales, token_rows, req, seq,
+                                  FastScoresConfig(balanced=True, programs_per_sm=programs), tables_ready=tables_ready)
+        check(got, seq)
+    lengths = seq.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = indexer_scores_fast(q8, w8, keys, scales, token_rows, req, lengths, FastScoresConfig(balanced=True),
+                                  tables_ready=tables_ready)
+    for _ in range(3):
+        lengths.copy_(torch.randint(0, 12001, (8,), generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, lengths)

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 SCRIPT = Path(__file__).with_name("triton_cpu_checks.py")
 CHECKS = ["interpret-kth-key", "interpret-sparse-mla", "interpret-norm-rope", "interpret-norm-quant", "interpret-moe-route", "interpret-moe-dispatch", "interpret-fp8-quant", "interpret-indexer-rotation", "interpret-swiglu", "compile-swiglu", "compile-small-kernels", "interpret-topk", "interpret-scores", "compile-topk", "compile-scores-fp16", "compile-scores-fp16x2",
-          "compile-scores-fp8", "compile-scores-fp8-e4m3-q", "compile-scores-early", "compile-gemv", "compile-bmm",
+          "compile-scores-fp8", "compile-scores-fp8-e4m3-q", "compile-scores-early", "compile-scores-balanced", "compile-gemv", "compile-bmm",
           "compile-sparse-mla-gluon",
           "compile-sparse-mla-triton"]
 

@@ -172,6 +172,35 @@ def interpret_scores() -> None:
             print(f"scores {precision} H {heads}: {worst:.1e} from the emulation; top-k = rule(scores)")
         _check_e4m3_query(q, w, keys, scales, token_rows, token_req, seq_lens)
     _check_write_index_rows(gen)
+    _check_balanced_split(gen)
+
+
+def _check_balanced_split(gen: torch.Generator) -> None:
+    """The balanced kernel (decode batches, e4m3 q: the batch's blocks split evenly over the grid, a program's
+    share running across queries) gives the per-query kernel's bits at every visible position, whatever the
+    grid: zero and one-block lengths, lengths past the table's width, unfilled row ids, a share spanning several
+    queries and programs left without work."""
+    from kernels.indexer_fast import FastScoresConfig, indexer_scores_fast, quantize_query
+    from kernels.indexer_ref import quantize_index_keys
+
+    keys, scales = quantize_index_keys(torch.randn(4096, 128, generator=gen))
+    max_len = 640
+    for lens in ([640, 0, 37, 640, 129], [1, 1, 700], [0, 0, 5], [640], [64] * 9):
+        batch = len(lens)
+        token_rows = torch.randint(0, 4096, (batch, max_len), generator=gen, dtype=torch.int32)
+        token_rows[0, 3] = -1
+        seq_lens = torch.tensor(lens)
+        token_req = torch.arange(batch)
+        q8, w8 = quantize_query(torch.randn(batch, 16, 128, generator=gen), torch.randn(batch, 16, generator=gen))
+        want = indexer_scores_fast(q8, w8, keys, scales, token_rows, token_req, seq_lens,
+                                   FastScoresConfig(balanced=False))
+        for programs in (1, 3, 7, 40):
+            got = indexer_scores_fast(q8, w8, keys, scales, token_rows, token_req, seq_lens,
+                                      FastScoresConfig(balanced=True, programs_per_sm=programs))
+            for t, n in enumerate(min(n, max_len) for n in lens):
+                if not torch.equal(got[t, :n], want[t, :n]):
+                    _fail(f"balanced scores, lengths {lens}, {programs} programs: query {t} differs")
+    print("balanced split: the per-query kernel's bits (5 batches x 4 grids)")
 
 
 def _check_write_index_rows(gen: torch.Generator) -> None:
@@ -328,6 +357,55 @@ def compile_scores(precision: str, q_e4m3: bool = False, early: bool = False) ->
         _fail(f"expected the main loop only (the scales are applied in it), found {len(loops)} loops")
     print(f"scores {precision}{' (e4m3 q given)' if q_e4m3 else ''}: compiled for sm_90 in {time.time() - t0:.0f} s, {_resources(kernel)}; main loop "
           f"fully asynchronous, {max(int(b) for b in buffers)} key tiles buffered")
+
+
+def compile_scores_balanced(early: bool) -> None:
+    """The balanced scores kernel (the engine's on CUDA for decode batches) compiled for sm_90 at 64 heads and 256
+    queries: no spills, the dot's loop fully asynchronous as in the per-query kernel; early: only the lengths, the
+    first query's request, length and row ids are read before griddepcontrol.wait and the first keys are
+    prefetched; q and the keys come after it."""
+    from kernels.indexer_fast import DEFAULT_CONFIG, _scores_balanced_kernel
+
+    cfg = DEFAULT_CONFIG
+    types = {"q_ptr": "*u8", "w_ptr": "*fp32", "keys_ptr": "*u8", "scales_ptr": "*fp32", "rows_ptr": "*i32",
+             "req_ptr": "*i64", "lens_ptr": "*i64", "out_ptr": "*fp32"}
+    types |= {name: "i32" for name in ("stride_qt", "stride_qh", "stride_wt", "stride_keys", "stride_rows_b",
+                                       "stride_out", "num_q", "num_heads", "max_len")}
+    aligned = [n for n in types if n.endswith("_ptr")] + ["stride_qt", "stride_qh", "stride_wt", "stride_keys",
+                                                          "stride_out", "num_heads"]
+    constexprs = {"stride_rows_l": 1, "HEADS_P": 64, "BLOCK_N": cfg.block_n, "BLOCK_T": 256, "EARLY": early}
+    t0 = time.time()
+    kernel = _compile_sm90(_scores_balanced_kernel, types, constexprs, aligned, cfg.num_warps, cfg.num_stages)
+    ttgir = kernel.asm["ttgir"]
+    # The segments' loop holds the blocks' loop: the innermost loop with the dot is the main loop.
+    main = [body for body in _loops(ttgir) if "warp_group_dot" in body and "scf.for" not in body]
+    if len(main) != 1:
+        _fail(f"balanced scores: expected one innermost loop with a dot, found {len(main)}")
+    sync_loads = main[0].count("tt.load")
+    async_copies = main[0].count("async_copy_global_to_local")
+    if sync_loads != 2 or async_copies < 2:
+        _fail(f"balanced scores: main loop has {sync_loads} synchronous loads (want 2), {async_copies} async copies")
+    if early:
+        lines = kernel.asm["ptx"].splitlines()
+        waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+        if len(waits) != 1:
+            _fail(f"balanced early scores: {len(waits)} griddepcontrol.wait (want one, reached by every program)")
+        before, after = lines[: waits[0]], lines[waits[0]:]
+        if any("cp.async" in line for line in before) or not any("cp.async" in line for line in after):
+            _fail("balanced early scores: key copies before the wait")
+        if not any("prefetch.global.L2" in line for line in before):
+            _fail("balanced early scores: the first key rows are not prefetched before the wait")
+        # q: 64 heads x 128 bytes, loaded as 4-byte-or-wider vectors by 128 threads; before the wait only the
+        # lengths (256 x 8 bytes) and scalars.
+        q_loads = [line for line in before if re.search(r"ld\.global(\.\w+)*\.(v4\.b32|v4\.u32)", line)]
+        if q_loads:
+            _fail(f"balanced early scores: {len(q_loads)} 16-byte loads (q) before the wait")
+    resources = _resources(kernel)
+    spilled = re.search(r"(\d+) B spilled", resources)
+    if spilled and int(spilled.group(1)):
+        _fail(f"balanced scores: {resources}")
+    print(f"scores balanced{' early' if early else ''}: compiled for sm_90 in {time.time() - t0:.0f} s, "
+          f"{resources}; main loop fully asynchronous")
 
 
 def _check_early_start(ptx: str) -> None:
@@ -1021,6 +1099,7 @@ CHECKS = {
     **{f"compile-scores-{p}": (lambda p=p: compile_scores(p)) for p in ("fp16", "fp16x2", "fp8")},
     "compile-scores-fp8-e4m3-q": lambda: compile_scores("fp8", q_e4m3=True),
     "compile-scores-early": lambda: (compile_scores("fp8", q_e4m3=True, early=True), compile_write_index_rows()),
+    "compile-scores-balanced": lambda: (compile_scores_balanced(False), compile_scores_balanced(True)),
 }
 
 if __name__ == "__main__":
