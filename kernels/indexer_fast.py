@@ -208,6 +208,35 @@ def _quantize_query_kernel(q_ptr, w_ptr, q_out_ptr, w_out_ptr, stride_qt, stride
     tl.store(w_out_ptr + t * num_heads + heads, w, mask=head_ok)
 
 
+@triton.jit
+def _score_block(pos, scored_end, row_base, stride_rows_l, keys_ptr, stride_keys, scales_ptr, scale_next, q_op, q_lo,
+                 w, out_base, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """One block of the scores kernels' main loop: row ids → key rows (both pipelined by the loop) → one dot →
+    ReLU, the weighted head sum × the keys' scales, stored. The scales (and the row ids they need) come one block
+    ahead: those loads feed no dot, so the pipeliner leaves them synchronous, and loaded in the block that uses
+    them they stalled every iteration on memory. `scale_next` in: this block's scales; returned: the next one's."""
+    visible = pos < scored_end
+    rows = tl.load(row_base + pos * stride_rows_l, mask=visible, other=-1).to(tl.int64)
+    valid = visible & (rows >= 0)
+    key_scale = scale_next  # 0 where the row id is < 0 or the position is not visible
+    pos_next = pos + BLOCK_N
+    ahead = pos_next < scored_end
+    rows_next = tl.load(row_base + pos_next * stride_rows_l, mask=ahead, other=-1).to(tl.int64)
+    scale_next = tl.load(scales_ptr + rows_next, mask=ahead & (rows_next >= 0), other=0.0)
+    dims = tl.arange(0, 128)  # INDEX_HEAD_DIM
+    raw = tl.load(keys_ptr + rows[:, None] * stride_keys + dims[None, :], mask=valid[:, None], other=0)
+    if PRECISION == 2:
+        logits = tl.dot(raw.to(tl.float8e4nv, bitcast=True), q_op)  # [BLOCK_N, HEADS_P]
+    else:
+        keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)  # exact: e4m3 ⊂ fp16
+        logits = tl.dot(keys, q_op)
+        if PRECISION == 1:
+            logits = tl.dot(keys, q_lo, logits)
+    score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1) * key_scale
+    tl.store(out_base + pos, score, mask=visible)
+    return scale_next
+
+
 # Not specialized on the growing length, the span or the token table's row stride (a new compile in the middle of
 # serving would cost many steps); the output's row stride is padded to a multiple of 64 instead.
 @triton.jit(do_not_specialize=["max_len", "blocks_per_prog", "stride_rows_b"])
@@ -261,25 +290,9 @@ def _scores_kernel(
         # them synchronous, and loaded in the block that uses them they stalled every iteration on memory.
         scale_next = tl.load(scales_ptr + rows_next, mask=(pos_next < scored_end) & (rows_next >= 0), other=0.0)
         for i in range(0, num_blocks):
-            pos = start + i * BLOCK_N + offs
-            visible = pos < scored_end
-            rows = tl.load(row_base + pos * stride_rows_l, mask=visible, other=-1).to(tl.int64)
-            valid = visible & (rows >= 0)
-            key_scale = scale_next  # 0 where the row id is < 0 or the position is not visible
-            pos_next = pos + BLOCK_N
-            ahead = pos_next < scored_end
-            rows_next = tl.load(row_base + pos_next * stride_rows_l, mask=ahead, other=-1).to(tl.int64)
-            scale_next = tl.load(scales_ptr + rows_next, mask=ahead & (rows_next >= 0), other=0.0)
-            raw = tl.load(keys_ptr + rows[:, None] * stride_keys + dims[None, :], mask=valid[:, None], other=0)
-            if PRECISION == 2:
-                logits = tl.dot(raw.to(tl.float8e4nv, bitcast=True), q_op)  # [BLOCK_N, HEADS_P]
-            else:
-                keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)  # exact: e4m3 ⊂ fp16
-                logits = tl.dot(keys, q_op)
-                if PRECISION == 1:
-                    logits = tl.dot(keys, q_lo, logits)
-            score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1) * key_scale
-            tl.store(out_base + pos, score, mask=visible)
+            scale_next = _score_block(start + i * BLOCK_N + offs, scored_end, row_base, stride_rows_l, keys_ptr,
+                                      stride_keys, scales_ptr, scale_next, q_op, q_lo, w, out_base, BLOCK_N,
+                                      PRECISION)
     elif EARLY:
         tl.extra.cuda.gdc_wait()  # every program waits: the kernel never ends before the one it depends on
 
@@ -338,19 +351,8 @@ def _scores_balanced_kernel(
         out_base = out_ptr + t * stride_out
         scale_next = tl.load(scales_ptr + rows_next, mask=(pos_next < scored_end) & (rows_next >= 0), other=0.0)
         for i in range(0, num_blocks):  # `_scores_kernel`'s main loop (e4m3 q)
-            pos = start + i * BLOCK_N + offs
-            visible = pos < scored_end
-            rows = tl.load(row_base + pos * stride_rows_l, mask=visible, other=-1).to(tl.int64)
-            valid = visible & (rows >= 0)
-            key_scale = scale_next
-            pos_next = pos + BLOCK_N
-            ahead = pos_next < scored_end
-            rows_next = tl.load(row_base + pos_next * stride_rows_l, mask=ahead, other=-1).to(tl.int64)
-            scale_next = tl.load(scales_ptr + rows_next, mask=ahead & (rows_next >= 0), other=0.0)
-            raw = tl.load(keys_ptr + rows[:, None] * stride_keys + dims[None, :], mask=valid[:, None], other=0)
-            logits = tl.dot(raw.to(tl.float8e4nv, bitcast=True), q_op)  # [BLOCK_N, HEADS_P]
-            score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1) * key_scale
-            tl.store(out_base + pos, score, mask=visible)
+            scale_next = _score_block(start + i * BLOCK_N + offs, scored_end, row_base, stride_rows_l, keys_ptr,
+                                      stride_keys, scales_ptr, scale_next, q_op, q_op, w, out_base, BLOCK_N, 2)
         remaining -= num_blocks
         t += 1
         b = b * 0  # the next segment starts at its query's first block
