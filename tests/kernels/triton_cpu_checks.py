@@ -321,18 +321,25 @@ def _loops(ttgir: str) -> list[str]:
     return bodies
 
 
+def _scores_signature(q_type: str, extra_ints: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
+    """Argument types of the scores kernels as the engine launches them (int64 request ids and lengths, int32 row
+    ids), and the arguments a launch sees divisible by 16; `extra_ints`: the kernel's own int arguments."""
+    types = {"q_ptr": q_type, "w_ptr": "*fp32", "keys_ptr": "*u8", "scales_ptr": "*fp32", "rows_ptr": "*i32",
+             "req_ptr": "*i64", "lens_ptr": "*i64", "out_ptr": "*fp32"}
+    types |= {name: "i32" for name in ("stride_qt", "stride_qh", "stride_wt", "stride_keys", "stride_rows_b",
+                                       "stride_out", "num_heads", "max_len", *extra_ints)}
+    aligned = [n for n in types if n.endswith("_ptr")] + ["stride_qt", "stride_qh", "stride_wt", "stride_keys",
+                                                          "stride_out", "num_heads"]
+    return types, aligned
+
+
 def compile_scores(precision: str, q_e4m3: bool = False, early: bool = False) -> None:
     """precision "fp8" with q_e4m3: the variant that reads a query `quantize_query` made (the engine's on CUDA);
     early: that variant launched as a programmatic dependent (the engine's, after the index-key write)."""
     from kernels.indexer_fast import _PRECISION_CODE, DEFAULT_CONFIG, _scores_kernel
 
     cfg = DEFAULT_CONFIG
-    types = {"q_ptr": "*u8" if q_e4m3 else "*fp32", "w_ptr": "*fp32", "keys_ptr": "*u8", "scales_ptr": "*fp32", "rows_ptr": "*i32",
-             "req_ptr": "*i64", "lens_ptr": "*i64", "out_ptr": "*fp32"}
-    types |= {name: "i32" for name in ("stride_qt", "stride_qh", "stride_wt", "stride_keys", "stride_rows_b",
-                                       "stride_out", "num_heads", "max_len", "blocks_per_prog")}
-    aligned = [n for n in types if n.endswith("_ptr")] + ["stride_qt", "stride_qh", "stride_wt", "stride_keys",
-                                                          "stride_out", "num_heads"]
+    types, aligned = _scores_signature("*u8" if q_e4m3 else "*fp32", ("blocks_per_prog",))
     constexprs = {"stride_rows_l": 1, "HEADS_P": 64, "BLOCK_N": cfg.block_n, "PRECISION": _PRECISION_CODE[precision],
                   "Q_E4M3": q_e4m3, "EARLY": early}
     t0 = time.time()
@@ -367,12 +374,7 @@ def compile_scores_balanced(early: bool) -> None:
     from kernels.indexer_fast import DEFAULT_CONFIG, _scores_balanced_kernel
 
     cfg = DEFAULT_CONFIG
-    types = {"q_ptr": "*u8", "w_ptr": "*fp32", "keys_ptr": "*u8", "scales_ptr": "*fp32", "rows_ptr": "*i32",
-             "req_ptr": "*i64", "lens_ptr": "*i64", "out_ptr": "*fp32"}
-    types |= {name: "i32" for name in ("stride_qt", "stride_qh", "stride_wt", "stride_keys", "stride_rows_b",
-                                       "stride_out", "num_q", "num_heads", "max_len")}
-    aligned = [n for n in types if n.endswith("_ptr")] + ["stride_qt", "stride_qh", "stride_wt", "stride_keys",
-                                                          "stride_out", "num_heads"]
+    types, aligned = _scores_signature("*u8", ("num_q",))
     constexprs = {"stride_rows_l": 1, "HEADS_P": 64, "BLOCK_N": cfg.block_n, "BLOCK_T": 256, "EARLY": early}
     t0 = time.time()
     kernel = _compile_sm90(_scores_balanced_kernel, types, constexprs, aligned, cfg.num_warps, cfg.num_stages)
