@@ -27,6 +27,12 @@ the top-k kernel against torch.topk, and the whole call, new path against the pr
   (`write_index_rows`, B new keys) and then the scores with `tables_ready` (started early by programmatic
   dependent launch on Hopper): what the scores add to 16 × (flush, write) in a graph. `index_writes`: the write
   itself in the graph, one kernel against the two indexed assignments it replaced.
+- Mixed lengths (`mixed` table): decode batches hold requests of different lengths. Per shape (B, L), the
+  lengths equal (all L) and mixed (uniform in [L/8, L], seeded): the scores of the e4m3 query after the key
+  write, in a replayed graph, by the per-query kernel (`FastScoresConfig(balanced=False)`: spans sized for the
+  longest row) and the balanced kernel (the default: the batch's blocks split evenly over one wave), fraction of
+  the copy over the bytes of the positions the batch has (sum of lengths × 140 B), and whether both gave the same
+  scores at every visible position.
 - Top-k (`topk` table): the engine's CUDA kernel (kernels/topk_cuda.py) and the Triton kernel
   (kernels/topk_triton.py, its fallback for very wide rows) against torch.topk (sorted, as the previous path ran
   it, and unsorted) on the same fp32 scores, B ∈ {1, 16, 64, 128}, L ∈ {32K, 64K, 128K}: random normal scores,
@@ -97,6 +103,8 @@ PRECISIONS = ("fp16", "fp16x2", "fp8")
 BYTES_PER_POSITION = 128 + 4 + 4 + 4  # key row, scale, row id, score written
 COPY_BYTES = 2 << 30
 SWEEP_SHAPE = (64, 32768)  # (B, L) of --configs
+MIXED_SHAPES = ((16, 32768), (64, 32768), (64, 131072), (128, 65536))  # (B, L) of the `mixed` table
+PER_QUERY = FastScoresConfig(balanced=False)  # the scores kernel with spans per query (the default until 2026-11-28)
 READ_FLOOR = "read of the same bytes"  # `_stream_read_kernel` over B·L·BYTES_PER_POSITION bytes: the size's floor
 READ_PROGRAMS_PER_SM = 4  # the streaming read's launch: the fastest of 1–16 programs an SM × 8–32 KB loads, 2026-11-27
 READ_BLOCK = 8192  # int32 words a program loads at once (32 KB)
@@ -108,7 +116,7 @@ GRAPH_REPLAYS = 15
 DEVICE = "cuda"
 if SMOKE:
     SCORE_BATCHES, SCORE_LENGTHS, TOPK_BATCHES, TOPK_LENGTHS = (1,), (4096,), (2,), (4096, 12288)
-    COPY_BYTES, DEVICE, SWEEP_SHAPE = 64 << 20, "cpu", (1, 4096)
+    COPY_BYTES, DEVICE, SWEEP_SHAPE, MIXED_SHAPES = 64 << 20, "cpu", (1, 4096), ((3, 4096),)
 
 
 @triton.jit
@@ -196,6 +204,19 @@ class WriteResult:
 
 
 @dataclass
+class MixedResult:
+    batch: int
+    length: int  # the longest length; mixed: lengths uniform in [length / 8, length]
+    lengths: str  # "equal" or "mixed"
+    positions: int  # sum of the batch's lengths
+    per_query_us: float  # in a replayed graph after the key write, early-started: FastScoresConfig(balanced=False)
+    balanced_us: float  # the same with the default config (the balanced split)
+    per_query_fraction: float  # positions × BYTES_PER_POSITION / time, as a fraction of the copy's rate
+    balanced_fraction: float
+    same: bool  # both kernels' scores equal at every visible position
+
+
+@dataclass
 class CallResult:
     batch: int
     length: int
@@ -218,6 +239,7 @@ class Report:
     scores: list[ScoresResult] = field(default_factory=list)
     topk: list[TopkResult] = field(default_factory=list)
     calls: list[CallResult] = field(default_factory=list)
+    mixed: list[MixedResult] = field(default_factory=list)
     query_quant: list[QueryQuantResult] = field(default_factory=list)
     chains: list[ChainResult] = field(default_factory=list)
     index_writes: list[WriteResult] = field(default_factory=list)
@@ -282,7 +304,7 @@ class Bench:
         self.flush = torch.zeros(1 << 20 if SMOKE else 256 << 20, dtype=torch.uint8, device=DEVICE)
         self.flush_words = self.flush.view(torch.int64)
         self.flush_sink = torch.zeros((), dtype=torch.int64, device=DEVICE)
-        self.pool_rows = max(SCORE_BATCHES) * max(SCORE_LENGTHS)
+        self.pool_rows = max([max(SCORE_BATCHES) * max(SCORE_LENGTHS)] + [b * n for b, n in MIXED_SHAPES])
         self.keys, self.scales = make_pool(self.pool_rows)
 
     def save(self) -> None:
@@ -432,6 +454,31 @@ class Bench:
         logger.info("%s", call)
         self.report.calls.append(call)
 
+    def mixed_case(self, batch: int, length: int, lengths: str) -> None:
+        """Per-query against balanced scores kernel on one batch of equal or mixed lengths (`mixed` table)."""
+        q, w, keys, scales, token_rows, req, seq = self.inputs(batch, length, batch * 7 + length)
+        if lengths == "mixed":
+            gen = torch.Generator(device=DEVICE).manual_seed(batch + length)
+            seq = torch.randint(length // 8, length + 1, (batch,), device=DEVICE, generator=gen)
+        args = (q, w, keys, scales, token_rows, req, seq)
+        write = self.key_write(args, batch)
+        q8, w8 = quantize_query(q, w)
+        timed = {}
+        for name, cfg in (("per_query", PER_QUERY), ("balanced", FastScoresConfig())):
+            def call(cfg: FastScoresConfig = cfg) -> torch.Tensor:
+                return indexer_scores_fast(q8, w8, keys, scales, token_rows, req, seq, cfg, tables_ready=True)
+
+            timed[name] = (call(), self.graph_us(call, before=write))
+        positions = int(seq.sum())
+        same = all(torch.equal(timed["balanced"][0][t, :n], timed["per_query"][0][t, :n])
+                   for t, n in enumerate(seq.tolist()))
+        nbytes = positions * BYTES_PER_POSITION
+        res = MixedResult(batch, length, lengths, positions, timed["per_query"][1], timed["balanced"][1],
+                          self.fraction(nbytes, timed["per_query"][1]), self.fraction(nbytes, timed["balanced"][1]),
+                          same)
+        logger.info("%s", res)
+        self.report.mixed.append(res)
+
     def key_write(self, args: tuple, batch: int) -> Callable[[], None]:
         """The layer's index-key write as the engine runs it before the scores (B new keys at each request's last
         position, here their own bytes again); times it once a batch size against the indexed assignments."""
@@ -560,6 +607,10 @@ class Bench:
             for batch in SCORE_BATCHES:
                 for length in SCORE_LENGTHS:
                     self.guarded(f"scores B {batch} L {length}", lambda b=batch, n=length: self.scores_case(b, n))
+            for batch, length in MIXED_SHAPES:
+                for lengths in ("equal", "mixed"):
+                    self.guarded(f"{lengths} lengths B {batch} L {length}",
+                                 lambda b=batch, n=length, kind=lengths: self.mixed_case(b, n, kind))
             for batch in TOPK_BATCHES:
                 for length in TOPK_LENGTHS:
                     self.guarded(f"topk B {batch} L {length}", lambda b=batch, n=length: self.topk_case(b, n))
@@ -599,6 +650,13 @@ class Bench:
             for c in r.chains:
                 print(f"{c.batch:3d} {c.length:6d} | {c.float_q_us:7.1f} {c.e4m3_q_us:7.1f} {c.one_kernel_q_us:7.1f} | "
                       f"keys {c.keys_separate_us:5.1f} {c.keys_one_kernel_us:5.1f}")
+        if r.mixed:
+            print("\nequal and mixed lengths (uniform in [L/8, L]): e4m3 q after the key write, in a graph, us and "
+                  "fraction of the copy over the batch's positions; per-query kernel vs balanced (the default)")
+            for m in r.mixed:
+                print(f"{m.batch:3d} {m.length:6d} {m.lengths:>5} | per-query {m.per_query_us:7.1f} "
+                      f"{m.per_query_fraction:5.1%} | balanced {m.balanced_us:7.1f} {m.balanced_fraction:5.1%} | "
+                      f"{m.per_query_us / m.balanced_us:4.2f}x | same {m.same}")
         print("\ntop-k of 2048: us (torch.topk sorted / unsorted / the CUDA kernel / the Triton kernel), speed-up of "
               "the CUDA kernel; Triton's fast-path rows; the two kernels' positions equal")
         print(f"{'B':>3} {'L':>6} {'scores':>14} | {'sorted':>8} {'unsorted':>8} {'cuda':>7} {'triton':>7} | "

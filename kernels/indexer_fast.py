@@ -40,14 +40,16 @@ parallelism (docs/kernels.md "Scores kernel"):
 No host sync; the launch shape depends only on T, L, the SM count and the compiled kernel's occupancy; BLOCK_N is
 fixed, so a query's scores never depend on the rest of the batch or the grid.
 
-Balanced split (`FastScoresConfig(balanced=True)`, off by default; e4m3 q, at most BALANCED_MAX_QUERIES queries):
+Balanced split (`FastScoresConfig(balanced=True)`, the default; e4m3 q, at most BALANCED_MAX_QUERIES queries):
 the per-query kernel sizes every query's spans for the longest row, so in a batch of mixed lengths the short
 rows' programs end at once and the SMs run under-filled (H200, B 64, lengths uniform in [L/8, L]: 55-56 % of the
 copy's rate at 32K and 128K). `_scores_balanced_kernel` runs one wave of programs that each make the same split
 from the lengths (a prefix sum of the block counts) and take an even share of the batch's blocks in query order,
-a share crossing from one query into the next where it must; per query the same loop, so the same bits (81 %
-at 32K and 91 % at 128K there; equal lengths as fast as the per-query kernel: docs/kernels.md "Balanced split").
-Its early start reads the lengths and the first query's request and row ids before griddepcontrol.wait.
+a share crossing from one query into the next where it must; per query the same loop, so the same bits. After
+the key write, early-started (H200): 81 % at 32K and 91 % at 128K there (B 64, 32K: 69.5 -> 48.3 us); equal
+lengths within 3 % of the per-query kernel (B 16, 32K: 23.1 vs 22.5 us; B 64: 79.9 both; docs/kernels.md
+"Balanced split"). Its early start reads the lengths and the first query's request and row ids before
+griddepcontrol.wait. Larger batches (or a float q) take the per-query kernel.
 """
 
 from __future__ import annotations
@@ -87,9 +89,11 @@ class FastScoresConfig:
     blocks_per_program: int | None = None  # None: chosen from the batch shape, the SM count and the occupancy
     programs_per_sm: int | None = None  # resident programs per SM of the span rule; None: the compiled kernel's
     # Decode batches (e4m3 q, <= BALANCED_MAX_QUERIES queries) through `_scores_balanced_kernel`: the batch's blocks
-    # split evenly over the grid (module docstring). Off by default: its early-started form is not measured yet.
-    balanced: bool = False
-    max_registers: int | None = None  # the balanced kernel's register cap a thread (Triton's maxnreg); None: none
+    # split evenly over the grid (module docstring); the default since 2026-11-28 (H200, docs/kernels.md).
+    balanced: bool = True
+    # The balanced kernel's register cap a thread (Triton's maxnreg; None: none). 128 keeps its early-started form
+    # at 4 programs an SM (131 registers uncapped: 3), no spill; at 96 it spills into time (H200: 4-25 % slower).
+    max_registers: int | None = 128
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

@@ -64,3 +64,8 @@ def test_bench_indexer_smoke(tmp_path: Path) -> None:
     # The default scores round q to e4m3 as DeepSeek's indexer does (the previous path: ~22-bit q): ~97.5 % of a
     # query's set agrees with the exact one (kernels/indexer_fast.py).
     assert report["calls"][0]["overlap_min"] > 0.95
+    # Per-query vs balanced scores kernel on equal and mixed lengths: the same bits, both timed.
+    assert {m["lengths"] for m in report["mixed"]} == {"equal", "mixed"}
+    assert all(m["same"] and m["per_query_us"] > 0 and m["balanced_us"] > 0 for m in report["mixed"])
+    mixed = next(m for m in report["mixed"] if m["lengths"] == "mixed")
+    assert mixed["positions"] < mixed["batch"] * mixed["length"]

@@ -253,9 +253,10 @@ def _check_e4m3_query(q, w, keys, scales, token_rows, token_req, seq_lens) -> No
 # ------------------------------------------------------------------------------------------------------ compile
 
 
-def _compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: list[str], num_warps: int, num_stages: int):
+def _compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: list[str], num_warps: int, num_stages: int,
+                  maxnreg: int | None = None):
     """Compile as a launch would specialize it: pointers and the listed ints divisible by 16, ints equal to 1
-    constant."""
+    constant; `maxnreg`: the launch's register cap, if any."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -264,7 +265,8 @@ def _compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: list[str
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages,
+                                   **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def _resources(kernel) -> str:
@@ -377,7 +379,8 @@ def compile_scores_balanced(early: bool) -> None:
     types, aligned = _scores_signature("*u8", ("num_q",))
     constexprs = {"stride_rows_l": 1, "HEADS_P": 64, "BLOCK_N": cfg.block_n, "BLOCK_T": 256, "EARLY": early}
     t0 = time.time()
-    kernel = _compile_sm90(_scores_balanced_kernel, types, constexprs, aligned, cfg.num_warps, cfg.num_stages)
+    kernel = _compile_sm90(_scores_balanced_kernel, types, constexprs, aligned, cfg.num_warps, cfg.num_stages,
+                           cfg.max_registers)
     ttgir = kernel.asm["ttgir"]
     # The segments' loop holds the blocks' loop: the innermost loop with the dot is the main loop.
     main = [body for body in _loops(ttgir) if "warp_group_dot" in body and "scf.for" not in body]
@@ -406,6 +409,10 @@ def compile_scores_balanced(early: bool) -> None:
     spilled = re.search(r"(\d+) B spilled", resources)
     if spilled and int(spilled.group(1)):
         _fail(f"balanced scores: {resources}")
+    # The cap keeps 4 programs of 4 warps an SM (65536 registers / (4 x 128 threads) = 128 a thread).
+    registers = re.search(r"(\d+) registers", resources)
+    if cfg.max_registers and registers and int(registers.group(1)) > cfg.max_registers:
+        _fail(f"balanced scores: {resources}, above the cap of {cfg.max_registers}")
     print(f"scores balanced{' early' if early else ''}: compiled for sm_90 in {time.time() - t0:.0f} s, "
           f"{resources}; main loop fully asynchronous")
 
