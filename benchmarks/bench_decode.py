@@ -19,6 +19,10 @@ timed over N decode steps of the real engine loop (schedule → forward → samp
                    window common to all layers, so adjacent layers' selections (and misses) overlap by C.
   ...+cbN          those side-stream swap-ins with their copy kernel capped at N blocks
                    (--hisparse-side-copy-blocks N ...; HiSparseConfig side_stream_copy_blocks).
+  ...+pq           any mode with the indexer's scores by the per-query kernel (`FastScoresConfig(balanced=False)`,
+                   the default until 2026-11-28) instead of the balanced split (--indexer-split per-query|both).
+`--mixed-contexts`: each request's context uniform in [L/8, L] (seeded) instead of all L, as in a serving batch;
+with the model's own selection only (no synthetic miss rates: their windows assume one context length).
 Reports batch, tokens/s, step time, hit rate and PCIe bytes per step; writes JSON and a PNG plot.
 
 GPU:   python benchmarks/bench_decode.py --contexts 8192 32768 65536 --device-kv-budget-gib 8
@@ -73,6 +77,7 @@ from decode_server.hisparse.coordinator import HiSparseCoordinator, HiSparseLayo
 from decode_server.hisparse.prefetch import shared_followers
 from decode_server.model import build_random_model, load_config
 from decode_server.model.weights import weight_bytes
+from kernels import indexer_fast
 from kernels.dispatch import copy_rows
 from kernels.indexer_ref import quantize_index_keys
 
@@ -143,6 +148,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hisparse-speculative-prefetch", default="off", choices=["on", "off", "both"],
                    help="HiSparse runs with the speculative prefetch (HiSparseConfig speculative_prefetch): off (the "
                         "server's default), on (modes named ...+spec), or both (issue 23 item 3)")
+    p.add_argument("--mixed-contexts", action="store_true",
+                   help="each request's context uniform in [L/8, L] (seeded) instead of L; needs --miss-rates with "
+                        "no value (the model's own selection)")
+    p.add_argument("--indexer-split", default="balanced", choices=["balanced", "per-query", "both"],
+                   help="the indexer scores kernel: the balanced split (the default), the per-query kernel (modes "
+                        "named ...+pq), or both, each run twice")
     p.add_argument("--cross-layer-overlap", type=float, nargs="+", default=[0.0], metavar="C",
                    help="the synthetic selections' share common to all layers (SyntheticTopK); several values run "
                         "every synthetic HiSparse and dense-mX run once per value (modes ...@ovC)")
@@ -196,6 +207,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.page_size = 16
         args.device = "cpu" if args.device == "auto" else args.device
     args.config = args.config or "dsv32-bench"
+    if args.mixed_contexts and (args.miss_rates or args.batch_miss_rates or args.sweep_kv_gib_per_layer):
+        p.error("--mixed-contexts runs on the model's own selection: pass --miss-rates with no value, and no "
+                "--batch-miss-rates or --sweep-kv-gib-per-layer (their synthetic windows assume one context)")
     args.contexts = [8192, 32768, 65536] if args.contexts is None else args.contexts
     rank = args.config in RANK_CONFIGS
     args.plan_memory = args.plan_memory or (rank and args.device_kv_budget_gib is None)
@@ -435,39 +449,52 @@ class SyntheticKV:
         self.checked = False
 
     def inject(self, engine: Engine, req: Request, context: int) -> None:
+        """The request's first `context` positions (at most the synthetic context's) into its pools."""
         kv = engine.kv
         row = req.row
         if isinstance(kv, HiSparseCoordinator):
             pool = kv.host.kv  # [L, N, row bytes]
             host_rows = kv.host.rows.slots(row, context).long().to(self.positions.device)
-            copy_rows(self.rows_src.expand(pool.shape[0], -1, -1), pool, self.positions, host_rows)
+            copy_rows(self.rows_src.expand(pool.shape[0], -1, -1), pool, self.positions[:context], host_rows)
             if not self.checked:
                 self._check_host_rows(pool, host_rows)
             idx_rows = kv.indexer.rows.slots(row, context).long()
             for layer in range(kv.indexer.keys.shape[0]):  # layers that own indexer keys
-                kv.indexer.keys[layer, idx_rows] = self.keys_dev
-                kv.indexer.scales[layer, idx_rows] = self.scales_dev
+                kv.indexer.keys[layer, idx_rows] = self.keys_dev[:context]
+                kv.indexer.scales[layer, idx_rows] = self.scales_dev[:context]
         else:
             cache = kv.cache
             slots = cache.tokens.slots(row, context).long()
             for layer in range(cache.num_layers):
-                cache.kv[layer, slots] = self.rows_dev
+                cache.kv[layer, slots] = self.rows_dev[:context]
             for layer in range(cache.index_keys.shape[0]):  # layers that own indexer keys
-                cache.index_keys[layer, slots] = self.keys_dev
-                cache.index_scales[layer, slots] = self.scales_dev
+                cache.index_keys[layer, slots] = self.keys_dev[:context]
+                cache.index_scales[layer, slots] = self.scales_dev[:context]
 
     def _check_host_rows(self, pool: torch.Tensor, host_rows: torch.Tensor) -> None:
         if self.positions.device.type == "cuda":
             torch.cuda.synchronize(self.positions.device)
         rows = host_rows.cpu()
         for layer in {0, pool.shape[0] - 1}:
-            if not torch.equal(pool[layer].index_select(0, rows), self.rows):
+            if not torch.equal(pool[layer].index_select(0, rows), self.rows[: len(rows)]):
                 raise RuntimeError(f"host pool layer {layer} does not hold the injected rows")
         self.checked = True
 
 
-def fill(engine: Engine, synthetic: SyntheticKV, context: int, max_len: int, limit: int, seed: int) -> int:
-    """Admit requests with injected KV until the budget (or `limit`) is reached; returns the batch size.
+def request_contexts(context: int, count: int, mixed: bool, seed: int) -> list[int]:
+    """The context of each of `count` requests: all `context`, or (--mixed-contexts) uniform in
+    [context / 8, context], seeded, as the lengths of a serving batch differ."""
+    if not mixed:
+        return [context] * count
+    gen = torch.Generator().manual_seed(seed + 1)
+    return torch.randint(max(1, context // 8), context + 1, (count,), generator=gen).tolist()
+
+
+def fill(engine: Engine, synthetic: SyntheticKV, context: int, max_len: int, limit: int, seed: int,
+         mixed: bool = False) -> list[int]:
+    """Admit requests with injected KV until the budget (or `limit`) is reached; returns the contexts of the
+    admitted requests (the batch size is their count). `mixed`: each request's context from `request_contexts`
+    (every request still reserves `max_len`, so the batch is the one equal contexts get).
 
     Every request shares the synthetic context but decodes from a token of its own: with one shared token every
     request would carry the same hidden state through every layer, so the router would send the whole batch to
@@ -477,23 +504,24 @@ def fill(engine: Engine, synthetic: SyntheticKV, context: int, max_len: int, lim
     vocab = int(engine.model_config.vocab_size)
     prompt = torch.randint(2, vocab, (context,), generator=gen).tolist()
     first_tokens = torch.randint(2, vocab, (max(limit, 1),), generator=gen).tolist()
-    params = SamplingParams(max_tokens=max_len - context, temperature=0.0, ignore_eos=True)
+    contexts = request_contexts(context, max(limit, 1), mixed, seed)
     sched = engine.scheduler
     n = 0
     while n < limit:
-        rid = f"b{n}"
-        engine.add_request(rid, prompt, params)
+        rid, length = f"b{n}", contexts[n]
+        params = SamplingParams(max_tokens=max_len - length, temperature=0.0, ignore_eos=True)
+        engine.add_request(rid, prompt[:length], params)
         req = engine._requests[rid]
         if not sched.try_admit(req) or not engine.kv.ensure_room(req.row, max_len):
             engine.abort_request(rid)
             break
-        synthetic.inject(engine, req, context)
-        req.num_computed = context
+        synthetic.inject(engine, req, length)
+        req.num_computed = length
         sched.on_prefill_done(req)
         req.output_ids.append(int(first_tokens[n]))
         n += 1
     engine.step()  # returns the abort delta, if any, and runs the first decode step
-    return n
+    return contexts[:n]
 
 
 class SpanTimer:
@@ -681,6 +709,21 @@ def side_copy_blocks(mode: str) -> int:
     return int(found.group(1)) if found else HiSparseConfig().side_stream_copy_blocks
 
 
+PER_QUERY_SUFFIX = "+pq"  # the indexer's scores by the per-query kernel (--indexer-split)
+
+
+def split_variants(args) -> list[str]:
+    """The suffixes of one run per --indexer-split choice: none for the balanced split (the default), `+pq` for
+    the per-query kernel."""
+    return {"balanced": [""], "per-query": [PER_QUERY_SUFFIX], "both": ["", PER_QUERY_SUFFIX]}[
+        getattr(args, "indexer_split", "balanced")]
+
+
+def scores_config(mode: str) -> indexer_fast.FastScoresConfig:
+    """The indexer scores kernel's config for a run of `mode`: the per-query kernel for `+pq` modes."""
+    return indexer_fast.FastScoresConfig(balanced=PER_QUERY_SUFFIX not in mode)
+
+
 OVERLAP_SUFFIX = "@ov"  # @ovP: the synthetic selections share P % across layers (--cross-layer-overlap)
 
 
@@ -704,7 +747,7 @@ def run_name(mode: str, miss_rate: float | None) -> str:
     rate X, the variant suffixes kept."""
     if miss_rate is None:
         return mode
-    base = "dense" if mode == "dense" else "hisparse"
+    base = "dense" if mode.startswith("dense") else "hisparse"
     return f"{base}-m{round(miss_rate * 100)}" + mode.removeprefix(base)
 
 
@@ -722,8 +765,13 @@ def run_one(args, model, model_config, mode: str, context: int, miss_rate: float
     Its engine is gone when this returns, and its host pool's pages released: the next run sizes its pool from
     the host's free memory. (Released inside the run, the pool outlived it: locals such as the step breakdown
     still held the engine, and each run's pool was capped by the previous one's, 2026-11-26.)"""
-    result = _timed_run(args, model, model_config, mode, context, miss_rate, fixed_batch, parallel, device_budget,
-                        roof, sweep)
+    default_scores = indexer_fast.DEFAULT_CONFIG
+    indexer_fast.DEFAULT_CONFIG = scores_config(mode)  # read at every call, so before the graphs are captured
+    try:
+        result = _timed_run(args, model, model_config, mode, context, miss_rate, fixed_batch, parallel,
+                            device_budget, roof, sweep)
+    finally:
+        indexer_fast.DEFAULT_CONFIG = default_scores
     gc.collect()
     if rank_device(args, parallel).type == "cuda":
         torch.cuda.empty_cache()
@@ -746,7 +794,9 @@ def _timed_run(args, model, model_config, mode: str, context: int, miss_rate: fl
     name = run_name(mode, miss_rate)
     synthetic = SyntheticKV(context, kv_dtype, device, args.seed)
     t_fill = time.perf_counter()
-    batch = fill(engine, synthetic, context, max_len, cap, args.seed)
+    contexts = fill(engine, synthetic, context, max_len, cap, args.seed, getattr(args, "mixed_contexts", False))
+    batch = len(contexts)
+    mean_context = round(sum(contexts) / batch) if batch else context
     sync(device)
     fill_s = time.perf_counter() - t_fill
     host_pool = getattr(getattr(engine.kv, "host", None), "nbytes", 0)
@@ -802,10 +852,12 @@ def _timed_run(args, model, model_config, mode: str, context: int, miss_rate: fl
         "early_swap_in": EARLY_SUFFIX in mode, "side_stream_copy_blocks": side_copy_blocks(mode),
         "prefetch_launched": prefetch_launched(engine), "speculative_prefetch": SPECULATIVE_SUFFIX in mode,
         "cross_layer_overlap": cross_layer_overlap(mode) if miss_rate is not None else None,
-        "speculative_rows_per_step": (b1 - b0) / args.steps, **sizing, **spans, **graphs,
+        "speculative_rows_per_step": (b1 - b0) / args.steps,
+        "mixed_contexts": getattr(args, "mixed_contexts", False), "mean_context": mean_context,
+        "indexer_scores": "per-query" if PER_QUERY_SUFFIX in mode else "balanced", **sizing, **spans, **graphs,
     }
-    if roof is not None:
-        result.update(roof.floor_fields(engine, model_config, batch, context, result["h2d_bytes_per_step"],
+    if roof is not None:  # the KV bytes of a step grow linearly with the context: the mean gives their sum
+        result.update(roof.floor_fields(engine, model_config, batch, mean_context, result["h2d_bytes_per_step"],
                                         result["step_ms"]))
     return result
 
@@ -1014,9 +1066,10 @@ def run_rank(args, parallel=None) -> int:
         plan += [(args.sweep_context, mode, miss, None, sweep_budget, per_layer) for mode, miss in
                  [("dense", None)] * ("dense" in args.modes)
                  + [("hisparse", r) for r in args.sweep_miss_rates] * ("hisparse" in args.modes)]
-    plan = [(context, variant + overlap, miss, fixed, run_budget, sweep)
+    plan = [(context, variant + split + overlap, miss, fixed, run_budget, sweep)
             for context, mode, miss, fixed, run_budget, sweep in plan
-            for variant in hisparse_variants(args, mode, has_shared_layers) for overlap in overlap_variants(args, miss)]
+            for variant in hisparse_variants(args, mode, has_shared_layers) for overlap in overlap_variants(args, miss)
+            for split in split_variants(args)]
     results = []
     for context, mode, miss, fixed, run_budget, sweep in plan:
         try:

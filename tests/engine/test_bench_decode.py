@@ -289,3 +289,50 @@ def test_bench_decode_speculative_prefetch_switch(tmp_path):
     gain = {ov: results[f"hisparse-m20+spec@ov{ov}"]["hit_rate"] - results[f"hisparse-m20@ov{ov}"]["hit_rate"]
             for ov in (0, 75)}
     assert gain[75] > 0.05 and gain[75] > gain[0] + 0.05, gain
+
+
+def test_mixed_contexts_and_indexer_split(tmp_path, monkeypatch):
+    """`--mixed-contexts` gives each request its own context in [L/8, L] (its pools hold exactly that many
+    positions, the first request's host rows read back); `--indexer-split both` runs each mode with the balanced scores kernel and again with the
+    per-query one (`+pq`), the kernel's default config set for the run and restored after it."""
+    spec = importlib.util.spec_from_file_location("bench_decode_mixed", ROOT / "benchmarks" / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.request_contexts(384, 3, False, 0) == [384] * 3
+    lengths = bench.request_contexts(384, 200, True, 0)
+    assert min(lengths) >= 48 and max(lengths) <= 384 and len(set(lengths)) > 50
+    seen: dict[str, tuple[bool, list[int]]] = {}
+    timed_run = bench._timed_run
+
+    def recording(args, model, model_config, mode, *rest):
+        result = timed_run(args, model, model_config, mode, *rest)
+        seen[mode] = (bench.indexer_fast.DEFAULT_CONFIG.balanced, result["mean_context"])
+        return result
+
+    monkeypatch.setattr(bench, "_timed_run", recording)
+    injected: list[int] = []
+    inject = bench.SyntheticKV.inject
+
+    def counting(self, engine, req, context):
+        injected.append(context)
+        return inject(self, engine, req, context)
+
+    monkeypatch.setattr(bench.SyntheticKV, "inject", counting)
+    out = tmp_path / "r.json"
+    assert bench.main(["--smoke", "--contexts", "384", "--miss-rates", "--batch-sizes", "--steps", "2",
+                       "--mixed-contexts", "--indexer-split", "both", "--out", str(out),
+                       "--plot", str(tmp_path / "r.png")]) == 0
+    runs = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(runs) == {"dense", "dense+pq", "hisparse", "hisparse+pq"}, sorted(runs)
+    assert all("error" not in r and r["mixed_contexts"] for r in runs.values()), runs
+    assert {mode: balanced for mode, (balanced, _) in seen.items()} == {
+        "dense": True, "dense+pq": False, "hisparse": True, "hisparse+pq": False}
+    assert bench.indexer_fast.DEFAULT_CONFIG.balanced  # restored
+    assert runs["dense+pq"]["indexer_scores"] == "per-query" and runs["dense"]["indexer_scores"] == "balanced"
+    # Each mode's requests got the seeded lengths (the same in both kernels' runs), not all 384.
+    for mode in ("dense", "hisparse"):
+        assert runs[mode]["batch"] == runs[mode + "+pq"]["batch"]
+        assert runs[mode]["mean_context"] == runs[mode + "+pq"]["mean_context"] < 384
+    assert injected and set(injected) <= set(lengths) and len(set(injected)) > 1
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--mixed-contexts", "--miss-rates", "0.05"])
