@@ -161,10 +161,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run dense over the synthetic selection of each --miss-rates rate (and, at the fixed "
                         "batches, each --batch-miss-rates rate; modes dense-mX): the fair baseline for hisparse-mX, "
                         "which pays the synthetic selection's own kernels (SyntheticTopK)")
-    p.add_argument("--hisparse-side-copy-blocks", type=int, nargs="+", default=None, metavar="N",
-                   help="HiSparse runs whose swap-ins run on a side stream (+pf, +early) once per N, with the copy "
-                        "kernel's grid capped at N blocks (HiSparseConfig side_stream_copy_blocks; 0: no cap; modes "
-                        "named ...+cbN); default: the config's default, no suffix")
+    p.add_argument("--hisparse-side-copy-blocks", type=copy_blocks_arg, nargs="+", default=None, metavar="N",
+                   help="HiSparse runs whose swap-ins run on a side stream (+pf, +early, +spec) once per N, with the "
+                        "copy kernel's grid capped at N blocks (HiSparseConfig side_stream_copy_blocks; 0: no cap; "
+                        "auto: by the batch; modes named ...+cbN); default: the config's default, no suffix")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bfloat16", "fp8_e4m3"],
                    help="KV rows: the model dtype (bf16, 1152 B) or FlashMLA's FP8 rows (656 B); default auto, "
                         "fp8_e4m3 for the rank configs")
@@ -703,10 +703,25 @@ def hisparse_variants(args, mode: str, has_shared_layers: bool) -> list[str]:
             for v, side in zip(variants, on_side, strict=True) for n in (caps if side else [None])]
 
 
-def side_copy_blocks(mode: str) -> int:
-    """The side-stream copy cap of a mode (its `+cbN` suffix), else the config's default."""
-    found = re.search(re.escape(COPY_BLOCKS_SUFFIX) + r"(\d+)", mode)
-    return int(found.group(1)) if found else HiSparseConfig().side_stream_copy_blocks
+def copy_blocks_arg(text: str) -> int | str:
+    """A --hisparse-side-copy-blocks value: a block count >= 0 or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        blocks = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a block count or auto, got {text!r}") from None
+    if blocks < 0:
+        raise argparse.ArgumentTypeError(f"a block count must be >= 0, got {blocks}")
+    return blocks
+
+
+def side_copy_blocks(mode: str) -> int | str:
+    """The side-stream copy cap of a mode (its `+cbN` or `+cbauto` suffix), else the config's default."""
+    found = re.search(re.escape(COPY_BLOCKS_SUFFIX) + r"(\d+|auto)", mode)
+    if not found:
+        return HiSparseConfig().side_stream_copy_blocks
+    return found.group(1) if found.group(1) == "auto" else int(found.group(1))
 
 
 PER_QUERY_SUFFIX = "+pq"  # the indexer's scores by the per-query kernel (--indexer-split)

@@ -52,15 +52,23 @@ class HiSparseConfig(BaseModel):
                     "MoE; the next layer still swaps in its own selection, so outputs are unchanged. A wrong bet "
                     "costs PCIe bytes and buffer places. Off by default: see docs/benchmarks.md for when it pays",
     )
-    side_stream_copy_blocks: int = Field(
-        default=16, ge=0,
+    side_stream_copy_blocks: int | Literal["auto"] = Field(
+        default="auto",
         description="cap on the copy kernel's thread blocks for swap-ins that run on a side stream (early_swap_in, "
-                    "prefetch_shared_layers), so they leave the other SMs to the kernels they run beside (a capped "
-                    "grid keeps 4 rows a warp in flight); 0: no cap (two blocks an SM, one row a warp); outputs are "
-                    "unchanged. 16: on an H200 the GLM-5 prefetch's 20 % miss step fell 2-7 % against the previous "
-                    "64 blocks of one row a warp, which had taken it 15 % below no cap at batch 64 "
-                    "(docs/benchmarks.md)",
+                    "prefetch_shared_layers, speculative_prefetch), so they leave the other SMs to the kernels they "
+                    "run beside (a capped grid keeps 4 rows a warp in flight); a block count, 0 for no cap (two "
+                    "blocks an SM, one row a warp), or \"auto\": one block per 8 requests of the batch, 8 to 16 "
+                    "(kernels/dispatch.py auto_copy_blocks); outputs are unchanged. On an H200 auto (8 blocks at "
+                    "batch 42) took glm5-rank-ep8's 20 % miss step from 1.17x to 1.13x the 0 % step against 16 "
+                    "blocks (docs/benchmarks.md)",
     )
+
+    @field_validator("side_stream_copy_blocks")
+    @classmethod
+    def _copy_blocks_not_negative(cls, blocks: int | str) -> int | str:
+        if isinstance(blocks, int) and blocks < 0:
+            raise ValueError("side_stream_copy_blocks must be >= 0 (0: no cap) or \"auto\"")
+        return blocks
 
     @classmethod
     def from_json(cls, text: str | None) -> HiSparseConfig:

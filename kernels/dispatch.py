@@ -32,6 +32,27 @@ def swap_in(
     return swap_in_ref(top_k_tokens, seq_lens, req_rows, tables)
 
 
+# The side-stream copy cap that follows the batch (`BoundSwapIn.max_copy_blocks = AUTO_COPY_BLOCKS`, the engine's
+# `hisparse.side_stream_copy_blocks` default): one block per AUTO_COPY_REQUESTS_PER_BLOCK requests, within
+# [AUTO_COPY_MIN_BLOCKS, AUTO_COPY_MAX_BLOCKS]. Why: a layer's misses grow with the batch and a layer's time hardly
+# does, so a small batch's copies finish early with few blocks, and every block more holds an SM that the kernels
+# beside it (one CTA an SM, sized to the whole GPU) then lose a partial wave to; 16 capped blocks already move
+# rows as fast as the full grid. Measured on an H200 (docs/benchmarks.md, issue 23 item 3): glm5-rank-ep8 at
+# batch 42, 20 % misses: 8 blocks 1.13x the 0 % step against 1.17x with 16; glm5-shared-bench: 8 and 16 blocks
+# within 1 % at batch 64, 16 blocks 1-4 % faster at batch 128.
+AUTO_COPY_BLOCKS = "auto"
+AUTO_COPY_REQUESTS_PER_BLOCK = 8
+AUTO_COPY_MIN_BLOCKS = 8
+AUTO_COPY_MAX_BLOCKS = 16
+
+
+def auto_copy_blocks(batch: int) -> int:
+    """The copy cap `AUTO_COPY_BLOCKS` gives a swap-in of `batch` requests (8 up to 64 requests, then one block
+    per 8 requests, 16 from 121 on)."""
+    wanted = -(-batch // AUTO_COPY_REQUESTS_PER_BLOCK)
+    return max(AUTO_COPY_MIN_BLOCKS, min(AUTO_COPY_MAX_BLOCKS, wanted))
+
+
 class BoundSwapIn:
     """`swap_in` for one layer with its tables bound once: `bound(top_k_tokens, seq_lens, req_rows)` equals
     `swap_in(top_k_tokens, seq_lens, req_rows, bound.tables)`.
@@ -44,7 +65,8 @@ class BoundSwapIn:
 
     def __init__(self, tables: SwapInTables) -> None:
         self.tables = tables
-        self._max_copy_blocks = 0
+        self._max_copy_blocks: int | str = 0
+        self._applied_copy_blocks = 0  # the cap the extension holds now (AUTO_COPY_BLOCKS: set per batch)
         self._context = None
         self._checked_shapes: set[tuple] = set()
         self._check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
@@ -60,20 +82,26 @@ class BoundSwapIn:
             self._run = partial(swap_in_ref, tables=tables)
 
     @property
-    def max_copy_blocks(self) -> int:
-        """Cap on the CUDA copy kernel's blocks, 0 for its default grid. A swap-in that runs on a side stream beside
-        other kernels takes a cap: its copy waits on PCIe, and a capped grid keeps 4 rows a warp in flight, so 16
-        blocks keep the link as busy as the full grid while leaving the other SMs to its neighbours. Results never
-        depend on it; the CPU reference has no grid and ignores it."""
+    def max_copy_blocks(self) -> int | str:
+        """Cap on the CUDA copy kernel's blocks: 0 for its default grid, a block count, or `AUTO_COPY_BLOCKS` (the
+        cap `auto_copy_blocks` gives each call's batch). A swap-in that runs on a side stream beside other kernels
+        takes a cap: its copy waits on PCIe, and a capped grid keeps 4 rows a warp in flight, so 16 blocks keep the
+        link as busy as the full grid while leaving the other SMs to its neighbours. Results never depend on it;
+        the CPU reference has no grid and ignores it."""
         return self._max_copy_blocks
 
     @max_copy_blocks.setter
-    def max_copy_blocks(self, blocks: int) -> None:
-        if blocks < 0:
-            raise ValueError(f"max_copy_blocks must be >= 0, got {blocks}")
-        self._max_copy_blocks = int(blocks)
+    def max_copy_blocks(self, blocks: int | str) -> None:
+        if blocks != AUTO_COPY_BLOCKS and (isinstance(blocks, str) or int(blocks) < 0):
+            raise ValueError(f"max_copy_blocks must be >= 0 or {AUTO_COPY_BLOCKS!r}, got {blocks!r}")
+        self._max_copy_blocks = blocks if blocks == AUTO_COPY_BLOCKS else int(blocks)
+        if isinstance(self._max_copy_blocks, int):
+            self._apply_copy_blocks(self._max_copy_blocks)
+
+    def _apply_copy_blocks(self, blocks: int) -> None:
+        self._applied_copy_blocks = blocks
         if self._context is not None:
-            self._context.max_copy_blocks = self._max_copy_blocks
+            self._context.max_copy_blocks = blocks
 
     def __call__(self, top_k_tokens: torch.Tensor, seq_lens: torch.Tensor, req_rows: torch.Tensor) -> torch.Tensor:
         # Checked once per signature (shape, dtype and device of each argument), not just per top-k shape: every
@@ -84,6 +112,10 @@ class BoundSwapIn:
         if signature not in self._checked_shapes:
             self._check(top_k_tokens, seq_lens, req_rows)
             self._checked_shapes.add(signature)
+        if self._max_copy_blocks == AUTO_COPY_BLOCKS:
+            blocks = auto_copy_blocks(top_k_tokens.shape[0])
+            if blocks != self._applied_copy_blocks:
+                self._apply_copy_blocks(blocks)
         return self._run(top_k_tokens, seq_lens, req_rows)
 
 

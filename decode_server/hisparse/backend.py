@@ -71,13 +71,13 @@ class HiSparseMemory(Protocol):
 
 class HiSparseBackend(AttentionBackend):
     def __init__(self, coordinator: HiSparseMemory, prefetch_shared_layers: bool = False,
-                 early_swap_in: bool = False, side_stream_copy_blocks: int = 0,
+                 early_swap_in: bool = False, side_stream_copy_blocks: int | str = 0,
                  speculative_prefetch: bool = False) -> None:  # fmt: skip
         """`prefetch_shared_layers`: start GLM-5 shared layers' swap-ins at their full layer (a no-op for models
         without shared layers); `early_swap_in`: start a layer's own swap-in in `prepare_attention` rather than in
         its attention; `speculative_prefetch`: each full layer also swaps its top-k into the next full layer's
         buffer, as a bet (decode_server/hisparse/prefetch.py); `side_stream_copy_blocks`: cap the copy kernel's
-        grid of the swap-ins that those run on the side stream (0: no cap)."""
+        grid of the swap-ins that those run on the side stream (0: no cap; "auto": by the batch)."""
         self.co = coordinator
         self._batch: ForwardBatch | None = None
         self._query_rows: torch.Tensor | None = None
@@ -121,7 +121,7 @@ class HiSparseBackend(AttentionBackend):
         self._static_new_slots = torch.zeros(rows, dtype=torch.int64, device=coordinator.device)
         self._static_new_host_rows = torch.zeros(rows, dtype=torch.int64, device=coordinator.device)
 
-    def _bind_swap_in(self, layer: int, counters: torch.Tensor, max_copy_blocks: int = 0) -> BoundSwapIn:
+    def _bind_swap_in(self, layer: int, counters: torch.Tensor, max_copy_blocks: int | str = 0) -> BoundSwapIn:
         """Layer `layer`'s swap-in with its tables bound once, counting into `counters`."""
         bufs, host = self.co.buffers, self.co.host
         swap = ops.bind_swap_in(SwapInTables(

@@ -89,13 +89,14 @@ class HiSparseCoordinator(KVManager):
     def __init__(
         self, layout: HiSparseLayout, kv_dtype: torch.dtype, device: torch.device, reference_kernels: bool = False,
         parallel: Any = None, prefetch_shared_layers: bool = False, early_swap_in: bool = False,
-        side_stream_copy_blocks: int = 0, speculative_prefetch: bool = False,
+        side_stream_copy_blocks: int | str = 0, speculative_prefetch: bool = False,
     ) -> None:
         """`prefetch_shared_layers`: GLM-5 shared layers' swap-ins start at their full layer, on a side stream
         (`HiSparseConfig.prefetch_shared_layers`); `early_swap_in`: a layer's own swap-in starts when its top-k
         is known (`HiSparseConfig.early_swap_in`); `speculative_prefetch`: each full layer bets its top-k on the
         next full layer's buffer (`HiSparseConfig.speculative_prefetch`); all in decode_server/hisparse/prefetch.py.
-        `side_stream_copy_blocks`: the copy kernel's grid cap for those side-stream swap-ins (0: none)."""
+        `side_stream_copy_blocks`: the copy kernel's grid cap for those side-stream swap-ins (0: none; "auto": by
+        the batch, kernels.dispatch.auto_copy_blocks)."""
         self.layout = layout
         self.kv_dtype = kv_dtype
         self.device = device

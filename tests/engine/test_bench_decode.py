@@ -176,6 +176,13 @@ def test_side_copy_block_variants_expand_only_side_stream_runs():
     assert bench.side_copy_blocks("hisparse-m5+early+cb24") == 24
     assert bench.side_copy_blocks("hisparse+early") == bench.HiSparseConfig().side_stream_copy_blocks
     assert bench.run_name("hisparse+early+cb24", 0.05) == "hisparse-m5+early+cb24"
+    assert bench.side_copy_blocks("hisparse-m20+pf+cbauto") == "auto"
+    assert bench.side_copy_blocks("hisparse-m20+pf+cb0") == 0
+    args = bench.parse_args(["--hisparse-side-copy-blocks", "8", "auto", "0"])
+    assert args.hisparse_side_copy_blocks == [8, "auto", 0]
+    for bad in ("-1", "many"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--hisparse-side-copy-blocks", bad])
 
 
 def _load_bench(name: str):

@@ -44,7 +44,7 @@ def make_engine(
     optimistic: bool = False, prefill_staging_tokens: int | None = None, disable_cuda_graph: bool = False,
     cuda_graph_bs: list[int] | None = None, eager_graph_buckets: list[int] | None = None,
     overlap: bool | None = None, deterministic: bool = False, prefetch_shared_layers: bool = False,
-    early_swap_in: bool = False, side_stream_copy_blocks: int = 0, speculative_prefetch: bool = False,
+    early_swap_in: bool = False, side_stream_copy_blocks: int | str = 0, speculative_prefetch: bool = False,
 ) -> Engine:
     """`optimistic`: admission expects no request to grow past its prompt (new-token ratios 0), so that tight
     budgets force retractions. CUDA graphs follow the engine's defaults (captured on CUDA, none on CPU) and

@@ -27,6 +27,7 @@ from harness import (
     swap_counters,
 )
 
+from decode_server.config import HiSparseConfig
 from decode_server.engine.kv_rows import CacheGeometry
 from decode_server.hisparse.prefetch import shared_followers
 from decode_server.model import Tokenizer, load_model, resolve_model_path
@@ -72,10 +73,22 @@ def _workload() -> list[Arrival]:
 ])
 def test_side_stream_swap_ins_take_the_copy_cap(tiny_glm5, prefetch: bool, early: bool, capped: set[int]) -> None:
     """`side_stream_copy_blocks` caps the copy grid of exactly the swap-ins that run beside other kernels."""
-    engine = make_engine(tiny_glm5, hisparse=True, **SMALL_BUFFER_ENGINE, prefetch_shared_layers=prefetch,
-                         early_swap_in=early, side_stream_copy_blocks=24)
-    caps = [swap.max_copy_blocks for swap in engine.kv.backend.swaps]
-    assert caps == [24 if layer in capped else 0 for layer in range(len(caps))]
+    for cap in (24, "auto"):
+        engine = make_engine(tiny_glm5, hisparse=True, **SMALL_BUFFER_ENGINE, prefetch_shared_layers=prefetch,
+                             early_swap_in=early, side_stream_copy_blocks=cap)
+        caps = [swap.max_copy_blocks for swap in engine.kv.backend.swaps]
+        assert caps == [cap if layer in capped else 0 for layer in range(len(caps))]
+
+
+def test_side_stream_copy_blocks_config() -> None:
+    """The engine's default cap is "auto"; a block count or 0 (no cap) is taken, a negative count or another word
+    is refused with the key's name."""
+    assert HiSparseConfig().side_stream_copy_blocks == "auto"
+    assert HiSparseConfig.from_json('{"side_stream_copy_blocks": 16}').side_stream_copy_blocks == 16
+    assert HiSparseConfig.from_json('{"side_stream_copy_blocks": 0}').side_stream_copy_blocks == 0
+    for bad in ('-1', '"many"', '1.5'):
+        with pytest.raises(ValueError, match="side_stream_copy_blocks"):
+            HiSparseConfig.from_json('{"side_stream_copy_blocks": ' + bad + '}')
 
 
 def _engine(tiny, hisparse: bool, prefetch: bool = False, early: bool = False):

@@ -16,7 +16,7 @@ from kernels import (
     pack_fp8_rows,
     swap_in,
 )
-from kernels.dispatch import sparse_mla_decode_rows_ref
+from kernels.dispatch import AUTO_COPY_BLOCKS, auto_copy_blocks, sparse_mla_decode_rows_ref
 from kernels.indexer_ref import index_scores_ref, indexer_topk_ref, quantize_index_keys
 from kernels.sparse_mla_triton import sparse_mla_decode_triton
 from kernels.swap_in_ref import swap_in_ref
@@ -109,9 +109,10 @@ def test_swap_in_cuda_rejects_small_buffer() -> None:
 
 @pytest.mark.parametrize("row_bytes", [100, 656, 1152, 1616])
 @pytest.mark.parametrize(("buffer_size", "top_k", "num_recent", "max_copy_blocks"),
-                         [(256, 128, 4, 0), (4096, 2048, 8, 0), (256, 128, 4, 1), (4096, 2048, 8, 3)])
+                         [(256, 128, 4, 0), (4096, 2048, 8, 0), (256, 128, 4, 1), (4096, 2048, 8, 3),
+                          (256, 128, 4, AUTO_COPY_BLOCKS)])
 def test_bound_swap_in_matches_unbound_and_reference(row_bytes: int, buffer_size: int, top_k: int,
-                                                     num_recent: int, max_copy_blocks: int) -> None:
+                                                     num_recent: int, max_copy_blocks: int | str) -> None:
     """The backend's path (`BoundSwapIn`: tables bound once, checks on the first call of a signature) against the
     unbound call and the reference over a multi-step trace with misses: identical slots, device pool contents,
     buffer tokens, LRU order and counters after every step, while the batch shape changes between steps. With a
@@ -129,7 +130,8 @@ def test_bound_swap_in_matches_unbound_and_reference(row_bytes: int, buffer_size
     counters_bound = torch.zeros(2, dtype=torch.int64, device=DEV)
     bound = BoundSwapIn(_gpu_tables(bound_state, num_recent, counters_bound))
     bound.max_copy_blocks = max_copy_blocks
-    assert bound._context.max_copy_blocks == max_copy_blocks
+    if max_copy_blocks != AUTO_COPY_BLOCKS:
+        assert bound._context.max_copy_blocks == max_copy_blocks
     with pytest.raises(ValueError, match="max_copy_blocks"):
         bound.max_copy_blocks = -1
     all_rows, all_lens, all_prev = state.req_rows.clone(), state.seq_lens.clone(), state.prev_topk
@@ -148,6 +150,8 @@ def test_bound_swap_in_matches_unbound_and_reference(row_bytes: int, buffer_size
         got_unbound = swap_in(topk.to(DEV), state.seq_lens.to(DEV), state.req_rows.to(DEV),
                               _gpu_tables(unbound, num_recent, counters_unbound))
         got_bound = bound(topk.to(DEV), state.seq_lens.to(DEV), state.req_rows.to(DEV))
+        if max_copy_blocks == AUTO_COPY_BLOCKS:
+            assert bound._context.max_copy_blocks == auto_copy_blocks(len(keep))
         torch.cuda.synchronize()
         assert got_bound.shape == expect.shape and got_bound.dtype == torch.int32
         assert torch.equal(got_bound.cpu(), expect) and torch.equal(got_unbound.cpu(), expect)
@@ -161,6 +165,40 @@ def test_bound_swap_in_matches_unbound_and_reference(row_bytes: int, buffer_size
     # One check per argument signature: the two batch shapes (same dtypes and device every step).
     assert len(bound._checked_shapes) == 2
     assert {sig[0][0] for sig in bound._checked_shapes} == {torch.Size([len(lens), top_k]), torch.Size([4, top_k])}
+
+
+def test_bound_swap_in_auto_cap_at_a_large_batch_matches_reference() -> None:
+    """The "auto" cap at 130 requests (16 blocks, 4 FP8-sized rows a warp) and then at 40 (8 blocks): the
+    reference's slots, device rows, tables and counters after every step."""
+    rng = random.Random(130)
+    d, top_k, num_recent = 256, 128, 4
+    lens = [rng.randrange(d - 8, 5 * d) for _ in range(130)]
+    state = make_state(rng, lens, d, num_recent, 656, max_steps=4)
+    gpu = _to_gpu_state(state)
+    counters_ref = torch.zeros(2, dtype=torch.int64)
+    counters = torch.zeros(2, dtype=torch.int64, device=DEV)
+    bound = BoundSwapIn(_gpu_tables(gpu, num_recent, counters))
+    bound.max_copy_blocks = AUTO_COPY_BLOCKS
+    all_rows, all_lens, all_prev = state.req_rows.clone(), state.seq_lens.clone(), state.prev_topk
+    for step, batch in enumerate((130, 130, 40, 130)):
+        keep = list(range(batch))
+        state.req_rows, state.seq_lens = all_rows[keep], all_lens[keep]
+        state.prev_topk = [all_prev[i] for i in keep]
+        write_current_token(state)
+        _write_current_token_gpu(state, gpu)
+        topk = next_topk(rng, state, top_k, overlap=0.5)
+        for j, i in enumerate(keep):
+            all_prev[i] = state.prev_topk[j]
+        expect = swap_in_ref(topk, state.seq_lens, state.req_rows, state.tables(counters_ref))
+        got = bound(topk.to(DEV), state.seq_lens.to(DEV), state.req_rows.to(DEV))
+        assert bound._context.max_copy_blocks == (16 if batch == 130 else 8), step
+        torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), expect)
+        for name in ("buffer_tokens", "lru_order", "device_pool"):
+            assert torch.equal(gpu[name].cpu(), getattr(state, name)), f"step {step}: {name} differs"
+        assert counters.cpu().tolist() == counters_ref.tolist()
+        all_lens[keep] += 1
+    assert int(counters_ref[1]) > 0, "the trace must load rows from the host pool"
 
 
 def test_bound_swap_in_edge_cases() -> None:

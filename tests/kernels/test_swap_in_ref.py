@@ -19,6 +19,7 @@ from kernels_swap_traces import (
 
 import kernels
 from kernels import BoundSwapIn, SwapInTables, swap_in
+from kernels.dispatch import AUTO_COPY_BLOCKS, auto_copy_blocks
 from kernels.swap_in_ref import swap_in_ref
 
 
@@ -118,6 +119,41 @@ def test_bound_swap_in_on_cpu_is_reference() -> None:
         return swap(top_k, seq_lens, req_rows)
 
     run_trace(seed=9, seq_lens=[20, 50, 23], buffer_size=24, top_k=8, num_recent=2, overlap=0.5, steps=6, impl=impl)
+
+
+def test_auto_copy_blocks_follow_the_batch() -> None:
+    """The side-stream copy cap "auto": 8 blocks up to 64 requests, then one per 8 requests, at most 16."""
+    assert [auto_copy_blocks(b) for b in (1, 8, 42, 48, 64, 65, 72, 96, 120, 121, 128, 256, 4096)] == [
+        8, 8, 8, 8, 8, 9, 9, 12, 15, 16, 16, 16, 16]
+
+
+def test_bound_swap_in_copy_cap_values() -> None:
+    """`max_copy_blocks` takes a block count (0: no cap) or "auto"; anything else is refused, the last good value
+    kept. On the CPU the cap has no grid to act on, and "auto" leaves the reference's results alone."""
+    state = make_state(random.Random(3), [10, 40], buffer_size=16, num_recent=2, row_bytes=8, max_steps=2)
+    swap = BoundSwapIn(state.tables())
+    assert swap.max_copy_blocks == 0
+    for good in (24, 0, AUTO_COPY_BLOCKS):
+        swap.max_copy_blocks = good
+        assert swap.max_copy_blocks == good
+    for bad in (-1, "eight", "Auto"):
+        with pytest.raises(ValueError, match="max_copy_blocks"):
+            swap.max_copy_blocks = bad
+        assert swap.max_copy_blocks == AUTO_COPY_BLOCKS
+
+
+def test_bound_swap_in_with_auto_cap_on_cpu_is_reference() -> None:
+    """A bound swap-in with the "auto" cap over a whole trace: the reference's results (the cap only sizes a GPU
+    grid)."""
+    bound: dict[str, BoundSwapIn] = {}
+
+    def impl(top_k, seq_lens, req_rows, tables):
+        if "swap" not in bound:
+            bound["swap"] = BoundSwapIn(tables)
+            bound["swap"].max_copy_blocks = AUTO_COPY_BLOCKS
+        return bound["swap"](top_k, seq_lens, req_rows)
+
+    run_trace(seed=10, seq_lens=[20, 50, 23], buffer_size=24, top_k=8, num_recent=2, overlap=0.5, steps=6, impl=impl)
 
 
 def test_bound_swap_in_checks_each_shape_once() -> None:
