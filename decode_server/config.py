@@ -35,7 +35,8 @@ class HiSparseConfig(BaseModel):
         default=True,
         description="GLM-5 shared indexer layers: start their swap-ins (same top-k) at the full layer before them, "
                     "on a side stream, so their host copies overlap that layer's attention and MoE; outputs are "
-                    "unchanged (measured on an H200: 6 % off the step at 20 % misses, docs/benchmarks.md)",
+                    "unchanged (measured on an H200 at 20 % misses: 6 % off glm5-shared-bench's step, 12 % off "
+                    "glm5-rank-ep8's at 32K, docs/benchmarks.md)",
     )
     early_swap_in: bool = Field(
         default=False,
@@ -59,8 +60,8 @@ class HiSparseConfig(BaseModel):
                     "run beside (a capped grid keeps 4 rows a warp in flight); a block count, 0 for no cap (two "
                     "blocks an SM, one row a warp), or \"auto\": one block per 8 requests of the batch, 8 to 16 "
                     "(kernels/dispatch.py auto_copy_blocks); outputs are unchanged. On an H200 auto (8 blocks at "
-                    "batch 42) took glm5-rank-ep8's 20 % miss step from 1.17x to 1.13x the 0 % step against 16 "
-                    "blocks (docs/benchmarks.md)",
+                    "batch 42) took glm5-rank-ep8's 20 % miss step from 1.17-1.19x to 1.13-1.14x the 0 % step "
+                    "against 16 blocks (docs/benchmarks.md)",
     )
 
     @field_validator("side_stream_copy_blocks")

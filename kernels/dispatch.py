@@ -37,9 +37,10 @@ def swap_in(
 # [AUTO_COPY_MIN_BLOCKS, AUTO_COPY_MAX_BLOCKS]. Why: a layer's misses grow with the batch and a layer's time hardly
 # does, so a small batch's copies finish early with few blocks, and every block more holds an SM that the kernels
 # beside it (one CTA an SM, sized to the whole GPU) then lose a partial wave to; 16 capped blocks already move
-# rows as fast as the full grid. Measured on an H200 (docs/benchmarks.md, issue 23 item 3): glm5-rank-ep8 at
-# batch 42, 20 % misses: 8 blocks 1.13x the 0 % step against 1.17x with 16; glm5-shared-bench: 8 and 16 blocks
-# within 1 % at batch 64, 16 blocks 1-4 % faster at batch 128.
+# rows as fast as the full grid. Measured on an H200 (docs/benchmarks.md, issue 23 item 3), the 20 % miss step
+# against the 0 % one: glm5-rank-ep8 at batch 42 (32K) 1.13-1.14x with 8 blocks, 1.17-1.19x with 16;
+# glm5-shared-bench (FP8 rows) at batch 64 8 and 16 blocks within 1 %, at batch 96 12 blocks 3-5 % ahead of both,
+# at batch 128 16 blocks level with 8 or up to 4 % ahead (bf16 rows: 16 blocks 2 % ahead at batch 64 and 128).
 AUTO_COPY_BLOCKS = "auto"
 AUTO_COPY_REQUESTS_PER_BLOCK = 8
 AUTO_COPY_MIN_BLOCKS = 8
