@@ -22,7 +22,8 @@ timed over N decode steps of the real engine loop (schedule → forward → samp
   ...+pq           any mode with the indexer's scores by the per-query kernel (`FastScoresConfig(balanced=False)`,
                    the default until 2026-11-28) instead of the balanced split (--indexer-split per-query|both).
 `--mixed-contexts`: each request's context uniform in [L/8, L] (seeded) instead of all L, as in a serving batch;
-with the model's own selection only (no synthetic miss rates: their windows assume one context length).
+with synthetic miss rates each request's window slides over its own context (a request whose whole context fits
+its device buffer then hits every step, as it would in serving).
 Reports batch, tokens/s, step time, hit rate and PCIe bytes per step; writes JSON and a PNG plot.
 
 GPU:   python benchmarks/bench_decode.py --contexts 8192 32768 65536 --device-kv-budget-gib 8
@@ -149,8 +150,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="HiSparse runs with the speculative prefetch (HiSparseConfig speculative_prefetch): off (the "
                         "server's default), on (modes named ...+spec), or both (issue 23 item 3)")
     p.add_argument("--mixed-contexts", action="store_true",
-                   help="each request's context uniform in [L/8, L] (seeded) instead of L; needs --miss-rates with "
-                        "no value (the model's own selection)")
+                   help="each request's context uniform in [L/8, L] (seeded) instead of L; synthetic miss rates then "
+                        "slide each request's window over its own context (no --cross-layer-overlap, no budget "
+                        "sweep)")
     p.add_argument("--indexer-split", default="balanced", choices=["balanced", "per-query", "both"],
                    help="the indexer scores kernel: the balanced split (the default), the per-query kernel (modes "
                         "named ...+pq), or both, each run twice")
@@ -207,9 +209,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.page_size = 16
         args.device = "cpu" if args.device == "auto" else args.device
     args.config = args.config or "dsv32-bench"
-    if args.mixed_contexts and (args.miss_rates or args.batch_miss_rates or args.sweep_kv_gib_per_layer):
-        p.error("--mixed-contexts runs on the model's own selection: pass --miss-rates with no value, and no "
-                "--batch-miss-rates or --sweep-kv-gib-per-layer (their synthetic windows assume one context)")
+    if args.mixed_contexts and (args.sweep_kv_gib_per_layer or any(c != 0.0 for c in args.cross_layer_overlap)):
+        p.error("--mixed-contexts takes no --sweep-kv-gib-per-layer and no --cross-layer-overlap other than 0 (the "
+                "sweep and the shared windows assume one context length)")
     args.contexts = [8192, 32768, 65536] if args.contexts is None else args.contexts
     rank = args.config in RANK_CONFIGS
     args.plan_memory = args.plan_memory or (rank and args.device_kv_budget_gib is None)
@@ -244,9 +246,16 @@ class SyntheticTopK:
     work."""
 
     def __init__(self, engine: Engine, context: int, miss_rate: float, seed: int,
-                 cross_layer_overlap: float = 0.0) -> None:  # fmt: skip
+                 cross_layer_overlap: float = 0.0, row_contexts: dict[int, int] | None = None) -> None:  # fmt: skip
+        """`row_contexts` (--mixed-contexts): request row → its context when they differ; each request's window
+        then slides over a permutation of its own context (rows not named, the scratch row among them, over
+        `context`); no cross-layer overlap with them."""
         if not 0.0 <= cross_layer_overlap <= 1.0:
             raise ValueError(f"cross_layer_overlap must be in [0, 1], got {cross_layer_overlap}")
+        if row_contexts and cross_layer_overlap:
+            raise ValueError("a cross-layer overlap needs one context for every request (no row_contexts)")
+        if row_contexts and not all(0 < c <= context for c in row_contexts.values()):
+            raise ValueError(f"row contexts must be in [1, {context}], got {sorted(set(row_contexts.values()))}")
         self.engine = engine
         self.context = context
         top_k = int(engine.model_config.index_topk)
@@ -256,18 +265,28 @@ class SyntheticTopK:
         self.own = top_k - self.common
         self.common_region = 0 if self.common == 0 else context if self.own == 0 else context // 2
         self.own_region = context - self.common_region
-        for part, region in ((self.common, self.common_region), (self.own, self.own_region)):
+        shortest = min(row_contexts.values()) if row_contexts else context
+        for part, region in ((self.common, self.common_region), (self.own, self.own_region - context + shortest)):
             if part and region < part + self.advance:
-                raise ValueError(f"context {context} is too short for a synthetic window of {part} positions "
-                                 f"advancing {self.advance} a step")
+                raise ValueError(f"context {region if row_contexts else context} is too short for a synthetic "
+                                 f"window of {part} positions advancing {self.advance} a step")
         self.common_advance = round(self.advance * self.common / top_k)
         self.own_advance = self.advance - self.common_advance
         gen = torch.Generator().manual_seed(seed)
         # One permutation per request row, the scratch row of padded (CUDA graph) batches included (shared by
         # layers, which start at different offsets).
         rows = max(engine.config.max_running_requests, engine.kv.backend.scratch_row) + 1
-        self.perm = torch.stack([torch.randperm(context, generator=gen) for _ in range(rows)]).to(
-            engine.device, torch.int32)
+        if row_contexts:
+            lengths = [row_contexts.get(row, context) for row in range(rows)]
+            # Each row's first `length` entries are a permutation of its positions (the rest is never read).
+            self.perm = torch.stack([torch.cat([torch.randperm(n, generator=gen), torch.zeros(context - n,
+                                                                                          dtype=torch.int64)])
+                                     for n in lengths]).to(engine.device, torch.int32)
+            self.lengths: torch.Tensor | None = torch.tensor(lengths, dtype=torch.int64, device=engine.device)
+        else:
+            self.perm = torch.stack([torch.randperm(context, generator=gen) for _ in range(rows)]).to(
+                engine.device, torch.int32)
+            self.lengths = None
         num_layers = int(engine.model_config.num_hidden_layers)
         # Each layer's window start lives on the device and advances in place, so a captured step advances it.
         self.start = torch.randint(0, context, (num_layers,), generator=gen).to(engine.device)
@@ -284,6 +303,11 @@ class SyntheticTopK:
         batch = current[0] if isinstance(current, tuple) else current  # DenseBackend: (batch, slots, rows)
         if not batch.is_decode:
             return real
+        if self.lengths is not None:  # each request's window over its own context
+            lengths = self.lengths[batch.req_rows].unsqueeze(1)
+            cols = (self.start[layer_id] + torch.arange(top_k, device=q.device)).unsqueeze(0) % lengths
+            self.start[layer_id] += self.advance
+            return batch.mask_padded_topk(torch.gather(self.perm[batch.req_rows], 1, cols).contiguous())
         if self.common == 0:
             cols = (self.start[layer_id] + torch.arange(top_k, device=q.device)) % self.context
             self.start[layer_id] += self.advance
@@ -823,7 +847,10 @@ def _timed_run(args, model, model_config, mode: str, context: int, miss_rate: fl
     if fixed_batch is not None and batch < fixed_batch:
         raise RuntimeError(f"{name} at {context}: only {batch} of {fixed_batch} requests fit")
     if miss_rate is not None:
-        SyntheticTopK(engine, context, miss_rate, args.seed, cross_layer_overlap(mode))
+        # --mixed-contexts: each request's window slides over its own context (its request row → its length).
+        rows = ({engine._requests[f"b{i}"].row: length for i, length in enumerate(contexts)}
+                if getattr(args, "mixed_contexts", False) else None)
+        SyntheticTopK(engine, context, miss_rate, args.seed, cross_layer_overlap(mode), row_contexts=rows)
     graphs = capture_graphs(args, engine, batch)
     breakdown = StepBreakdown(engine)
     try:

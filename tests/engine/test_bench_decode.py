@@ -222,7 +222,8 @@ class _Batch:
         return topk
 
 
-def _synthetic(bench, overlap: float, miss_rate: float = 0.25, context: int = 1024):
+def _synthetic(bench, overlap: float, miss_rate: float = 0.25, context: int = 1024,
+               row_contexts: dict[int, int] | None = None):
     """A SyntheticTopK on tiny-dsa's config (K 64, 3 layers) over a stand-in engine: only what it reads."""
     from types import SimpleNamespace
 
@@ -235,7 +236,8 @@ def _synthetic(bench, overlap: float, miss_rate: float = 0.25, context: int = 10
     backend = SimpleNamespace(scratch_row=3, index_topk=lambda *args: None, _current=lambda: batch)
     engine = SimpleNamespace(model_config=config, config=SimpleNamespace(max_running_requests=3),
                              kv=SimpleNamespace(backend=backend), device=torch.device("cpu"))
-    return bench.SyntheticTopK(engine, context, miss_rate, seed=1, cross_layer_overlap=overlap), int(config.index_topk)
+    return (bench.SyntheticTopK(engine, context, miss_rate, seed=1, cross_layer_overlap=overlap,
+                                row_contexts=row_contexts), int(config.index_topk))
 
 
 @pytest.mark.parametrize("overlap", [0.0, 0.5, 0.75, 1.0])
@@ -274,6 +276,57 @@ def test_synthetic_overlap_refuses_a_short_context():
         _synthetic(bench, 0.5, context=80)
     with pytest.raises(ValueError, match=r"in \[0, 1\]"):
         _synthetic(bench, 1.5)
+
+
+def test_synthetic_windows_over_each_requests_own_context():
+    """--mixed-contexts with a miss rate: each request's selection is K distinct positions of its own context,
+    and K · miss rate of them are new every step (the window wraps around the request's own permutation);
+    a request too short for the window, or a cross-layer overlap with lengths of their own, is refused."""
+    import torch
+
+    bench = _load_bench("bench_decode_mixed_synthetic")
+    lengths = {0: 90, 1: 1024, 2: 300}
+    synthetic, top_k = _synthetic(bench, 0.0, row_contexts=lengths)
+    previous = None
+    for _ in range(8):  # past a full turn of the 90-position request's window
+        step = [synthetic.index_topk(layer, torch.zeros(1), torch.zeros(1), top_k) for layer in range(3)]
+        for sel in step:
+            assert sel.shape == (3, top_k)
+            for r, length in lengths.items():
+                row = sel[r].tolist()
+                assert len(set(row)) == top_k and min(row) >= 0 and max(row) < length, (r, row)
+        if previous is not None:
+            for layer in range(3):
+                for r in lengths:
+                    assert len(set(step[layer][r].tolist()) - set(previous[layer][r].tolist())) == synthetic.advance
+        previous = step
+    assert set(step[0][0].tolist()) | set(previous[0][0].tolist()) <= set(range(90))
+    with pytest.raises(ValueError, match="too short"):
+        _synthetic(bench, 0.0, row_contexts={0: 70, 1: 1024})
+    with pytest.raises(ValueError, match="cross-layer overlap"):
+        _synthetic(bench, 0.5, row_contexts={0: 512})
+    with pytest.raises(ValueError, match="row contexts"):
+        _synthetic(bench, 0.0, row_contexts={0: 2048})
+
+
+def test_mixed_contexts_with_a_synthetic_miss_rate(tmp_path):
+    """The smoke run of --mixed-contexts with 20 % synthetic misses: HiSparse runs over requests of their own
+    lengths, and its hit rate is below 1 (the long requests miss) and above the equal-length run's (the requests
+    whose whole context fits their buffer never miss)."""
+    bench = _load_bench("bench_decode_mixed_misses")
+    hit_rates = {}
+    for mixed in (True, False):
+        out = tmp_path / f"r{mixed}.json"
+        assert bench.main(["--smoke", "--contexts", "1024", "--modes", "hisparse", "--miss-rates", "0.2",
+                           "--skip-model-indexer-run", "--steps", "3", "--out", str(out),
+                           "--plot", str(tmp_path / "r.png"), *(["--mixed-contexts"] if mixed else [])]) == 0
+        runs = {r["mode"]: r for r in json.loads(out.read_text())["results"] if r["fixed_batch"] is None}
+        assert set(runs) == {"hisparse-m20"}, sorted(runs)
+        run = runs["hisparse-m20"]
+        assert "error" not in run and run["mixed_contexts"] is mixed, run
+        assert (run["mean_context"] < 1024) is mixed
+        hit_rates[mixed] = run["hit_rate"]
+    assert hit_rates[False] < hit_rates[True] < 1.0, hit_rates
 
 
 @pytest.mark.slow
@@ -341,5 +394,7 @@ def test_mixed_contexts_and_indexer_split(tmp_path, monkeypatch):
         assert runs[mode]["batch"] == runs[mode + "+pq"]["batch"]
         assert runs[mode]["mean_context"] == runs[mode + "+pq"]["mean_context"] < 384
     assert injected and set(injected) <= set(lengths) and len(set(injected)) > 1
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--mixed-contexts", "--miss-rates", "0.05"])
+    assert bench.parse_args(["--mixed-contexts", "--miss-rates", "0.05"]).mixed_contexts
+    for refused in (["--cross-layer-overlap", "0", "0.5"], ["--sweep-kv-gib-per-layer", "0.5"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--mixed-contexts", "--miss-rates", "0.05", *refused])

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # glm5-rank-ep8 at 32K: dense, and HiSparse at 0 / 5 / 20 % synthetic misses with the shared-layer prefetch off and on
 # (issue 23 item 3 at the rank shape; GLM-5's rank config was never run as a step before).
+# (the header above was copied from call 1 with this script: this run is the context in its name, prefetch on only, the default "auto" cap)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HISPARSE_KERNEL_CACHE=/tmp/kc TRITON_CACHE_DIR=/tmp/triton
