@@ -265,8 +265,9 @@ class SyntheticTopK:
         self.own = top_k - self.common
         self.common_region = 0 if self.common == 0 else context if self.own == 0 else context // 2
         self.own_region = context - self.common_region
-        shortest = min(row_contexts.values()) if row_contexts else context
-        for part, region in ((self.common, self.common_region), (self.own, self.own_region - context + shortest)):
+        # With lengths of their own (no overlap: one region, the whole context) the shortest request must hold it.
+        own_region = min(row_contexts.values()) if row_contexts else self.own_region
+        for part, region in ((self.common, self.common_region), (self.own, own_region)):
             if part and region < part + self.advance:
                 raise ValueError(f"context {region if row_contexts else context} is too short for a synthetic "
                                  f"window of {part} positions advancing {self.advance} a step")
