@@ -70,6 +70,7 @@ class MLAAttention(nn.Module):
         self.register_buffer("w_uk_scale", torch.empty(0), persistent=False)
         self.register_buffer("w_uv_scale", torch.empty(0), persistent=False)
         self.absorbed_fp8 = False
+        self.weights_absorbed = False  # set by `absorb_weights` (the buffers may hold reserved, unfilled storage)
         # q_a, the indexer's wk and kv_a as one GEMM (`fuse_input_projections`); None: three GEMMs.
         self.fused_inputs: FusedLinear | None = None
         # q_b and the indexer's wq_b (both read the normalized query latent) as one GEMM (`fuse_query_projections`).
@@ -163,20 +164,51 @@ class MLAAttention(nn.Module):
         scale = self.kv_b_proj.fp8_scale
         heads, nope, lora = self.num_heads, self.nope_dim, self.kv_lora_rank
         self.absorbed_fp8 = self.absorbed_fp8_fits()
+        self.weights_absorbed = True
         if self.absorbed_fp8:
             blocks = scale.view(heads, (nope + self.v_dim) // 128, lora // 128)
             w = w.view(heads, nope + self.v_dim, lora)
-            self.w_uk = w[:, :nope].transpose(1, 2).contiguous()
-            self.w_uk_scale = blocks[:, : nope // 128].transpose(1, 2).contiguous()
+            self._fill_absorbed("w_uk", w[:, :nope].transpose(1, 2))
+            self._fill_absorbed("w_uk_scale", blocks[:, : nope // 128].transpose(1, 2))
             self.w_uv = w[:, nope:]
             self.w_uv_scale = blocks[:, nope // 128 :]
             return
         if scale is not None:
             w = dequantize_block_fp8(w, scale, self.kv_b_proj.weight_block).to(self.kv_a_layernorm.weight.dtype)
         w = w.view(heads, nope + self.v_dim, lora)
-        self.w_uk = w[:, :nope].contiguous()
-        self.w_uv = w[:, nope:].contiguous()
+        self._fill_absorbed("w_uk", w[:, :nope])
+        self._fill_absorbed("w_uv", w[:, nope:])
         self.w_uk_scale = self.w_uv_scale = torch.empty(0, device=w.device)
+
+    def absorbed_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each tensor `absorb_weights` copies out of kv_b_proj (the FP8 path's W_UV and its
+        scales are views and need no storage)."""
+        heads, nope, lora = self.num_heads, self.nope_dim, self.kv_lora_rank
+        if self.absorbed_fp8_fits():
+            return {"w_uk": ((heads, lora, nope), self.kv_b_proj.weight.dtype),
+                    "w_uk_scale": ((heads, lora // 128, nope // 128), self.kv_b_proj.fp8_scale.dtype)}
+        dtype = self.kv_a_layernorm.weight.dtype if self.kv_b_proj.fp8_scale is not None else self.kv_b_proj.weight.dtype
+        return {"w_uk": ((heads, nope, lora), dtype), "w_uv": ((heads, self.v_dim, lora), dtype)}
+
+    def reserve_absorbed(self) -> None:
+        """Give the absorbed copies their storage at construction, beside the layer's other tensors, so that
+        `absorb_weights` fills them in place (and a reload keeps their addresses): allocated after loading
+        instead, each 8-16 MB copy split a larger caching-allocator segment freed before it (replaced parameters,
+        the random fill's temporaries) and stranded the rest of it — ~350 MiB over DeepSeek-V3.2's 61 layers on one
+        EP8 rank, KV the budget, measured from free device memory, never got
+        (tests/model/test_construct_memory_gpu.py)."""
+        device = self.kv_b_proj.weight.device
+        for name, (shape, dtype) in self.absorbed_layout().items():
+            setattr(self, name, torch.empty(shape, dtype=dtype, device=device))
+
+    def _fill_absorbed(self, name: str, value: torch.Tensor) -> None:
+        """Copy `value` into the buffer `name` where `reserve_absorbed` gave it the right storage (same bits as a
+        fresh copy), else make it a contiguous copy."""
+        buffer = getattr(self, name)
+        if buffer.shape == value.shape and buffer.dtype == value.dtype and buffer.device == value.device:
+            buffer.copy_(value)
+        else:
+            setattr(self, name, value.contiguous())
 
     def latent_rows(self, kv_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The cache rows [T, 576] = [RMSNorm(c_kv) ; RoPE(k_pe)] of the new tokens, from kv_a_proj_with_mqa(x)."""
@@ -219,7 +251,7 @@ class MLAAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] → ([T, hidden], top-k positions [T, K] it attended). cos/sin in x's dtype (MLA),
         cos32/sin32 float32 (indexer). A shared layer (no indexer) attends over `shared_topk`."""
-        if self.w_uk.numel() == 0:
+        if not self.weights_absorbed:
             raise RuntimeError("MLAAttention.absorb_weights() was not called after loading the weights")
         backend = get_forward_context().backend
         num_tokens = x.shape[0]

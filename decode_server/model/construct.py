@@ -104,20 +104,63 @@ def build_empty_model(
         if is_fp8_state(name, tensor):
             continue
         tensor.data = tensor.data.to(torch.float32 if keeps_float32(name) else dtype)
-    model.to_empty(device=device)
+    # Storage is given module by module, each stacking module's stacks made right after its own tensors, and the
+    # segments its replaced parameters leave wholly free handed back at once (`_release_freed`): the allocator
+    # reuses the partly freed blocks for the next layers, and no later, smaller allocation splits a freed segment
+    # and strands the rest of it. Giving the whole model storage first stranded ~5 MB a layer (each freed kv_a
+    # inside a segment live tensors also hold), and absorbed copies allocated after loading landed in the freed
+    # 14 MiB segments of the shared experts' gate and up: 666-734 MiB on an EP8 rank of GLM-5 / DeepSeek-V3.2
+    # that the KV budget, measured from free device memory, never got (tests/model/test_construct_memory_gpu.py).
+    materialized: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.inv_freq = inverse_frequencies(config.rope, module.dim).to(device)
         elif isinstance(module, MoE):
+            materialize_(module, device, materialized)
             module.stack_experts()
+            _release_freed(device)
         elif isinstance(module, MLAAttention):
+            materialize_(module, device, materialized)
             module.fuse_input_projections(copy=False)
             module.fuse_query_projections(copy=False)
+            _release_freed(device)
+            module.reserve_absorbed()
         elif isinstance(module, MLP):
+            materialize_(module, device, materialized)
             module.fuse_gate_up(copy=False)  # dense and shared-expert MLPs (routed experts opt out)
+            _release_freed(device)
+    materialize_(model, device, materialized)
     model.quantization = model_quantization(model)
     model.eval()
     return model
+
+
+def materialize_(module: torch.nn.Module, device: torch.device,
+                 done: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Give every meta parameter and buffer of `module`'s tree uninitialized storage on `device` (what
+    `Module.to_empty` does, but tensors that already have storage — stacks and their views — are left alone).
+    `done` maps a meta tensor's id to (that tensor, kept alive so the id stays its own; its replacement), so a
+    tensor shared by two modules stays shared."""
+    if device.type == "meta":
+        return
+    for sub in module.modules():
+        for table, make in ((sub._parameters, _empty_parameter), (sub._buffers, torch.empty_like)):
+            for name, tensor in table.items():
+                if tensor is None or not tensor.is_meta:
+                    continue
+                if id(tensor) not in done:
+                    done[id(tensor)] = (tensor, make(tensor, device=device))
+                table[name] = done[id(tensor)][1]
+
+
+def _release_freed(device: torch.device) -> None:
+    """Hand the caching allocator's wholly free segments back to the driver (after a stack replaced parameters)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _empty_parameter(param: torch.Tensor, device: torch.device) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
 
 
 def _fp8_block(config: ModelConfig) -> tuple[int, int]:

@@ -14,7 +14,7 @@ grep -q '"shared" in config.indexer_types' decode_server/model/fp8_warmup.py || 
 table=$(python3 -c "import torch; from kernels.fp8_gemm_table import table_path; print(table_path(torch.cuda.get_device_name()))")
 cp "$table" $OUT/table_before.json
 mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-RANK="--config glm5-rank-ep8 --contexts 32768 --modes hisparse --skip-model-indexer-run --miss-rates 0 0.2 --batch-sizes --steps 10 --warmup 2 --host-memory-fraction 0.7"
+RANK="--config glm5-rank-ep8 --contexts 32768 --modes hisparse --skip-model-indexer-run --miss-rates 0 0.2 --batch-sizes --max-batch 41 --steps 10 --warmup 2 --host-memory-fraction 0.7"
 if (( mem_mib > 100000 )); then
   timeout 200 python3 benchmarks/bench_decode.py $RANK --out $OUT/rank_before.json 2>&1 | grep -v "it/s\]" > $OUT/rank_before.log
 fi
