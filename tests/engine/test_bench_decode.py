@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,13 +52,10 @@ def test_bench_decode_smoke_tp2(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bench_decode_gpu_preflight(tmp_path):
     """A short run of the real benchmark config on CUDA, so a full run does not fail late. At 16K context and a
     1 GiB budget dense holds 12 requests, HiSparse hits the batch cap of 16."""
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     pytest.importorskip("matplotlib")
     spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "benchmarks" / "bench_decode.py")
     bench = importlib.util.module_from_spec(spec)
@@ -214,8 +212,6 @@ class _Batch:
     is_decode = True
 
     def __init__(self, rows: int) -> None:
-        import torch
-
         self.req_rows = torch.arange(rows)
 
     def mask_padded_topk(self, topk):
@@ -226,8 +222,6 @@ def _synthetic(bench, overlap: float, miss_rate: float = 0.25, context: int = 10
                row_contexts: dict[int, int] | None = None):
     """A SyntheticTopK on tiny-dsa's config (K 64, 3 layers) over a stand-in engine: only what it reads."""
     from types import SimpleNamespace
-
-    import torch
 
     from decode_server.model import load_config
 
@@ -245,8 +239,6 @@ def test_synthetic_cross_layer_overlap(overlap):
     """The synthetic selections of a step: distinct positions of the context; round(C·K) common to every layer
     (at 0: only chance coincidences of independent windows); each layer's entries new since the last step number
     the miss rate's share of K, and round(C·K)'s share of them enter every layer at once."""
-    import torch
-
     bench = _load_bench("bench_decode_overlap")
     synthetic, top_k = _synthetic(bench, overlap)
     common = round(overlap * top_k)
@@ -282,8 +274,6 @@ def test_synthetic_windows_over_each_requests_own_context():
     """--mixed-contexts with a miss rate: each request's selection is K distinct positions of its own context,
     and K · miss rate of them are new every step (the window wraps around the request's own permutation);
     a request too short for the window, or a cross-layer overlap with lengths of their own, is refused."""
-    import torch
-
     bench = _load_bench("bench_decode_mixed_synthetic")
     lengths = {0: 90, 1: 1024, 2: 300}
     synthetic, top_k = _synthetic(bench, 0.0, row_contexts=lengths)
