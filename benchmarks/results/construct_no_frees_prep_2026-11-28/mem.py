@@ -1,16 +1,17 @@
 """Device memory a random build of a rank config leaves stranded (reserved − allocated after gc + empty_cache), the
 engine's KV budget then (mem_fraction_static 0.85) and a hash of every 37th tensor, with the tree's construction
-("new") or 6938f6a's ("old": construct_6938f6a.py beside this file). Also the first 16 layers (the GPU test's cut).
+("new") or the one in OLD_CONSTRUCT ("old": call.sh saves the tree's construct.py there before it applies the
+patch). Also the first 16 layers (the GPU test's cut).
 
-    python3 benchmarks/results/construct_no_frees_prep_2026-11-28/mem.py CONFIG old|new
+    OLD_CONSTRUCT=/tmp/construct_old.py python3 benchmarks/results/construct_no_frees_prep_2026-11-28/mem.py CONFIG old|new
 """
 
 import gc
 import hashlib
 import importlib.util
+import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -19,7 +20,7 @@ from decode_server.model import build_random_model, construct, load_config
 
 config_name, impl = sys.argv[1], sys.argv[2]
 if impl == "old":
-    spec = importlib.util.spec_from_file_location("construct_6938f6a", Path(__file__).with_name("construct_6938f6a.py"))
+    spec = importlib.util.spec_from_file_location("construct_old", os.environ["OLD_CONSTRUCT"])
     old = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(old)
     construct.build_empty_model = old.build_empty_model
