@@ -7,7 +7,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HISPARSE_KERNEL_CACHE=/tmp/kc TRITON_CACHE_DIR=/tmp/triton
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p $OUT
 nvidia-smi -L
-D=benchmarks/results/construct_no_frees_prep_2026-11-28
+D=benchmarks/results/construct_no_frees_2026-11-28
 grep -q "def point_at" decode_server/model/fused_linear.py && { echo "run it on the unpatched tree"; exit 2; }
 cp decode_server/model/construct.py /tmp/construct_old.py
 git apply $D/construct_no_frees.patch || exit 2

@@ -3,7 +3,7 @@ engine's KV budget then (mem_fraction_static 0.85) and a hash of every 37th tens
 ("new") or the one in OLD_CONSTRUCT ("old": call.sh saves the tree's construct.py there before it applies the
 patch). Also the first 16 layers (the GPU test's cut).
 
-    OLD_CONSTRUCT=/tmp/construct_old.py python3 benchmarks/results/construct_no_frees_prep_2026-11-28/mem.py CONFIG old|new
+    OLD_CONSTRUCT=/tmp/construct_old.py python3 benchmarks/results/construct_no_frees_2026-11-28/mem.py CONFIG old|new
 """
 
 import gc
