@@ -248,9 +248,13 @@ def triton_candidates(kind: str, bucket: int, n: int, k: int, experts: int, devi
             warps = 8 if bm * bn >= 128 * 128 else 4
             stages = 3 if bm >= 128 else 4
             out += [GemmChoice("triton", config(bm, bn, s, warps, stages, m_programs)) for s in splits]
+            if kind == "grouped" and bm < 128:
+                out += [GemmChoice("triton", config(bm, bn, s, warps, 3, m_programs)) for s in splits]
             if kind == "dense" and rows <= FUSED_MAX_ROWS:  # the fused variants: one kernel instead of up to three
                 out += [GemmChoice("triton", config(bm, bn, s, warps, stages, m_programs, fuse_quant=True,
                                                     fuse_reduce=s > 1)) for s in splits]
+    if kind == "grouped":
+        out += _grouped_extra_candidates(bucket, rows, tiles, layouts, config)
     if (kind == "dense" and bucket == 1) or (kind == "grouped" and rows <= GEMV_MAX_ROWS_PER_EXPERT):
         # One row (an expert's one or two): the kernel without tensor cores (`fp8_gemv`, `fp8_grouped_gemv`)
         out += [GemmChoice("triton", config(block_n=bn, num_warps=warps, gemv_groups=groups, fuse_quant=fused,
@@ -262,6 +266,27 @@ def triton_candidates(kind: str, bucket: int, n: int, k: int, experts: int, devi
             out += [GemmChoice("triton", config(block_n=bn, num_warps=warps, gemv_groups=groups, fuse_quant=fused,
                                                 gemv_stages=stages, gemv_row_programs=True))
                     for bn, groups, warps, fused, stages in GROUPED_GEMV_ROW_CANDIDATES]
+    return out
+
+
+def _grouped_extra_candidates(bucket: int, rows: int, tiles: list, layouts: list, config: type) -> list[GemmChoice]:
+    """The grouped kernel's launches for decode's uneven rows, beyond the row tile of the average: a tile of 64
+    rows (one pass over the weights for every expert up to 64 rows: a fused shared expert holds a row of every
+    token, routed experts of a top-8-of-32 rank about a quarter of the tokens) with 3 stages and 128 registers a
+    thread, in both expert orders; and the two-programs-per-expert layout with the last expert's programs first.
+
+    Why (H200, 2026-11-28, the rank shapes at batch 42, 378 rows over 33 experts; bench records in
+    benchmarks/results/grouped_gemm_rank_2026-11-28/): a program of a 32-row tile runs the shared expert's 42 rows
+    as two passes over its weights, started last, so the GEMM ended ~1.5 waves late (GLM-5 gate/up 296 µs against
+    225 with the 64-row tile at 128 registers; down 148 against 119 with two programs per expert started last)."""
+    out: list[GemmChoice] = []
+    if rows >= 8 and bucket > 2 * tiles[0][0] and all(bm != 128 for bm, _ in tiles):
+        out += [GemmChoice("triton", config(64, 64, 1, 4, 3, 1, max_registers=128, experts_reversed=reverse))
+                for reverse in (False, True)]
+    shared_layouts = [(bm, column_tiles, m_programs) for bm, column_tiles, m_programs in layouts if m_programs > 1]
+    for bm, column_tiles, m_programs in shared_layouts[-1:]:
+        out += [GemmChoice("triton", config(bm, column_tiles[0], 1, 4, stages, m_programs, experts_reversed=True))
+                for stages in (4, 3)]
     return out
 
 
@@ -293,7 +318,9 @@ def default_choice(kind: str, bucket: int, n: int, k: int, experts: int, device:
     fused = any(c.config.fuse_quant for c in candidates)
     first = candidates[0].config
     candidates = [c for c in candidates if c.config.block_n == bn and c.config.block_m == first.block_m
-                  and c.config.m_programs == first.m_programs and c.config.fuse_quant == fused]
+                  and c.config.m_programs == first.m_programs and c.config.fuse_quant == fused
+                  and c.config.num_stages == first.num_stages and not c.config.max_registers
+                  and not c.config.experts_reversed]
     sms = _sm_count(_index(device))
     rows = bucket if kind == "dense" else max(1, math.ceil(bucket / max(1, min(experts, bucket))))
     base = math.ceil(n / bn) * math.ceil(rows / candidates[0].config.block_m)

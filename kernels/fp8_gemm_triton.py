@@ -20,6 +20,10 @@ Grouped GEMM (`fp8_grouped_gemm`): the rows are sorted by expert, expert e ownin
 offsets come from the device: no host sync). Program (n tile, e · m_progs + j, k split) computes expert e's row
 tiles j, j + m_progs, …; an expert without rows costs one offsets load and reads no weights, so a decode step reads
 only the experts it routed to. Rows past end[E-1] (other ranks' choices with expert parallelism) are not written.
+Two launch options change only when programs run, never what they compute: `experts_reversed` maps the grid's
+expert index backwards, so the last expert's programs (a fused shared expert: a row of every token, the longest)
+start first instead of ending the GEMM a wave late; `max_registers` caps a thread's registers (Triton's maxnreg)
+so more programs share an SM.
 
 Fused variants (`TritonGemmConfig.fuse_quant`, `fuse_reduce`), for decode's small M where each extra kernel costs
 more than its work (a batch-1 projection was three kernels: quantize, GEMM, split-K sum):
@@ -71,16 +75,19 @@ class TritonGemmConfig:
     gemv_groups: int = 0  # > 0: the one-row kernel (`fp8_gemv`), this many 128-channel groups a loop step
     gemv_stages: int = 1  # the one-row kernel's loop: > 1 keeps that many steps' weight tiles in flight (cp.async)
     gemv_row_programs: bool = False  # grouped one-row kernel: a program per (column block, row), not per expert
+    max_registers: int = 0  # > 0: Triton's maxnreg, registers a thread (more programs an SM); 0: the compiler's
+    experts_reversed: bool = False  # grouped kernel: programs of the last expert first (a fused shared expert)
 
     def label(self) -> str:
         if self.gemv_groups:
             return (f"triton gemv bn{self.block_n} g{self.gemv_groups} w{self.num_warps}"
                     f"{f' ls{self.gemv_stages}' if self.gemv_stages > 1 else ''}{' fq' if self.fuse_quant else ''}"
                     f"{' rp' if self.gemv_row_programs else ''}")
-        grouped = f" mp{self.m_programs}" if self.m_programs != 1 else ""
+        grouped = (f" mp{self.m_programs}" if self.m_programs != 1 else "") + (" rev" if self.experts_reversed else "")
         fused = (" fq" if self.fuse_quant else "") + (" fr" if self.fuse_reduce and self.split_k > 1 else "")
+        registers = f" r{self.max_registers}" if self.max_registers else ""
         return (f"triton bm{self.block_m} bn{self.block_n} sk{self.split_k} w{self.num_warps} "
-                f"s{self.num_stages}{grouped}{fused}")
+                f"s{self.num_stages}{registers}{grouped}{fused}")
 
 
 @triton.jit
@@ -322,16 +329,22 @@ def _fp8_grouped_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, counte
                              stride_am, stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
                              stride_cm, stride_ws_split, stride_ws_m,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             SCALE_BN: tl.constexpr, FUSE_QUANT: tl.constexpr, FUSE_REDUCE: tl.constexpr):
+                             SCALE_BN: tl.constexpr, FUSE_QUANT: tl.constexpr, FUSE_REDUCE: tl.constexpr,
+                             SPLIT_K: tl.constexpr, REVERSED: tl.constexpr):
     pid_n = tl.program_id(0)
     expert = tl.program_id(1) // m_progs
+    if REVERSED:  # the last expert's programs start first (see TritonGemmConfig.experts_reversed)
+        expert = tl.num_programs(1) // m_progs - 1 - expert
     part = tl.program_id(1) % m_progs
     pid_k = tl.program_id(2)
     end = tl.load(ends_ptr + expert)
     start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n
-    t_start = pid_k * tiles_per_split
+    if SPLIT_K:  # noqa: SIM108 -- a statement-level constexpr branch: the form measured on the GPU
+        t_start = pid_k * tiles_per_split
+    else:  # without split-K the first tile is the constant 0: 4-10 % faster at decode's shapes (H200, 2026-11-28)
+        t_start = 0
     b_expert = b_ptr + expert.to(tl.int64) * stride_be
     bs_expert = bs_ptr + expert.to(tl.int64) * stride_bse
     # A while loop: its bounds come from device memory (a for-range over them also works compiled, not in
@@ -576,7 +589,8 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scales: torch.Tensor | None, w: torch.Te
             a.stride(0), stride_asg, w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
             w_scale.stride(2), stride_cm, stride_ws_split, stride_ws_m,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=GROUP, SCALE_BN=block[0],
-            FUSE_QUANT=config.fuse_quant, FUSE_REDUCE=fuse_reduce,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            FUSE_QUANT=config.fuse_quant, FUSE_REDUCE=fuse_reduce, SPLIT_K=splits > 1,
+            REVERSED=config.experts_reversed, num_warps=config.num_warps, num_stages=config.num_stages,
+            **({"maxnreg": config.max_registers} if config.max_registers else {}),
         )
     return target if fuse_reduce else _reduce(target, out_dtype)

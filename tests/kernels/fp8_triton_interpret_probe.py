@@ -5,6 +5,7 @@ mismatch; prints one line per case."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from unittest import mock
@@ -206,6 +207,19 @@ def test_grouped() -> None:
         for call in range(2):
             again = tri.fp8_grouped_gemm(x, None, w, s, ends, torch.float32, fused)
             same_bits(f"grouped E={experts} {fused.label()} call {call}", again[:39], got[:39])
+        # The launch options that only reorder programs or cap registers (the last expert's programs first, Triton's
+        # maxnreg — ignored by the interpreter) and the pipeline depth: the same bits as the launch they vary.
+        for variant in (dataclasses.replace(config, experts_reversed=True),
+                        dataclasses.replace(config, experts_reversed=True, num_stages=3, max_registers=128),
+                        dataclasses.replace(fused, experts_reversed=True)):
+            again = tri.fp8_grouped_gemm(x if variant.fuse_quant else q, None if variant.fuse_quant else scales, w, s,
+                                         ends, torch.float32, variant)
+            same_bits(f"grouped E={experts} {variant.label()}", again[:39], got[:39])
+    # A 64-row tile runs expert 2's 33 rows in one pass over its weights.
+    q, scales = tri.quantize_activations(x)
+    wide = tri.fp8_grouped_gemm(q, scales, w, s, ends, torch.float32,
+                                tri.TritonGemmConfig(64, 64, 1, num_stages=3, max_registers=128, experts_reversed=True))
+    check(f"grouped E={experts} 64-row tile", wide[:39], ref[:39], tol + 1e-30)
     if any(int(t.abs().sum()) for t in tri._counters.values()):
         sys.exit("FAIL grouped fused reduce: tile counters not back at 0")
     # The grouped one-row kernel on decode-like rows: expert 0 one row, expert 1 none, expert 2 three rows (its

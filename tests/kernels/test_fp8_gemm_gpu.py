@@ -17,6 +17,7 @@ Run: pytest -m gpu tests/kernels/test_fp8_gemm_gpu.py -v -s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -457,6 +458,33 @@ def test_fused_grouped_gemm_gives_the_unfused_bits(tokens: int) -> None:
         for _ in range(10):
             assert torch.equal(tri.fp8_grouped_gemm(x, None, w, s, ends, torch.bfloat16, fused)[:rows], want)
     assert not any(int(t.abs().sum()) for t in tri._counters.values()), "tile counters left non-zero"
+
+
+@pytest.mark.parametrize("tokens", [16, 42, 64])
+def test_grouped_launch_order_stages_and_register_cap_keep_the_bits(tokens: int) -> None:
+    """Decode routing of a rank (top-8 of 32 routed experts plus a fused shared expert, the last, with a row of
+    every token): the last expert's programs first, 3 stages and a 128-register cap change only when and where
+    programs run, so each gives the bits of the plain launch of its tile (tuned tables pick any of them)."""
+    from kernels import fp8_gemm_triton as tri
+
+    routed, top_k, n, k = 32, 8, 4096, 2048
+    base_w, base_s, _ = weight(n, k)
+    gen = torch.Generator(device="cuda").manual_seed(100 + tokens)
+    w = base_w.unsqueeze(0).repeat(routed + 1, 1, 1)
+    s = base_s.unsqueeze(0) * torch.rand(routed + 1, 1, 1, device="cuda", generator=gen).add(0.5)
+    picked = torch.rand(tokens, routed, device="cuda", generator=gen).topk(top_k, dim=-1).indices
+    ids = torch.cat([picked, torch.full((tokens, 1), routed, device="cuda")], dim=1).flatten()
+    sorted_ids, order = torch.sort(ids, stable=True)
+    ends = torch.searchsorted(sorted_ids, torch.arange(routed + 1, device="cuda"), right=True).to(torch.int32)
+    x = activations(tokens, k)[order // (top_k + 1)]
+    q, scales = tri.quantize_activations(x)
+    for block_m, m_programs in ((16, 1), (16, 2), (64, 1)):
+        plain = tri.TritonGemmConfig(block_m, 64, 1, m_programs=m_programs)
+        want = tri.fp8_grouped_gemm(q, scales, w, s, ends, torch.bfloat16, plain)
+        for variant in (dataclasses.replace(plain, experts_reversed=True), dataclasses.replace(plain, num_stages=3),
+                        dataclasses.replace(plain, num_stages=3, max_registers=128, experts_reversed=True)):
+            got = tri.fp8_grouped_gemm(q, scales, w, s, ends, torch.bfloat16, variant)
+            assert torch.equal(got, want), variant.label()
 
 
 # -- the batched kernel: MLA's absorbed products with FP8 weights (kernels/fp8_bmm_triton.py) ----------------------

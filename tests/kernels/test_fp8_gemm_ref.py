@@ -297,6 +297,30 @@ def test_grouped_candidates_also_split_the_smallest_tile_over_twice_the_programs
     assert fp8_gemm.default_choice("grouped", 64, 4096, 7168, 9, cpu).config.m_programs == 1
 
 
+def test_grouped_candidates_offer_one_pass_tiles_and_the_last_expert_first(monkeypatch) -> None:
+    """Decode's grouped keys past two small tiles (a fused shared expert with a row of every token) also offer the
+    64-row tile at 3 stages and 128 registers in both expert orders, the two-programs layout with the last expert
+    first, and each layout at 3 stages; the untimed default stays the layout's first form (4 stages, forward
+    order, the compiler's registers)."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(fp8_gemm, "_sm_count", lambda index: 132)
+    cpu = torch.device("cpu")
+    labels = [c.label() for c in fp8_gemm.triton_candidates("grouped", 512, 4096, 6144, 33, cpu)]
+    for wanted in ("triton bm64 bn64 sk1 w4 s3 r128", "triton bm64 bn64 sk1 w4 s3 r128 rev",
+                   "triton bm16 bn64 sk1 w4 s4 mp2 rev", "triton bm32 bn64 sk1 w4 s3", "triton bm32 bn64 sk1 w4 s4"):
+        assert wanted in labels
+    assert len(labels) == len(set(labels))
+    # Few rows an expert (a large expert count): no 64-row tile.
+    assert not any("bm64" in c.label() for c in fp8_gemm.triton_candidates("grouped", 64, 6144, 2048, 257, cpu))
+    for bucket, experts in ((16, 9), (64, 9), (512, 33), (2048, 33), (4096, 33)):
+        default = fp8_gemm.default_choice("grouped", bucket, 4096, 7168, experts, cpu).config
+        assert (default.num_stages, default.experts_reversed, default.max_registers) == (
+            3 if default.block_m >= 128 else 4, False, 0)
+    # Dense keys keep their candidates: the new launch options are the grouped kernel's.
+    assert not any(c.config.experts_reversed or c.config.max_registers
+                   for c in fp8_gemm.triton_candidates("dense", 64, 4096, 7168, 0, cpu))
+
+
 def test_tuner_times_a_grouped_key_on_each_routing_sample_and_keeps_the_best_mean(monkeypatch) -> None:
     """Each candidate of a grouped key is timed on every routing sample (the rows and end offsets it is called
     with are the sample's); its recorded time is the mean, so a kernel fast on one routing only is not chosen."""
