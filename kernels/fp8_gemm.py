@@ -277,8 +277,9 @@ def _grouped_extra_candidates(bucket: int, rows: int, tiles: list, layouts: list
 
     Why (H200, 2026-11-28, the rank shapes at batch 42, 378 rows over 33 experts; bench records in
     benchmarks/results/grouped_gemm_rank_2026-11-28/): a program of a 32-row tile runs the shared expert's 42 rows
-    as two passes over its weights, started last, so the GEMM ended ~1.5 waves late (GLM-5 gate/up 296 µs against
-    225 with the 64-row tile at 128 registers; down 148 against 119 with two programs per expert started last)."""
+    as two passes over its weights in the programs the grid starts last, so the GEMM ends on their tail (GLM-5
+    gate/up 296 µs against 225 with the 64-row tile at 128 registers; down 148 against 119 with two programs per
+    expert, the last expert first)."""
     out: list[GemmChoice] = []
     if rows >= 8 and bucket > 2 * tiles[0][0] and all(bm != 128 for bm, _ in tiles):
         out += [GemmChoice("triton", config(64, 64, 1, 4, 3, 1, max_registers=128, experts_reversed=reverse))
