@@ -7,7 +7,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HISPARSE_KERNEL_CACHE=/tmp/kc TRITON_CACHE_DIR=/tmp/triton
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p $OUT/r
 nvidia-smi -L
-D=benchmarks/results/dense_first_tile_prep_2026-11-28
+D=benchmarks/results/dense_first_tile_2026-11-28
 grep -q "FUSE_REDUCE: tl.constexpr, SPLIT_K: tl.constexpr):" kernels/fp8_gemm_triton.py \
   && { echo "run it on the unpatched tree"; exit 2; }
 cp kernels/fp8_gemm_triton.py /tmp/old_fp8_gemm_triton.py

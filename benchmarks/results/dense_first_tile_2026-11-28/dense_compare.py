@@ -2,7 +2,7 @@
 from before the patch) against the patched one (first K tile the constant 0 without split-K), timed in CUDA graphs
 over weight copies larger than the L2; the outputs compared bit for bit. `--dry`: list the entries only (CPU).
 
-    OLD_KERNEL=/tmp/old_fp8_gemm_triton.py python3 benchmarks/results/dense_first_tile_prep_2026-11-28/dense_compare.py
+    OLD_KERNEL=/tmp/old_fp8_gemm_triton.py python3 benchmarks/results/dense_first_tile_2026-11-28/dense_compare.py
 """
 
 from __future__ import annotations
