@@ -138,6 +138,15 @@ class _EngineStatsCollector(Collector):
             for layer in stats.hisparse_layers:
                 family.add_metric([m.model_name, str(layer.layer)], getattr(layer, attr))
             yield family
+        saved = [layer for layer in stats.hisparse_layers if layer.speculative_rows_saved is not None]
+        if saved:  # a gauge: the bets' payoff can fall (a bet that evicts rows the layer then needs)
+            family = GaugeMetricFamily(
+                HISPARSE + "speculative_prefetch_rows_saved",
+                "rows a layer's own swap-ins did not copy thanks to the speculative prefetch's bets (its first shared "
+                "follower's misses minus its own), cumulative, per layer", labels=["model_name", "layer"])
+            for layer in saved:
+                family.add_metric([m.model_name, str(layer.layer)], layer.speculative_rows_saved)
+            yield family
         hits, misses = stats.hisparse_hits, stats.hisparse_misses
         yield gauge(
             HISPARSE + "hit_rate",

@@ -55,6 +55,10 @@ class HiSparseLayerStats(BaseModel):
     # found in the buffer and rows they copied (in bytes_h2d too); not in hits / misses.
     speculative_hits: int = 0
     speculative_misses: int = 0
+    # Rows this layer's own swap-ins did not copy thanks to the bets: its first shared follower's misses − its own
+    # (decode_server/hisparse/prefetch.py rows_saved_by_bets); None where the layer receives no bets or has no
+    # shared follower to compare with.
+    speculative_rows_saved: int | None = None
     bytes_h2d: int = 0
     bytes_d2h: int = 0
 

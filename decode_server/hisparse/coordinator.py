@@ -31,6 +31,7 @@ from decode_server.hisparse.counters import HiSparseCounters
 from decode_server.hisparse.device_buffer import DeviceBufferPool
 from decode_server.hisparse.host_pool import HostKVPool
 from decode_server.hisparse.indexer_pool import IndexerKeyPool
+from decode_server.hisparse.prefetch import rows_saved_by_bets
 from decode_server.hisparse.prefill_staging import PrefillStaging, staging_bytes
 
 logger = logging.getLogger(__name__)
@@ -286,7 +287,12 @@ class HiSparseCoordinator(KVManager):
         return max(u["host_pages"].fraction, u["device_slots"].fraction, u["indexer_slots"].fraction)
 
     def layer_stats(self) -> list[HiSparseLayerStats]:
-        return self.counters.snapshot()
+        stats = self.counters.snapshot()
+        if not self.backend.prefetch.speculative:
+            return stats
+        saved = rows_saved_by_bets([s.misses for s in stats], self.cache_geometry)
+        return [s.model_copy(update={"speculative_rows_saved": saved[s.layer]}) if s.layer in saved else s
+                for s in stats]
 
     def is_empty(self) -> bool:
         return (self.host.rows.allocator.num_used_pages == 0 and self.buffers.used_buffers == 0

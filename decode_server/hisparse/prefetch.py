@@ -76,6 +76,21 @@ def next_full_layers(geometry: CacheGeometry) -> dict[int, int]:
     return dict(zip(full, full[1:], strict=False))
 
 
+def rows_saved_by_bets(misses: Sequence[int], geometry: CacheGeometry) -> dict[int, int]:
+    """Full layer that receives bets and has shared followers → rows its own swap-ins did not have to copy thanks
+    to the bets (its first follower's misses − its own, cumulative).
+
+    Why this is the bets' payoff, measured on the live model: a shared follower swaps in exactly its full layer's
+    top-k every step into a buffer of the same size, so without bets its buffer and counters evolve exactly like
+    the full layer's (tested). With bets only the full layer's buffer also receives the previous full layer's
+    selection; the follower keeps what the full layer would have missed without them. Negative when the bets
+    evicted rows the layer then needed. The bets' cost is the rows they copied (`speculative_misses`). Models
+    without shared layers (DeepSeek-V3.2) have no such counterfactual: their layers map nowhere here."""
+    followers = shared_followers(geometry)
+    return {layer: misses[followers[layer][0]] - misses[layer]
+            for layer in next_full_layers(geometry).values() if layer in followers}
+
+
 def shared_followers(geometry: CacheGeometry) -> dict[int, tuple[int, ...]]:
     """Full layer id → the shared layers that reuse its top-k (those after it, up to the next full layer).
 

@@ -27,6 +27,7 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
@@ -223,6 +224,12 @@ def _merge_disagg(parts: list[DisaggStats]) -> DisaggStats:
     )  # fmt: skip
 
 
+def _sum_known(values: Iterable[int | None]) -> int | None:
+    """The sum of the ranks' values, None where no rank has one (a layer without a bets' counterfactual)."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
 def merge_rank_stats(gathered: list[tuple[int, EngineStats]]) -> EngineStats:
     """The group's stats: every count and pool summed over the ranks (token usage averaged: the ranks' pools are
     the same size), rank 0's weights, and each rank's own load and pools in `dp_ranks`."""
@@ -235,6 +242,7 @@ def merge_rank_stats(gathered: list[tuple[int, EngineStats]]) -> EngineStats:
                                          misses=sum(x.misses for x in same),
                                          speculative_hits=sum(x.speculative_hits for x in same),
                                          speculative_misses=sum(x.speculative_misses for x in same),
+                                         speculative_rows_saved=_sum_known(x.speculative_rows_saved for x in same),
                                          bytes_h2d=sum(x.bytes_h2d for x in same),
                                          bytes_d2h=sum(x.bytes_d2h for x in same)))  # fmt: skip
     disaggs = [s.disagg for s in stats if s.disagg is not None]

@@ -70,7 +70,7 @@ def test_metrics_render_engine_stats_and_latencies() -> None:
         num_running_reqs=3, num_queue_reqs=2, token_usage=0.25, num_generated_tokens=40, num_prompt_tokens=90,
         hisparse_enabled=True, host_pages=PoolUsage(used=2, total=8),
         hisparse_layers=[HiSparseLayerStats(layer=0, hits=30, misses=10, bytes_h2d=1000, bytes_d2h=10),
-                         HiSparseLayerStats(layer=1, hits=10, misses=10)],
+                         HiSparseLayerStats(layer=1, hits=10, misses=10, speculative_rows_saved=-3)],
     )  # fmt: skip
     m.on_first_token(0.2)
     m.on_tokens(1, None)
@@ -96,6 +96,9 @@ def test_metrics_render_engine_stats_and_latencies() -> None:
     assert samples[("hisparse:swap_in_misses_total", layer0)] == 10
     assert samples[("hisparse:bytes_h2d_total", layer0)] == 1000
     assert samples[("hisparse:hit_rate", lbl)] == pytest.approx(40 / 60)
+    # the bets' payoff: a gauge (it can fall), only for the layers that have a counterfactual
+    assert samples[("hisparse:speculative_prefetch_rows_saved", (("layer", "1"), ("model_name", "tiny-dsa")))] == -3
+    assert ("hisparse:speculative_prefetch_rows_saved", layer0) not in samples
     assert samples[("hisparse:host_pool_usage", lbl)] == 0.25
     assert samples[("sglang:gen_throughput", lbl)] > 0
 

@@ -341,6 +341,24 @@ def test_bench_decode_speculative_prefetch_switch(tmp_path):
     assert gain[75] > 0.05 and gain[75] > gain[0] + 0.05, gain
 
 
+def test_bench_decode_reports_the_bets_payoff_on_shared_layers(tmp_path):
+    """tiny-glm5 (full, shared, full, shared), 20 % synthetic misses, cross-layer overlap 0 and 1: the bets on full
+    layer 2 save its own swap-ins rows (its follower's misses − its own) in proportion to what they copied only
+    where the layers select alike; runs without bets report no payoff (None)."""
+    bench = _load_bench("bench_decode_spec_payoff")
+    out = tmp_path / "r.json"
+    assert bench.main(["--smoke", "--config", "tiny-glm5", "--contexts", "512", "--modes", "hisparse",
+                       "--miss-rates", "0.2", "--skip-model-indexer-run", "--batch-sizes",
+                       "--hisparse-speculative-prefetch", "both", "--hisparse-prefetch-shared-layers", "on",
+                       "--cross-layer-overlap", "0", "1.0", "--out", str(out), "--plot", str(tmp_path / "r.png")]) == 0
+    results = {r["mode"]: r for r in json.loads(out.read_text())["results"] if r["fixed_batch"] is None}
+    for mode, r in results.items():
+        assert (r["speculative_rows_saved_per_step"] is None) is ("+spec" not in mode), mode
+    correlated, uncorrelated = results["hisparse-m20+pf+spec@ov100"], results["hisparse-m20+pf+spec@ov0"]
+    assert correlated["speculative_rows_saved_per_step"] > 0.5 * correlated["speculative_rows_per_step"] > 0
+    assert uncorrelated["speculative_rows_saved_per_step"] < 0.25 * uncorrelated["speculative_rows_per_step"]
+
+
 def test_mixed_contexts_and_indexer_split(tmp_path, monkeypatch):
     """`--mixed-contexts` gives each request its own context in [L/8, L] (its pools hold exactly that many
     positions, the first request's host rows read back); `--indexer-split both` runs each mode with the balanced scores kernel and again with the

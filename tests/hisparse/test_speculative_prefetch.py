@@ -10,6 +10,9 @@ on CPU.
   swap-in, and before l+1's; with the early swap-in it runs right after l's own on the side stream;
 - tiny-glm5 (full, shared, full, shared): the bet goes from full layer 0 to full layer 2, after the shared
   follower's prefetch, and results stay bit for bit those of dense;
+- the bets' payoff on tiny-glm5 (`rows_saved_by_bets`): without bets a full layer's counters are exactly its shared
+  follower's (the counterfactual the payoff reads), with bets the full layer bet on reports its follower's misses −
+  its own, and DSA-only models report none;
 - a forward that fails before the layer it bet on leaves nothing pending.
 The CUDA side (side stream, events, graphs) is tests/hisparse/test_speculative_prefetch_gpu.py.
 """
@@ -33,7 +36,7 @@ from harness import (
 from decode_server.engine.kv_rows import CacheGeometry
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.hisparse import ops
-from decode_server.hisparse.prefetch import SwapInPrefetch, next_full_layers
+from decode_server.hisparse.prefetch import SwapInPrefetch, next_full_layers, rows_saved_by_bets
 from decode_server.model import Tokenizer, load_model, resolve_model_path
 from kernels.swap_in_tables import SwapInTables
 
@@ -70,6 +73,17 @@ def _geometry(types: str) -> CacheGeometry:
 ])
 def test_next_full_layers(types: str, expected: dict[int, int]) -> None:
     assert next_full_layers(_geometry(types)) == expected
+
+
+@pytest.mark.parametrize(("types", "expected"), [
+    ("FSFS", {2: 7 - 2}),  # layer 2's follower is layer 3
+    ("FSSSFSSSFS", {4: 5 - 4, 8: 9 - 8}),  # the first follower of each later full layer
+    ("FSFFS", {3: 4 - 3}),  # full layer 2 is bet on but has no follower: no counterfactual
+    ("FFF", {}),  # DeepSeek-V3.2's pattern: no shared layer anywhere
+])
+def test_rows_saved_by_bets_reads_each_bet_on_layers_first_follower(types: str, expected: dict[int, int]) -> None:
+    misses = {"FSFS": [9, 9, 2, 7]}.get(types, list(range(len(types))))
+    assert rows_saved_by_bets(misses, _geometry(types)) == expected
 
 
 def _stats(engine) -> list[tuple[int, int, int, int]]:
@@ -161,6 +175,36 @@ def test_glm5_bets_on_the_next_full_layer_after_its_followers(tiny_glm5) -> None
     assert events and len(events) % len(per_step) == 0
     for i in range(0, len(events), len(per_step)):
         assert events[i:i + len(per_step)] == per_step, f"decode forward {i // len(per_step)}"
+
+
+@pytest.mark.parametrize("prefetch_shared_layers", [False, True])
+def test_the_bets_payoff_is_the_followers_misses_minus_the_full_layers(tiny_glm5, prefetch_shared_layers) -> None:
+    """A shared follower swaps in its full layer's selection into an equal buffer: without bets both layers'
+    counters are equal, so with bets the follower's misses are what the full layer would have missed."""
+    workload = long_prompt_workload(5, (150, 90, 120))
+    counters = {}
+    for bets in (False, True):
+        engine = make_engine(tiny_glm5, hisparse=True, speculative_prefetch=bets,
+                             prefetch_shared_layers=prefetch_shared_layers, **SMALL_BUFFER_ENGINE)
+        run_script(engine, workload)
+        layers = engine.kv.layer_stats()
+        counters[bets] = [(s.hits, s.misses) for s in layers]
+        saved = [s.speculative_rows_saved for s in layers]
+        if bets:
+            assert saved == [None, None, layers[3].misses - layers[2].misses, None]
+        else:
+            assert saved == [None] * 4
+            assert counters[False][0] == counters[False][1] and counters[False][2] == counters[False][3]
+            assert counters[False][2][1] > 0  # the follower misses: the identity is not between empty counters
+    assert counters[True][3] == counters[False][3]  # the follower's counters do not see the bets
+    assert counters[True][:2] == counters[False][:2]  # nor does the first group, which nobody bets on
+
+
+def test_dsa_layers_report_no_payoff(tiny_dsa) -> None:
+    engine = make_engine(tiny_dsa, hisparse=True, speculative_prefetch=True, **SMALL_BUFFER_ENGINE)
+    run_script(engine, _workload())
+    assert all(s.speculative_rows_saved is None for s in engine.kv.layer_stats())
+    assert engine.stats().hisparse_layers[1].speculative_misses > 0  # the bets did run
 
 
 def test_a_forward_failing_before_the_layer_it_bet_on_leaves_nothing_pending(tiny_dsa) -> None:

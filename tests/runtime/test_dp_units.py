@@ -51,7 +51,8 @@ def test_ranks_stats_are_summed_and_kept_per_rank() -> None:
         return EngineStats(
             num_running_reqs=n, num_queue_reqs=2 * n, token_usage=0.1 * n, num_generated_tokens=10 * n,
             num_steps=n, num_idle_passes=3 - n, hisparse_enabled=True,
-            hisparse_layers=[HiSparseLayerStats(layer=0, hits=n, misses=1)],
+            hisparse_layers=[HiSparseLayerStats(layer=0, hits=n, misses=1),
+                             HiSparseLayerStats(layer=1, speculative_rows_saved=5 * n - 6)],
             host_pages=PoolUsage(used=n, total=8), dense_kv_slots=PoolUsage(used=0, total=0),
             weights_bytes=100, disagg=DisaggStats(mode="decode", transfer_bytes=1000 * n,
                                                   rooms_finished={"SUCCESS": n}, latency_bucket_counts=[n, 1]),
@@ -62,6 +63,8 @@ def test_ranks_stats_are_summed_and_kept_per_rank() -> None:
     assert merged.token_usage == pytest.approx(0.15) and merged.num_idle_passes == 3
     assert merged.host_pages == PoolUsage(used=3, total=16) and merged.weights_bytes == 100
     assert merged.hisparse_layers[0].hits == 3 and merged.hisparse_layers[0].misses == 2
+    # the bets' payoff sums over the ranks (it may be negative on one); a layer without one stays without
+    assert merged.hisparse_layers[1].speculative_rows_saved == 3 and merged.hisparse_layers[0].speculative_rows_saved is None
     assert merged.disagg.transfer_bytes == 3000 and merged.disagg.rooms_finished == {"SUCCESS": 3}
     assert merged.disagg.latency_bucket_counts == [3, 2]
     assert [(r.dp_rank, r.pid, r.num_running_reqs, r.kv_transfer_bytes) for r in merged.dp_ranks] == [
