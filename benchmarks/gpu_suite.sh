@@ -2,7 +2,7 @@
 # Every GPU test and the decode-throughput benchmark, in stages that each fit one 600 s device call (the whole
 # suite took ~620 s on an H100 on 2026-11-27, so it no longer fits one). Logs under $OUT (or ./gpu-out).
 #   hisparse  pytest -m gpu tests/hisparse tests/deploy            (HiSparse lossless, graphs, prefetches; 2026-11-28:
-#             288 s H100; H200 297 s on 2026-11-27)
+#             288 s H100; H200 297 s on 2026-11-27; 59 tests since af2cfe9: 185 s warm, over 330 s cold on an H200)
 #   kernels   pytest -m gpu tests/kernels                          (270 tests; the stage split off from `rest` on
 #             2026-11-28, when `rest` outgrew one call on an H100: 410 tests, 365 done in 580 s)
 #   rest      pytest -m gpu on every other test directory          (models, engine, parallel; ~140 tests)

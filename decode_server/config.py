@@ -51,7 +51,9 @@ class HiSparseConfig(BaseModel):
                     "buffer on a side stream, betting that layer selects many of the same tokens (adjacent layers' "
                     "top-k overlap 70-100 %, IndexCache), so the bet's copies overlap this layer's attention and "
                     "MoE; the next layer still swaps in its own selection, so outputs are unchanged. A wrong bet "
-                    "costs PCIe bytes and buffer places. Off by default: see docs/benchmarks.md for when it pays",
+                    "costs PCIe bytes and buffer places. Off by default: see docs/benchmarks.md for when it pays; "
+                    "on models with shared layers (GLM-5) /metrics' speculative_prefetch_rows_saved measures "
+                    "what it saves on the served model (docs/engine.md)",
     )
     side_stream_copy_blocks: int | Literal["auto"] = Field(
         default="auto",
