@@ -1,6 +1,9 @@
 """A HiSparse-mode server (`--enable-hisparse`): greedy outputs equal the dense offline engine's, swap-ins
 really happen (misses > 0 in /metrics), and the host pool and device buffers are empty again afterwards.
-Its teardown kills the api process outright and checks that the engine process dies with it."""
+Its teardown kills the api process outright and checks that the engine process dies with it.
+
+A tiny-glm5 server with the speculative prefetch on: greedy outputs equal dense's, and /metrics carries the bets'
+payoff gauge for full layer 2 only, equal to its shared follower's misses minus its own in the same scrape."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from api_server_harness import ServerProcess, assert_no_orphans, wait_until_idle
+from api_server_harness import CONTEXT_LENGTH, ServerProcess, assert_no_orphans, wait_until_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 from decode_server.engine.llm import LLM
@@ -75,3 +78,29 @@ def test_hisparse_greedy_equals_dense(hisparse_server: ServerProcess, offline_ll
     stats = wait_until_idle(hisparse_server)
     assert stats["host_pages"]["used"] == 0 and stats["device_slots"]["used"] == 0
     assert stats["host_pages"]["total"] > 0 and stats["device_slots"]["total"] > 0
+
+
+@pytest.fixture(scope="module")
+def glm5_bets_server() -> Iterator[ServerProcess]:
+    config = '{"device_buffer_size": 64, "num_recent_slots": 4, "speculative_prefetch": true}'
+    server = ServerProcess("--model-path", "tiny-glm5", "--enable-hisparse", "--hisparse-config", config).wait_ready()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+def test_glm5_bets_report_their_payoff(glm5_bets_server: ServerProcess) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = [o.text for o in LLM("tiny-glm5", device="cpu", context_length=CONTEXT_LENGTH).generate(PROMPTS, params)]
+    client = openai.OpenAI(base_url=glm5_bets_server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    got = [client.completions.create(model="tiny-glm5", prompt=p, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
+    assert got == expected
+    wait_until_idle(glm5_bets_server)
+    samples = _samples(glm5_bets_server)
+    misses = {s.labels["layer"]: s.value for s in samples if s.name == "hisparse:swap_in_misses_total"}
+    saved = {s.labels["layer"]: s.value for s in samples if s.name == "hisparse:speculative_prefetch_rows_saved"}
+    bets = {s.labels["layer"]: s.value for s in samples if s.name == "hisparse:speculative_prefetch_misses_total"}
+    assert misses["3"] > 0 and bets["2"] > 0  # the follower missed and the bets on layer 2 copied rows
+    assert saved == {"2": misses["3"] - misses["2"]}  # only layer 2 is bet on and has a follower (layer 3)
