@@ -613,13 +613,19 @@ def layer_totals(engine: Engine) -> tuple[int, int, int, int]:
     return stats.hisparse_hits, stats.hisparse_misses, stats.bytes_h2d, stats.bytes_d2h
 
 
-def speculative_rows(engine: Engine) -> tuple[int, int | None]:
-    """Rows the speculative prefetch's bets copied so far, all layers (HiSparseLayerStats.speculative_misses), and
-    rows they saved the full layers with shared followers (`speculative_rows_saved`: the followers' misses − the
-    full layers' own; None without bets or without shared layers, where there is no counterfactual)."""
+def speculative_rows(engine: Engine) -> tuple[int, int, int | None]:
+    """Rows the speculative prefetch's bets copied so far, all layers (HiSparseLayerStats.speculative_misses); the
+    part of them copied into the layers whose payoff is measured; and the rows the bets saved those layers, the
+    full layers with shared followers (`speculative_rows_saved`: the followers' misses − the full layers' own;
+    None without bets or without shared layers, where there is no counterfactual).
+
+    Why the middle figure: a bet-on full layer without a follower (GLM-5's last layer, 77) copies rows whose payoff
+    nothing measures, so saved / all copied understates the payoff (19 of GLM-5's 20 bet-on layers are measured);
+    saved / measured copied is the ratio an operator reads per layer off /metrics."""
     layers = engine.stats().hisparse_layers
-    saved = [layer.speculative_rows_saved for layer in layers if layer.speculative_rows_saved is not None]
-    return sum(layer.speculative_misses for layer in layers), sum(saved) if saved else None
+    measured = [layer for layer in layers if layer.speculative_rows_saved is not None]
+    return (sum(layer.speculative_misses for layer in layers), sum(layer.speculative_misses for layer in measured),
+            sum(layer.speculative_rows_saved for layer in measured) if measured else None)
 
 
 def capture_graphs(args, engine: Engine, batch: int) -> dict:
@@ -863,7 +869,7 @@ def _timed_run(args, model, model_config, mode: str, context: int, miss_rate: fl
             engine.step()
         sync(device)
         h0, m0, up0, down0 = layer_totals(engine)
-        b0, saved0 = speculative_rows(engine)
+        b0, measured0, saved0 = speculative_rows(engine)
         t0 = time.perf_counter()
         for i in tqdm(range(args.steps), desc=f"{name} L={context} B={batch}", leave=False, file=sys.stderr):
             if i == 1:  # time the breakdown on all but the first timed step (events cost a little)
@@ -874,7 +880,7 @@ def _timed_run(args, model, model_config, mode: str, context: int, miss_rate: fl
         sync(device)
         elapsed = time.perf_counter() - t0
         h1, m1, up1, down1 = layer_totals(engine)
-        b1, saved1 = speculative_rows(engine)
+        b1, measured1, saved1 = speculative_rows(engine)
         spans = breakdown.per_step_ms(max(1, args.steps - 1))
         if engine.graph_runner is not None and engine.graph_runner.num_replays:
             # Replayed steps call no Python per layer: only the whole forward is timed.
@@ -900,6 +906,7 @@ def _timed_run(args, model, model_config, mode: str, context: int, miss_rate: fl
         "prefetch_launched": prefetch_launched(engine), "speculative_prefetch": SPECULATIVE_SUFFIX in mode,
         "cross_layer_overlap": cross_layer_overlap(mode) if miss_rate is not None else None,
         "speculative_rows_per_step": (b1 - b0) / args.steps,
+        "speculative_rows_measured_per_step": (measured1 - measured0) / args.steps if saved1 is not None else None,
         "speculative_rows_saved_per_step": (saved1 - saved0) / args.steps if saved1 is not None else None,
         "mixed_contexts": getattr(args, "mixed_contexts", False), "mean_context": mean_context,
         "indexer_scores": "per-query" if PER_QUERY_SUFFIX in mode else "balanced", **sizing, **spans, **graphs,
@@ -1186,9 +1193,10 @@ def run_rank(args, parallel=None) -> int:
                   f"{r['host_pool_cap_bytes'] / GIB:.1f} GiB ({r['host_pool_cap_source']})")
         if r.get("speculative_prefetch"):
             saved = r.get("speculative_rows_saved_per_step")
+            measured = r.get("speculative_rows_measured_per_step")
             print(f"{'':<14}bets: {r['speculative_rows_per_step']:.0f} rows copied a step"
-                  + (f", {saved:.0f} rows of the full layers' own swap-ins saved (their followers' misses - theirs)"
-                     if saved is not None else ""))
+                  + (f"; into the full layers with a shared follower {measured:.0f}, of which {saved:.0f} saved "
+                     "their own swap-ins (their followers' misses - theirs)" if saved is not None else ""))
         if r.get("cuda_graph"):
             print(f"{'':<14}CUDA graph: bucket {r['graph_bucket']}, {r['graph_replays']} replays; captured "
                   f"{r['graphs_captured']} graph(s) in {r['graph_capture_s']:.2f} s, "

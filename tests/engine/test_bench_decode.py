@@ -9,9 +9,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+
+from decode_server.engine.types import HiSparseLayerStats
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -341,6 +344,19 @@ def test_bench_decode_speculative_prefetch_switch(tmp_path):
     assert gain[75] > 0.05 and gain[75] > gain[0] + 0.05, gain
 
 
+def test_speculative_rows_price_the_bets_against_the_measured_layers_copies():
+    """A bet-on layer without a shared follower (GLM-5's last) copies rows that no counterfactual prices: they count
+    in all the bets copied, not in the copies the payoff is read against."""
+    bench = _load_bench("bench_decode_spec_rows")
+    layers = [HiSparseLayerStats(layer=0, misses=5),
+              HiSparseLayerStats(layer=1, speculative_misses=10, speculative_rows_saved=7),
+              HiSparseLayerStats(layer=2, speculative_misses=4)]  # bet on, no follower
+    engine = SimpleNamespace(stats=lambda: SimpleNamespace(hisparse_layers=layers))
+    assert bench.speculative_rows(engine) == (14, 10, 7)
+    layers[1] = HiSparseLayerStats(layer=1, speculative_misses=10)  # DeepSeek-V3.2: no layer has a follower
+    assert bench.speculative_rows(engine) == (14, 0, None)
+
+
 def test_bench_decode_reports_the_bets_payoff_on_shared_layers(tmp_path):
     """tiny-glm5 (full, shared, full, shared), 20 % synthetic misses, cross-layer overlap 0 and 1: the bets on full
     layer 2 save its own swap-ins rows (its follower's misses − its own) in proportion to what they copied only
@@ -354,6 +370,9 @@ def test_bench_decode_reports_the_bets_payoff_on_shared_layers(tmp_path):
     results = {r["mode"]: r for r in json.loads(out.read_text())["results"] if r["fixed_batch"] is None}
     for mode, r in results.items():
         assert (r["speculative_rows_saved_per_step"] is None) is ("+spec" not in mode), mode
+        # tiny-glm5's one bet-on layer (2) has a follower (3): every copied row is a measured one.
+        assert r["speculative_rows_measured_per_step"] == (r["speculative_rows_per_step"] if "+spec" in mode
+                                                           else None), mode
     correlated, uncorrelated = results["hisparse-m20+pf+spec@ov100"], results["hisparse-m20+pf+spec@ov0"]
     assert correlated["speculative_rows_saved_per_step"] > 0.5 * correlated["speculative_rows_per_step"] > 0
     assert uncorrelated["speculative_rows_saved_per_step"] < 0.25 * uncorrelated["speculative_rows_per_step"]

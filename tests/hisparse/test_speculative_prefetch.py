@@ -19,6 +19,8 @@ The CUDA side (side stream, events, graphs) is tests/hisparse/test_speculative_p
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from harness import (
@@ -38,7 +40,10 @@ from decode_server.engine.sampling_params import SamplingParams
 from decode_server.hisparse import ops
 from decode_server.hisparse.prefetch import SwapInPrefetch, next_full_layers, rows_saved_by_bets
 from decode_server.model import Tokenizer, load_model, resolve_model_path
+from decode_server.model.config import ModelConfig
 from kernels.swap_in_tables import SwapInTables
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tiny(name: str):
@@ -84,6 +89,17 @@ def test_next_full_layers(types: str, expected: dict[int, int]) -> None:
 def test_rows_saved_by_bets_reads_each_bet_on_layers_first_follower(types: str, expected: dict[int, int]) -> None:
     misses = {"FSFS": [9, 9, 2, 7]}.get(types, list(range(len(types))))
     assert rows_saved_by_bets(misses, _geometry(types)) == expected
+
+
+def test_glm5_ranks_last_full_layer_is_bet_on_without_a_follower() -> None:
+    """`glm5-rank-ep8` (78 layers, full layers 0, 1, 5, ..., 77): bets land on 20 full layers, 19 of which have a
+    shared follower to measure them; the last layer's bets copy rows no counterfactual prices. So where every layer
+    selects alike, the bets' saved rows are 19/20 of all they copied (the rank bench's 0.95 at C 1.0), and the
+    payoff is read against the measured layers' copies (bench_decode's `speculative_rows_measured_per_step`)."""
+    geometry = CacheGeometry.from_model_config(ModelConfig.from_json(ROOT / "configs" / "glm5-rank-ep8.json"))
+    bet_on = set(next_full_layers(geometry).values())
+    measured = set(rows_saved_by_bets([0] * geometry.num_layers, geometry))
+    assert len(bet_on) == 20 and bet_on - measured == {77} and measured < bet_on
 
 
 def _stats(engine) -> list[tuple[int, int, int, int]]:
