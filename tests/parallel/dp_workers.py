@@ -213,17 +213,19 @@ def gpu_rank_arrivals(rank: int, wide: bool) -> list[Arrival]:
     return [Arrival(step, f"w{rank}-{i}", random_prompt(gen, n), m) for i, (step, n, m) in enumerate(spec)]
 
 
-def gpu_engine_runs(parallel: ParallelState | None, device: str, rank: int, wide: bool) -> dict[str, dict]:
+def gpu_engine_runs(parallel: ParallelState | None, device: str, rank: int, wide: bool,
+                    float32: bool = False) -> dict[str, dict]:
     """Rank `rank`'s arrivals through the real Engine on `device` in bf16, dense and HiSparse: as one DP rank
-    (`parallel`) or on one GPU alone (None). Eager and without overlap on both sides (DP runs neither)."""
-    from tp_gpu_workers import WIDE_TOP_K
+    (`parallel`) or on one GPU alone (None). Eager and without overlap on both sides (DP runs neither).
+    `float32` (wide only): in float32 on the PyTorch reference kernels, for the exact comparison with one GPU."""
+    from tp_gpu_workers import WIDE_TOP_K, wide_config
 
-    from decode_server.model import build_random_model, load_config
+    from decode_server.model import build_random_model
 
     if wide:
-        config = dataclasses.replace(load_config("tiny-dsa"), num_attention_heads=64, num_key_value_heads=64,
-                                     index_topk=WIDE_TOP_K)
-        model = build_random_model(config, device, torch.bfloat16, seed=3, parallel=parallel)
+        config = wide_config()
+        model = build_random_model(config, device, torch.float32 if float32 else torch.bfloat16, seed=3,
+                                   parallel=parallel)
     else:
         model, config = load_model("tiny-dsa", device, torch.bfloat16, parallel=parallel)
     tokenizer = Tokenizer.from_dir(resolve_model_path("tiny-dsa"))
@@ -232,7 +234,7 @@ def gpu_engine_runs(parallel: ParallelState | None, device: str, rank: int, wide
         base = engine_config(hisparse, parallel)
         cfg = base.model_copy(update={
             "device": "cuda", "disable_cuda_graph": True, "disable_overlap_schedule": True,
-            "attention_backend": "auto" if wide else "torch_native",
+            "attention_backend": "auto" if wide and not float32 else "torch_native",
             "hisparse": HiSparseConfig(device_buffer_size=WIDE_TOP_K if wide else TOP_K, num_recent_slots=2),
         })
         engine = Engine(cfg, model=model, model_config=config, tokenizer=tokenizer, parallel=parallel)
@@ -248,6 +250,7 @@ def gpu_dp_scenarios(rank: int, init_method: str, out_dir: str) -> None:
     try:
         results = {"dp_ep": gpu_engine_runs(dp, str(device), rank, wide=False),
                    "wide_dp_ep": gpu_engine_runs(dp, str(device), rank, wide=True),
+                   "wide_dp_ep_fp32": gpu_engine_runs(dp, str(device), rank, wide=True, float32=True),
                    "backend": dist.get_backend()}
     finally:
         destroy_parallel(dp)

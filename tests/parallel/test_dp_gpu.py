@@ -5,8 +5,10 @@ random weights: the Triton/FlashMLA, indexer and swap-in kernels). Rank 1's work
 idle passes (zero tokens through NCCL's all-gather and reduce-scatter).
 
 Exact: on every rank HiSparse is bit-identical to dense (both ranks' batches are the same in both runs). Against
-one GPU running that rank's requests alone the greedy tokens must agree except at a bf16 near tie, as in
-test_tp_gpu.py (the MLPs' partial sums and the MoE's GEMM shapes differ from one GPU's).
+one GPU running that rank's requests alone the greedy tokens must agree except at a bf16 near tie on tiny-dsa, and
+exactly (logits within float32 rounding) for the wide model in float32 on the reference kernels, as in
+test_tp_gpu.py (the MLPs' partial sums and the MoE's GEMM shapes differ from one GPU's; the wide model's top-k
+selection turns bf16 rounding into logit moves of up to ~3, so its bf16 runs are not compared with one GPU).
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs (NCCL)", allow_module_level=True)
 
 from dp_workers import gpu_dp_scenarios, gpu_engine_runs  # noqa: E402
-from test_tp_gpu import BF16_TIE  # noqa: E402
+from test_tp_gpu import assert_matches_one_gpu  # noqa: E402
 from tp_workers import run_ranks  # noqa: E402
 
 from decode_server.model import resolve_model_path  # noqa: E402
 
-SCENARIOS = {"dp_ep": False, "wide_dp_ep": True}
+SCENARIOS = {"dp_ep": False, "wide_dp_ep": True, "wide_dp_ep_fp32": True}
+COMPARED = ("dp_ep", "wide_dp_ep_fp32")  # with one GPU (the wide model's bf16 run is not: see the module doc)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +39,8 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def single() -> dict:
-    return {name: [gpu_engine_runs(None, "cuda:0", rank, wide) for rank in range(2)]
-            for name, wide in SCENARIOS.items()}
+    return {name: [gpu_engine_runs(None, "cuda:0", rank, wide, float32=name.endswith("fp32")) for rank in range(2)]
+            for name, wide in SCENARIOS.items() if name in COMPARED}
 
 
 def test_ranks_use_nccl(ranks):
@@ -57,17 +60,8 @@ def test_hisparse_equals_dense_on_every_rank(ranks, scenario):
     assert ranks[1][scenario]["dense"]["idle_passes"] > 0, "rank 1 never ran an idle pass"
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", COMPARED)
 def test_greedy_tokens_match_one_gpu(ranks, single, scenario):
     for rank in range(2):
-        want = single[scenario][rank]["dense"]
-        got = ranks[rank][scenario]["dense"]
-        for rid, tokens in want["tokens"].items():
-            for i, (a, b) in enumerate(zip(tokens, got["tokens"][rid], strict=True)):
-                if a != b:
-                    logits = want["logits"][rid][i].float()
-                    gap = float(logits[a] - logits[b])
-                    assert gap <= BF16_TIE, (f"rank {rank} {scenario} {rid} token {i}: DP chose {b}, one GPU {a} "
-                                             f"with a logit gap of {gap:.3f} (not a bf16 near tie)")
-                    break
-            assert len(tokens) == len(got["tokens"][rid])
+        assert_matches_one_gpu(single[scenario][rank]["dense"], ranks[rank][scenario]["dense"],
+                               f"rank {rank} {scenario}", exact_tokens=scenario.endswith("fp32"))

@@ -34,6 +34,9 @@ from decode_server.model import resolve_model_path  # noqa: E402
 
 # Largest TP=1 logit gap that bf16 rounding may close on tiny-dsa (2.4× the bf16-vs-float32 difference measured).
 BF16_TIE = 1.0
+# Largest |logit| difference between TP=2 / EP=2 / DP=2 and one GPU in float32 on the wide model (measured 0.038 on
+# two H200s, 2026-11-28: float32 rounding, through an occasional top-k boundary flip; bf16 moves them by up to 2.9).
+FP32_LOGIT_TOL = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +47,10 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def single() -> dict:
-    return {"tp": gpu_engine_runs(None, "cuda:0"), "wide_tp": gpu_engine_runs(None, "cuda:0", wide=True)}
+    return {"tp": gpu_engine_runs(None, "cuda:0"), "wide_fp32": gpu_engine_runs(None, "cuda:0", wide=True, float32=True)}
 
 
-SCENARIOS = ["tp", "ep", "wide_tp", "wide_ep"]
+SCENARIOS = ["tp", "ep", "wide_tp", "wide_ep", "wide_tp_fp32", "wide_ep_fp32"]
 
 
 def test_ranks_use_nccl(ranks):
@@ -72,18 +75,34 @@ def test_hisparse_equals_dense_on_every_rank_and_ranks_agree(ranks, scenario):
                 f"{mode} {rid}: ranks sampled from different logits")
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
-def test_greedy_tokens_match_one_gpu(ranks, single, scenario):
-    one = single["wide_tp" if scenario.startswith("wide") else "tp"]
-    want = one["dense"]
-    assert one["hisparse"]["tokens"] == want["tokens"]
-    got = ranks[0][scenario]["dense"]
+def assert_matches_one_gpu(want: dict, got: dict, label: str, exact_tokens: bool) -> None:
+    """Greedy tokens of a parallel run (`got`) against one GPU's (`want`). bf16 (`exact_tokens` False): a token may
+    differ only where one GPU's two candidates are within BF16_TIE, and the continuations part there. float32:
+    every token equal and every logit within FP32_LOGIT_TOL."""
     for rid, tokens in want["tokens"].items():
+        assert len(tokens) == len(got["tokens"][rid])
+        if exact_tokens:
+            assert got["tokens"][rid] == tokens, f"{label} {rid}: float32 tokens differ from one GPU's"
+            gaps = [float((a.float().cpu() - b.float().cpu()).abs().max())
+                    for a, b in zip(want["logits"][rid], got["logits"][rid], strict=True)]
+            assert max(gaps) <= FP32_LOGIT_TOL, f"{label} {rid}: float32 logits differ from one GPU's by {max(gaps)}"
+            continue
         for i, (a, b) in enumerate(zip(tokens, got["tokens"][rid], strict=True)):
             if a != b:
                 logits = want["logits"][rid][i].float()
                 gap = float(logits[a] - logits[b])
-                assert gap <= BF16_TIE, (f"{scenario} {rid} token {i}: TP=2 chose {b}, TP=1 {a} with a logit gap of "
+                assert gap <= BF16_TIE, (f"{label} {rid} token {i}: chose {b}, one GPU {a} with a logit gap of "
                                          f"{gap:.3f} (not a bf16 near tie)")
                 break  # the continuations differ from here on
-        assert len(tokens) == len(got["tokens"][rid])
+
+
+@pytest.mark.parametrize("scenario", ["tp", "ep", "wide_tp_fp32", "wide_ep_fp32"])
+def test_greedy_tokens_match_one_gpu(ranks, single, scenario):
+    """TP=2 / EP=2 against TP=1. The wide model is compared in float32 (reference kernels), not in bf16 on the GPU
+    kernels: its top-k selection turns bf16 rounding into different attention inputs — one GPU's own bf16 logits
+    differ from its float32 ones by up to 1.6 before any token differs, and TP=2 in bf16 chose a token one GPU's
+    float32 run ranks 1.4 below the best (two H200s, 2026-11-28; in float32 every token agreed and the logits
+    within 0.038). The bf16 GPU-kernel runs are held to what is exact there: HiSparse == dense, ranks agree."""
+    one = single["wide_fp32" if scenario.startswith("wide") else "tp"]
+    assert one["hisparse"]["tokens"] == one["dense"]["tokens"]
+    assert_matches_one_gpu(one["dense"], ranks[0][scenario]["dense"], scenario, exact_tokens=scenario.endswith("fp32"))
