@@ -73,9 +73,9 @@ def gpu_engine_runs(parallel: ParallelState | None, device: str, wide: bool = Fa
     in float32 on the PyTorch reference kernels, where the comparison with one GPU is exact up to float32
     rounding (test_tp_gpu.py `test_greedy_tokens_match_one_gpu` says why bf16 is not)."""
     if wide:
-        model = build_random_model(wide_config(), device, torch.float32 if float32 else torch.bfloat16, seed=3,
-                                   parallel=parallel)
         config = wide_config()
+        model = build_random_model(config, device, torch.float32 if float32 else torch.bfloat16, seed=3,
+                                   parallel=parallel)
     else:
         model, config = load_model("tiny-dsa", device, torch.bfloat16, parallel=parallel)
     tokenizer = Tokenizer.from_dir(resolve_model_path("tiny-dsa"))
