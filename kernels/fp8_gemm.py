@@ -93,6 +93,12 @@ Weights = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 # The source of a table-mode decision whose key this GPU's table lacks: the default configuration runs, untimed.
 NO_TABLE_ENTRY = "no table entry: default"
+# Dense keys the table lacks from this M bucket on (prefill chunks: the shipped tables stop at decode's 256) take
+# cuBLAS's block-FP8 GEMM where it runs: summed over ten DeepSeek-V3.2 and GLM-5 shapes it took 0.55-0.57x the
+# default Triton configuration's time at M 512, 0.47x at 2048 and 0.44x at 8192 on an H200 (per shape 0.36-0.86x
+# from 2048 on, 0.36-1.25x at 512; docs/kernels.md).
+UNTABLED_SCALED_MM_MIN_BUCKET = 512
+UNTABLED_SCALED_MM = "no table entry, prefill size: scaled_mm"
 
 
 def m_bucket(m: int) -> int:
@@ -555,7 +561,9 @@ class Fp8GemmTuner:
     @staticmethod
     def _from_table(key: tuple, default: GemmChoice, restriction: str,
                     device: torch.device) -> tuple[GemmChoice, str]:
-        """The tuned table's choice for `key` on this GPU model (honouring a forced backend), else the default."""
+        """The tuned table's choice for `key` on this GPU model (honouring a forced backend); for a key it lacks,
+        `scaled_mm` at prefill sizes (dense, M bucket ≥ UNTABLED_SCALED_MM_MIN_BUCKET) where it runs, else the
+        default. A rule, not a timing: every process on the GPU model still decides the same."""
         kind, n, k, experts, bucket, dtype, _index_, block = key
         if restriction == "scaled_mm":
             if kind == "dense" and scaled_mm_supported(n, k, block, device):
@@ -568,6 +576,9 @@ class Fp8GemmTuner:
         entry = device_table(torch.cuda.get_device_name(_index(device))).get(
             (kind, n, k, experts, bucket, dtype_name(dtype)))
         if entry is None:
+            if (kind == "dense" and bucket >= UNTABLED_SCALED_MM_MIN_BUCKET and restriction != "triton"
+                    and scaled_mm_supported(n, k, block, device)):
+                return GemmChoice("scaled_mm"), UNTABLED_SCALED_MM
             return default, NO_TABLE_ENTRY
         backend, fields = entry
         if backend == "scaled_mm":

@@ -81,6 +81,38 @@ def test_without_a_table_every_shape_takes_the_default(fake_gpu) -> None:
         "grouped", 8, 2048, 7168, 32, CUDA0)
 
 
+def test_untabled_dense_keys_at_prefill_sizes_take_scaled_mm_by_rule(fake_gpu, monkeypatch, caplog) -> None:
+    """A dense key the table lacks at a prefill-sized M bucket runs cuBLAS's block-FP8 GEMM (about twice the
+    default Triton configuration's speed there on an H200), untimed and the same in every process; decode sizes,
+    grouped keys, a forced Triton backend and shapes scaled_mm cannot run keep the default, and only those count
+    as untabled in the warm-up's warning."""
+    from decode_server.model.fp8_warmup import warn_untabled
+
+    supported = {"yes": True}
+    monkeypatch.setattr(fp8_gemm, "scaled_mm_supported", lambda n, k, block, device: supported["yes"])
+    tuned = {"block_m": 64, "block_n": 128, "split_k": 1, "num_warps": 4, "num_stages": 4, "m_programs": 1}
+    fp8_gemm_table.write_table(fake_gpu, "Fake GPU 80GB", [entry("dense", 576, 7168, 1024, "triton", tuned)],
+                               {"measured": "test"})
+    first, second = fp8_gemm.Fp8GemmTuner("table"), fp8_gemm.Fp8GemmTuner("table")
+    prefill = fp8_gemm.UNTABLED_SCALED_MM_MIN_BUCKET
+    assert choose(first, 2112, 7168, prefill) == choose(second, 2112, 7168, prefill) == fp8_gemm.GemmChoice(
+        "scaled_mm")
+    assert choose(first, 2112, 7168, 8192).backend == "scaled_mm"
+    assert choose(first, 576, 7168, 1000).config.block_m == 64  # the table's own entry still wins
+    decode = prefill // 2
+    assert choose(first, 2112, 7168, decode) == fp8_gemm.default_choice("dense", decode, 2112, 7168, 0, CUDA0)
+    assert choose(first, 2048, 7168, 4096, kind="grouped", experts=32).backend == "triton"
+    with fp8_gemm.force_backend("triton"):
+        assert choose(fp8_gemm.Fp8GemmTuner("table"), 2112, 7168, 4096).backend == "triton"
+    supported["yes"] = False
+    assert choose(fp8_gemm.Fp8GemmTuner("table"), 2112, 7168, 4096).backend == "triton"
+    sources = [r.source for r in first.records]
+    assert sources.count(fp8_gemm.UNTABLED_SCALED_MM) == 2 and sources.count("table") == 1
+    assert sources.count(fp8_gemm.NO_TABLE_ENTRY) == 2  # the decode-sized dense key and the grouped one
+    with caplog.at_level("WARNING", logger="decode_server.model.fp8_warmup"):
+        assert warn_untabled(first.records) == 2
+
+
 def test_write_merges_and_a_malformed_table_is_an_error(fake_gpu, monkeypatch) -> None:
     fp8_gemm_table.write_table(fake_gpu, "Fake GPU 80GB", [entry("dense", 576, 7168, 1, "scaled_mm")],
                                {"command": "tune --configs a"})
