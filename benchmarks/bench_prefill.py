@@ -13,6 +13,7 @@ Reports the median prefill time, tokens/s, the ratio to dense and the PCIe bytes
 last and writes JSON to benchmarks/results/.
 
 GPU:   python benchmarks/bench_prefill.py                      (dsv32-bench, 8K and 32K prompts)
+       python benchmarks/bench_prefill.py --quantization fp8   (FP8 weights; HISPARSE_FP8_GEMM=triton: no cuBLAS)
 CPU:   python benchmarks/bench_prefill.py --smoke              (tiny-dsa, short prompts; checks the script)
 """
 
@@ -22,6 +23,7 @@ import argparse
 import gc
 import json
 import logging
+import os
 import platform
 import statistics
 import sys
@@ -35,6 +37,7 @@ from decode_server.config import EngineConfig, HiSparseConfig
 from decode_server.engine.engine import Engine, resolve_attention_kernel
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.model import build_random_model, load_config
+from kernels import fp8_gemm
 
 logger = logging.getLogger("bench_prefill")
 GIB = 1 << 30
@@ -52,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device-kv-budget-gib", type=float, default=4.0)
     p.add_argument("--host-kv-budget-gib", type=float, default=1.0)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e4m3"])
+    p.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                   help="random weights in the model dtype, or block-FP8 projections (a checkpoint's FP8 layout); "
+                        "FP8 GEMM choices follow the GPU's table ($HISPARSE_FP8_GEMM=triton|scaled_mm restricts them)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "flashmla", "triton"])
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -145,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_config = load_config(args.config)
-    model = build_random_model(model_config, device, dtype, seed=args.seed)
+    model = build_random_model(model_config, device, dtype, seed=args.seed, quantization=args.quantization)
     gen = torch.Generator().manual_seed(args.seed)
     vocab = int(model_config.vocab_size)
     prompts = {n: torch.randint(2, vocab, (n,), generator=gen).tolist() for n in args.prompt_lens}
@@ -164,12 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     kernel = resolve_attention_kernel(args.attention_backend, device, False) if device.type == "cuda" else "reference"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    fp8_backend = (os.environ.get(fp8_gemm.BACKEND_ENV) or "auto") if args.quantization == "fp8" else None
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_name,
-            "attention_kernel": kernel, "command": " ".join(sys.argv), "args": vars(args)}
+            "attention_kernel": kernel, "fp8_gemm_backend": fp8_backend, "command": " ".join(sys.argv),
+            "args": vars(args)}
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(f"wrote {out}")
-    print(f"device: {device_name}; config: {args.config}; KV {args.kv_cache_dtype}; attention {kernel}; "
-          f"chunk {args.chunked_prefill_size}; median of {args.repeats}")
+    weights = "fp8 (FP8 GEMMs: " + fp8_backend + ")" if fp8_backend else "model dtype"
+    print(f"device: {device_name}; config: {args.config}; weights {weights}; KV {args.kv_cache_dtype}; attention "
+          f"{kernel}; chunk {args.chunked_prefill_size}; median of {args.repeats}")
     print(f"{'mode':<17}{'prompt':>8}{'ms':>11}{'tok/s':>12}{'vs dense':>10}{'H2D MB':>10}{'D2H MB':>10}")
     for r in results:
         if "error" in r:

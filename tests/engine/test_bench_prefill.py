@@ -1,5 +1,5 @@
 """The prefill benchmark runs end to end on CPU at tiny sizes (a few seconds): every mode, the ratio to dense,
-HiSparse on its staging area and the gather mode on the reference path."""
+HiSparse on its staging area and the gather mode on the reference path; with FP8 weights too."""
 
 from __future__ import annotations
 
@@ -27,3 +27,19 @@ def test_bench_prefill_smoke(tmp_path, capsys):
         assert staged["d2h_bytes"] > 0 and staged["h2d_bytes"] > 0
     table = capsys.readouterr().out.strip().splitlines()
     assert table[-1].startswith("hisparse-gather") and "vs dense" in table[-7]
+
+
+def test_bench_prefill_smoke_with_fp8_weights(tmp_path, capsys, monkeypatch):
+    """`--quantization fp8` builds block-FP8 projections (the CPU runs their reference GEMMs) and the JSON and the
+    table say which FP8 GEMM backends were allowed, so an A/B run against $HISPARSE_FP8_GEMM=triton is labelled."""
+    spec = importlib.util.spec_from_file_location("bench_prefill", ROOT / "benchmarks" / "bench_prefill.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setenv("HISPARSE_FP8_GEMM", "triton")
+    out = tmp_path / "r.json"
+    assert bench.main(["--smoke", "--quantization", "fp8", "--modes", "dense", "hisparse", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["fp8_gemm_backend"] == "triton" and data["meta"]["args"]["quantization"] == "fp8"
+    assert {r["mode"] for r in data["results"]} == {"dense", "hisparse"}
+    assert all(r["ms"] > 0 for r in data["results"])
+    assert "weights fp8 (FP8 GEMMs: triton)" in capsys.readouterr().out
