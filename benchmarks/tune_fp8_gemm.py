@@ -8,6 +8,8 @@ weights drawn on the GPU, for each parallel layout (TP×EP: one rank's shard), a
 table of this GPU model.
 
 GPU:  python benchmarks/tune_fp8_gemm.py --configs deepseek-v3.2 glm-5 --parallel 1x1 8x8 8x1 [--max-tokens 512]
+      python benchmarks/tune_fp8_gemm.py --configs dsv32-rank-ep8 --min-tokens 512 --max-tokens 2048
+          (prefill chunks' buckets only; the decode sizes' entries are kept as measured)
       python benchmarks/tune_fp8_gemm.py --shapes 2240:7168 --out kernels/fp8_gemm_tables/<gpu>.json
           (only the weights of these N:K, merged into the table: its other entries are kept as measured)
 """
@@ -40,6 +42,9 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["deepseek-v3.2"])
     parser.add_argument("--parallel", nargs="+", default=["1x1"], help="TPxEP layouts, e.g. 1x1 8x8 8x1")
     parser.add_argument("--max-tokens", type=int, default=512, help="largest token count (M) to tune, a power of two")
+    parser.add_argument("--min-tokens", type=int, default=1,
+                        help="smallest token count (M) to tune, a power of two: 512 with --max-tokens 2048 adds "
+                             "prefill chunks' buckets without measuring the decode sizes again")
     parser.add_argument("--out", type=Path, default=None, help="table file (default: this GPU model's)")
     parser.add_argument("--dry-run", action="store_true", help="measure and print, write nothing")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="N:K",
@@ -49,7 +54,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
-    counts = [1 << i for i in range(args.max_tokens.bit_length()) if 1 << i <= args.max_tokens]
+    counts = [1 << i for i in range(args.max_tokens.bit_length()) if args.min_tokens <= 1 << i <= args.max_tokens]
+    if not counts:
+        parser.error(f"no power of two between --min-tokens {args.min_tokens} and --max-tokens {args.max_tokens}")
     entries: dict[tuple, dict] = {}
     started = time.perf_counter()
     for config_name in args.configs:

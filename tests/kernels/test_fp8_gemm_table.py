@@ -152,10 +152,39 @@ def test_shipped_tables_cover_every_shape_of_the_tuned_layouts(config_name: str,
     """Every FP8 GEMM decision the engine's warm-up makes for decode batches up to 256 is in every shipped GPU
     table. A missing key silently runs the untimed default configuration: GLM-5's shapes did until 2026-11-27
     (its FP8 step at batch 1 was 1.13× the bf16 step on the H200, 0.84× once tuned), as did DeepSeek-V3.2's TP8
-    stacked projections and the 16 local experts of `dsv32-rank-ep16`. The model is built on the meta device:
-    shapes only, no weights. Which GEMMs run depends on the table itself — the routed experts' gate and up join
-    into one grouped GEMM only where the GPU's table has the joined shape (`MoE._joins_gate_up`) — so the model is
-    built once per table, deciding as an engine on that GPU would."""
+    stacked projections and the 16 local experts of `dsv32-rank-ep16`."""
+    tables = sorted(fp8_gemm_table.TABLE_DIR.glob("*.json"))
+    assert {path.stem for path in tables} >= {"nvidia_h100_80gb_hbm3", "nvidia_h200"}
+    for path in tables:
+        _assert_table_covers(path, config_name, tp, ep, DECODE_TOKEN_COUNTS, monkeypatch, min_keys=50)
+
+
+# Prefill chunks' token counts (512 … 4096: a 2048-token chunk alone, or with the decode rows mixed into its pass,
+# which the engine's warm-up counts as bucket 4096), tuned on the H200 on 2026-11-29 (tune_fp8_gemm.py
+# --min-tokens 512 --max-tokens 2048, then 4096 alone) for the layouts a one-GPU rank or a TP8/EP8 rank runs.
+# The H100's table holds decode sizes only (no H100 lent since): there dense prefill keys take cuBLAS by rule and
+# the grouped / batched ones the untimed default.
+PREFILL_TOKEN_COUNTS = [512, 1024, 2048, 4096]
+PREFILL_TUNED_LAYOUTS = [("dsv32-rank-ep8", 1, 1), ("dsv32-rank-ep16", 1, 1), ("glm5-rank-ep8", 1, 1),
+                         ("dsv32-bench", 1, 1), ("dsv32-bench-16l", 1, 1), ("glm5-bench", 1, 1),
+                         ("deepseek-v3.2", 8, 8), ("glm-5", 8, 8)]
+
+
+@pytest.mark.parametrize(("config_name", "tp", "ep"), PREFILL_TUNED_LAYOUTS)
+def test_h200_table_covers_prefill_chunk_sizes(config_name: str, tp: int, ep: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The H200's table holds every decision at prefill chunks' sizes too: before it did, each chunk's dense GEMMs
+    ran the untimed Triton default (then cuBLAS by rule) and the routed experts' grouped GEMMs the untimed default;
+    measured, a dsv32-rank-ep8 FP8 prefill of 8K / 32K tokens took 0.95× the time (docs/benchmarks.md)."""
+    _assert_table_covers(fp8_gemm_table.TABLE_DIR / "nvidia_h200.json", config_name, tp, ep, PREFILL_TOKEN_COUNTS,
+                         monkeypatch, min_keys=10)
+
+
+def _assert_table_covers(path, config_name: str, tp: int, ep: int, token_counts: list[int],
+                         monkeypatch: pytest.MonkeyPatch, min_keys: int) -> None:
+    """The model is built on the meta device: shapes only, no weights. Which GEMMs run depends on the table
+    itself — the routed experts' gate and up join into one grouped GEMM only where the GPU's table has the joined
+    shape (`MoE._joins_gate_up`) — so the model is built per table, deciding as an engine on that GPU would."""
     import decode_server.model.moe as moe_module
     from decode_server.model import load_config
     from decode_server.model.construct import build_empty_model
@@ -165,20 +194,17 @@ def test_shipped_tables_cover_every_shape_of_the_tuned_layouts(config_name: str,
     config = tuning_config(load_config(config_name))
     # Batched: the absorbed MLA products in FP8, where the heads are whole 128-blocks (DeepSeek-V3.2, not GLM-5).
     whole_blocks = config.qk_nope_head_dim % 128 == 0 and config.v_head_dim % 128 == 0
-    tables = sorted(fp8_gemm_table.TABLE_DIR.glob("*.json"))
-    assert {path.stem for path in tables} >= {"nvidia_h100_80gb_hbm3", "nvidia_h200"}
-    for path in tables:
-        entries = fp8_gemm_table.read_table(path)
-        monkeypatch.setattr(moe_module, "grouped_shape_tuned", lambda n, k, experts, device, entries=entries: any(
-            key[:4] == ("grouped", n, k, experts) for key in entries))
-        model = build_empty_model(config, torch.device("meta"), torch.bfloat16,
-                                  ParallelState(tp_rank=0, tp_size=tp, ep_size=ep), fp8=True)
-        model.finalize_weights()
-        keys = table_keys(model, DECODE_TOKEN_COUNTS, int(config.num_experts_per_tok))
-        assert {key[0] for key in keys} == {"dense", "grouped"} | ({"batched"} if whole_blocks else set())
-        assert len(keys) > 50
-        missing = sorted(key for key in keys if key not in entries)
-        assert not missing, f"{path.name} lacks {len(missing)} {config_name} TP{tp} EP{ep} keys, e.g. {missing[:3]}"
+    entries = fp8_gemm_table.read_table(path)
+    monkeypatch.setattr(moe_module, "grouped_shape_tuned", lambda n, k, experts, device: any(
+        key[:4] == ("grouped", n, k, experts) for key in entries))
+    model = build_empty_model(config, torch.device("meta"), torch.bfloat16,
+                              ParallelState(tp_rank=0, tp_size=tp, ep_size=ep), fp8=True)
+    model.finalize_weights()
+    keys = table_keys(model, token_counts, int(config.num_experts_per_tok))
+    assert {key[0] for key in keys} == {"dense", "grouped"} | ({"batched"} if whole_blocks else set())
+    assert len(keys) > min_keys
+    missing = sorted(key for key in keys if key not in entries)
+    assert not missing, f"{path.name} lacks {len(missing)} {config_name} TP{tp} EP{ep} keys, e.g. {missing[:3]}"
 
 
 def test_decisions_missing_from_the_table_are_recorded_and_warned_once(fake_gpu, caplog) -> None:
