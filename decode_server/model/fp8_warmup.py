@@ -66,11 +66,17 @@ def fp8_workloads(model: nn.Module) -> list[Workload]:
 
 
 def tuning_config(config: ModelConfig) -> ModelConfig:
-    """The config cut to one dense layer and one MoE layer, both running the indexer: every FP8 GEMM shape of the
-    model at a fraction of its bytes (what benchmarks/tune_fp8_gemm.py builds to measure a GPU's table)."""
-    return dataclasses.replace(config, num_hidden_layers=2, first_k_dense_replace=1,
-                               indexer_types=("full", "full") if config.indexer_types else (),
-                               mlp_layer_types=("dense", "sparse") if config.mlp_layer_types else ())
+    """The config cut to one dense layer and one MoE layer, both running the indexer, plus — for models with
+    cross-layer top-k sharing (GLM-5) — one MoE layer that reuses its predecessor's top-k: every FP8 GEMM shape of
+    the model at a fraction of its bytes (what benchmarks/tune_fp8_gemm.py builds to measure a GPU's table). A
+    shared layer has no indexer, so its input projections stack without the indexer's wk (q_a + kv_a): until
+    2026-11-29 that shape was never measured, so GLM-5's shared layers (57 of glm5-rank-ep8's 78) ran q_a and
+    kv_a apart, kv_a at the untimed default."""
+    shared = "shared" in config.indexer_types
+    layers = ("full", "full", "shared") if shared else ("full", "full") if config.indexer_types else ()
+    mlp = (("dense", "sparse", "sparse") if shared else ("dense", "sparse")) if config.mlp_layer_types else ()
+    return dataclasses.replace(config, num_hidden_layers=3 if shared else 2, first_k_dense_replace=1,
+                               indexer_types=layers, mlp_layer_types=mlp)
 
 
 def _planned(workloads: list[Workload], token_counts: Iterable[int], experts_per_token: int,

@@ -144,6 +144,11 @@ TUNED_LAYOUTS = [("deepseek-v3.2", 1, 1), ("deepseek-v3.2", 8, 8), ("dsv32-rank-
                  ("dsv32-rank-ep16", 1, 1), ("dsv32-bench-16l", 1, 1), ("glm-5", 1, 1), ("glm-5", 8, 8),
                  ("glm5-rank-ep8", 1, 1), ("glm5-bench", 1, 1)]
 DECODE_TOKEN_COUNTS = [1 << i for i in range(9)]  # 1 … 256
+# Shapes a table is known to lack at decode sizes, by table: (kind, N, K). The H100's: GLM-5's shared layers' kv_a
+# (N 576, K 6144), which runs alone there because the H100 never measured those layers' stacked q_a + kv_a (N 2624;
+# the tuning model holds a shared layer since 2026-11-29, when the H200 measured it; no H100 lent since). Tuning
+# it: benchmarks/results/h100_prefill_table_prep_2026-11-29/call.sh. Each gap must still be missing (else drop it).
+DECODE_KNOWN_GAPS = {"nvidia_h100_80gb_hbm3": {("dense", 576, 6144)}}
 
 
 @pytest.mark.parametrize(("config_name", "tp", "ep"), TUNED_LAYOUTS)
@@ -156,7 +161,8 @@ def test_shipped_tables_cover_every_shape_of_the_tuned_layouts(config_name: str,
     tables = sorted(fp8_gemm_table.TABLE_DIR.glob("*.json"))
     assert {path.stem for path in tables} >= {"nvidia_h100_80gb_hbm3", "nvidia_h200"}
     for path in tables:
-        _assert_table_covers(path, config_name, tp, ep, DECODE_TOKEN_COUNTS, monkeypatch, min_keys=50)
+        _assert_table_covers(path, config_name, tp, ep, DECODE_TOKEN_COUNTS, monkeypatch, min_keys=50,
+                             gaps=DECODE_KNOWN_GAPS.get(path.stem, set()))
 
 
 # Prefill chunks' token counts (512 … 4096: a 2048-token chunk alone, or with the decode rows mixed into its pass,
@@ -165,6 +171,11 @@ def test_shipped_tables_cover_every_shape_of_the_tuned_layouts(config_name: str,
 # The H100's table holds decode sizes only (no H100 lent since): there dense prefill keys take cuBLAS by rule and
 # the grouped / batched ones the untimed default.
 PREFILL_TOKEN_COUNTS = [512, 1024, 2048, 4096]
+# Known gap: GLM-5's shared layers' q_b alone (N 16384, K 2048; full layers stack it with the indexer's wq_b) at
+# 512-4096 tokens, found once the tuning model held a shared layer, after the session's device time ran out: it
+# takes cuBLAS by rule there (`UNTABLED_SCALED_MM_MIN_BUCKET`), which the H200 measured fastest for this shape from
+# M 64 to 256 and for every dense shape with N >= 2048 that cuBLAS runs at 512-4096 tokens.
+PREFILL_KNOWN_GAPS = {("dense", 16384, 2048)}
 PREFILL_TUNED_LAYOUTS = [("dsv32-rank-ep8", 1, 1), ("dsv32-rank-ep16", 1, 1), ("glm5-rank-ep8", 1, 1),
                          ("dsv32-bench", 1, 1), ("dsv32-bench-16l", 1, 1), ("glm5-bench", 1, 1),
                          ("deepseek-v3.2", 8, 8), ("glm-5", 8, 8)]
@@ -177,14 +188,18 @@ def test_h200_table_covers_prefill_chunk_sizes(config_name: str, tp: int, ep: in
     ran the untimed Triton default (then cuBLAS by rule) and the routed experts' grouped GEMMs the untimed default;
     measured, a dsv32-rank-ep8 FP8 prefill of 8K / 32K tokens took 0.95× the time (docs/benchmarks.md)."""
     _assert_table_covers(fp8_gemm_table.TABLE_DIR / "nvidia_h200.json", config_name, tp, ep, PREFILL_TOKEN_COUNTS,
-                         monkeypatch, min_keys=10)
+                         monkeypatch, min_keys=10, gaps=PREFILL_KNOWN_GAPS)
 
 
 def _assert_table_covers(path, config_name: str, tp: int, ep: int, token_counts: list[int],
-                         monkeypatch: pytest.MonkeyPatch, min_keys: int) -> None:
+                         monkeypatch: pytest.MonkeyPatch, min_keys: int,
+                         gaps: set[tuple[str, int, int]]) -> None:
     """The model is built on the meta device: shapes only, no weights. Which GEMMs run depends on the table
     itself — the routed experts' gate and up join into one grouped GEMM only where the GPU's table has the joined
-    shape (`MoE._joins_gate_up`) — so the model is built per table, deciding as an engine on that GPU would."""
+    shape (`MoE._joins_gate_up`), projections stack only where it has the stacked shape (`worth_stacking`) — so
+    the model is built per table, deciding as an engine on that GPU would. `gaps`: (kind, N, K) shapes known to be
+    missing, each of which must still be missing at some of these token counts."""
+    import decode_server.model.fused_linear as fused_linear_module
     import decode_server.model.moe as moe_module
     from decode_server.model import load_config
     from decode_server.model.construct import build_empty_model
@@ -197,6 +212,8 @@ def _assert_table_covers(path, config_name: str, tp: int, ep: int, token_counts:
     entries = fp8_gemm_table.read_table(path)
     monkeypatch.setattr(moe_module, "grouped_shape_tuned", lambda n, k, experts, device: any(
         key[:4] == ("grouped", n, k, experts) for key in entries))
+    monkeypatch.setattr(fused_linear_module, "dense_shape_tuned", lambda n, k, device: any(
+        key[:4] == ("dense", n, k, 0) for key in entries))
     model = build_empty_model(config, torch.device("meta"), torch.bfloat16,
                               ParallelState(tp_rank=0, tp_size=tp, ep_size=ep), fp8=True)
     model.finalize_weights()
@@ -204,7 +221,11 @@ def _assert_table_covers(path, config_name: str, tp: int, ep: int, token_counts:
     assert {key[0] for key in keys} == {"dense", "grouped"} | ({"batched"} if whole_blocks else set())
     assert len(keys) > min_keys
     missing = sorted(key for key in keys if key not in entries)
-    assert not missing, f"{path.name} lacks {len(missing)} {config_name} TP{tp} EP{ep} keys, e.g. {missing[:3]}"
+    known = [key for key in missing if key[:3] in gaps]
+    unknown = [key for key in missing if key[:3] not in gaps]
+    assert not unknown, f"{path.name} lacks {len(unknown)} {config_name} TP{tp} EP{ep} keys, e.g. {unknown[:3]}"
+    planned_gaps = {key[:3] for key in keys} & gaps
+    assert planned_gaps <= {key[:3] for key in known}, f"{path.name} now holds {planned_gaps}: drop the gap"
 
 
 def test_decisions_missing_from_the_table_are_recorded_and_warned_once(fake_gpu, caplog) -> None:
@@ -230,3 +251,24 @@ def test_decisions_missing_from_the_table_are_recorded_and_warned_once(fake_gpu,
     assert record.levelname == "WARNING"
     assert "2 of 3 decisions" in record.getMessage() and "dense N=576 K=7168" in record.getMessage()
     assert "grouped N=2048 K=6144 E=32" in record.getMessage()
+
+
+@pytest.mark.parametrize(("config_name", "kinds"), [("glm5-rank-ep8", ("full", "full", "shared")),
+                                                    ("dsv32-rank-ep8", ("full", "full")),
+                                                    ("glm-5", ("full", "full"))])
+def test_tuning_model_holds_every_kind_of_layer(config_name: str, kinds: tuple[str, ...]) -> None:
+    """The tuner's cut model keeps a shared (indexer-less) layer where the model has one: its stacked input
+    projection, q_a + kv_a without the indexer's wk, is a shape of its own (GLM-5: N 2624 against 2752 with wk),
+    never measured until 2026-11-29. Built on the meta device with every stack allowed (as off CUDA)."""
+    from decode_server.model import load_config
+    from decode_server.model.construct import build_empty_model
+    from decode_server.model.fp8_warmup import fp8_workloads, tuning_config
+
+    config = tuning_config(load_config(config_name))
+    assert config.indexer_types == kinds and config.num_hidden_layers == len(kinds)
+    model = build_empty_model(config, torch.device("meta"), torch.bfloat16, fp8=True)
+    model.finalize_weights()
+    dense = {tuple(weights[0][0].shape) for kind, weights, _, _ in fp8_workloads(model) if kind == "dense"}
+    inputs = config.q_lora_rank + config.kv_lora_rank + config.qk_rope_head_dim
+    assert ((inputs, config.hidden_size) in dense) == ("shared" in kinds)
+    assert (inputs + config.index_head_dim, config.hidden_size) in dense
