@@ -43,6 +43,7 @@ from decode_server.errors import (
     QueueFullError,
     ServerShuttingDownError,
 )
+from decode_server.runtime.death_note import read_note
 from decode_server.runtime.messages import (
     AbortMsg,
     AcceptedMsg,
@@ -454,7 +455,13 @@ class EngineClient:
             return
         deadline = time.monotonic() + DEATH_REASON_GRACE_S
         while not self.death_reason and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)  # the receive loop may still deliver the engine's FatalMsg
+            # The receive loop may still deliver the engine's FatalMsg; the note written before the exit says the
+            # same where the message was lost with the process (decode_server/runtime/death_note.py).
+            note = read_note(self.from_engine_addr)
+            if note:
+                self.death_reason = note
+                break
+            await asyncio.sleep(0.01)
         self.dead = True
         code = self._process.exitcode
         self.death_reason = self.death_reason or f"exit code {code}"

@@ -20,6 +20,7 @@ import sys
 import zmq
 
 from decode_server.config import EngineConfig
+from decode_server.runtime.death_note import write_note
 from decode_server.runtime.describe import describe_engine
 from decode_server.runtime.heartbeat import run_with_heartbeat
 from decode_server.runtime.lifetime import die_with_parent, leave_signals_to_parent, load_factory
@@ -74,6 +75,7 @@ def run_engine_process(
                            config.watchdog_timeout)
     except Exception as exc:
         logger.exception("engine process failed")
+        write_note(from_engine_addr, f"{type(exc).__name__}: {exc}", replace=False)
         with contextlib.suppress(zmq.ZMQError):
             push.send(encode(FatalMsg(f"{type(exc).__name__}: {exc}")))
         exit_code = 1

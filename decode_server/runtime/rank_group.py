@@ -41,6 +41,7 @@ import zmq
 
 from decode_server.config import EngineConfig
 from decode_server.parallel.state import ParallelState, destroy_parallel, init_parallel
+from decode_server.runtime.death_note import write_note
 from decode_server.runtime.describe import describe_engine
 from decode_server.runtime.heartbeat import run_with_heartbeat
 from decode_server.runtime.lifetime import die_with_parent, leave_signals_to_parent, load_factory
@@ -188,6 +189,7 @@ class RankSupervisor:
             if reason is not None and not self.stopping:
                 self.failure = reason
                 logger.error("%s; ending the engine", reason)
+                write_note(self.fatal_address, reason, replace=True)  # survives the os._exit below
                 # A fresh connection: under load it may take a while to come up, and os._exit below drops whatever
                 # this socket (and rank 0's main thread) has not delivered yet — so linger long enough to deliver.
                 sock = self.ctx.socket(zmq.PUSH)
@@ -244,6 +246,7 @@ def run_group_driver(config: EngineConfig, ctx: zmq.Context, pull: zmq.Socket, p
         reason = supervisor.failure_reason() if supervisor is not None else None
         message = reason or f"{type(exc).__name__}: {exc}"
         logger.error("%s rank 0 failed: %s", loops.kind, message, exc_info=reason is None)
+        write_note(from_engine_addr, message, replace=reason is not None)
         with contextlib.suppress(zmq.ZMQError):
             push.send(encode(FatalMsg(message)))
         exit_code = 1

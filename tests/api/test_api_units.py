@@ -194,3 +194,52 @@ def test_engine_death_reason_arriving_after_the_exit_is_kept() -> None:
     reason, dead = asyncio.run(scenario())
     assert dead
     assert reason == "tensor-parallel rank 1 (pid 7) died (signal SIGKILL)"
+
+
+def test_engine_death_reason_lost_with_the_process_is_read_from_its_note() -> None:
+    """Rank 0's supervisor ends the process with os._exit once a rank has died, and a FatalMsg still queued then is
+    lost; the reason it wrote to the death note beside the sockets first still names the death, without waiting
+    out the grace for a message that will not come."""
+    import asyncio
+    import time
+
+    from decode_server.api.engine_client import DEATH_REASON_GRACE_S, EngineClient
+    from decode_server.config import EngineConfig
+    from decode_server.runtime.death_note import write_note
+
+    async def scenario() -> tuple[str, bool, float]:
+        client = EngineClient(EngineConfig(device="cpu"))
+        client._process = _ExitedProcess()  # type: ignore[assignment]
+        receiver = asyncio.create_task(client._receive_loop())
+        try:
+            write_note(client.from_engine_addr, "tensor-parallel rank 1 (pid 7) died (signal SIGKILL)",
+                       replace=True)
+            started = time.monotonic()
+            await client._watchdog()
+            return client.death_reason, client.dead, time.monotonic() - started
+        finally:
+            receiver.cancel()
+            client.close_sockets()
+
+    reason, dead, waited = asyncio.run(scenario())
+    assert dead and reason == "tensor-parallel rank 1 (pid 7) died (signal SIGKILL)"
+    assert waited < DEATH_REASON_GRACE_S / 2
+
+
+def test_death_note_keeps_a_ranks_death_over_the_error_it_caused(tmp_path) -> None:
+    """The note lives beside the ipc sockets (none for other addresses); a rank's death (replace=True) overwrites
+    a collective's error, a later error (replace=False) does not overwrite the note it finds."""
+    from decode_server.runtime.death_note import note_path, read_note, write_note
+
+    addr = f"ipc://{tmp_path}/from_engine"
+    assert note_path(addr) == tmp_path / "engine_death_reason"
+    assert note_path("tcp://127.0.0.1:5555") is None and read_note("tcp://127.0.0.1:5555") == ""
+    write_note("tcp://127.0.0.1:5555", "ignored", replace=True)  # no file anywhere, no error
+    assert read_note(addr) == ""
+    write_note(addr, "RuntimeError: Connection closed by peer", replace=False)
+    assert read_note(addr) == "RuntimeError: Connection closed by peer"
+    write_note(addr, "tensor-parallel rank 1 (pid 7) died (signal SIGKILL)", replace=True)
+    write_note(addr, "RuntimeError: a later error", replace=False)
+    assert read_note(addr) == "tensor-parallel rank 1 (pid 7) died (signal SIGKILL)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine_death_reason"]  # no temporary file left
+    write_note(f"ipc://{tmp_path}/missing/from_engine", "x", replace=True)  # unwritable directory: swallowed
