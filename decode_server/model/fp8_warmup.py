@@ -113,6 +113,7 @@ def warm_up(model: nn.Module, token_counts: Iterable[int], experts_per_token: in
     """Decide the backend of every FP8 GEMM shape for every M bucket of `token_counts`; returns the decisions
     made now (already cached keys are skipped). `grouped` False: the routed experts run per expert (batch-invariant
     mode), so only dense shapes are tuned. `shapes`: only the weights of these (N, K) (a table's new shapes)."""
+    token_counts = list(token_counts)
     workloads = fp8_workloads(model)
     if shapes is not None:
         wanted = {(int(n), int(k)) for n, k in shapes}
@@ -135,20 +136,23 @@ def warm_up(model: nn.Module, token_counts: Iterable[int], experts_per_token: in
     made = tuner().records[before:]
     logger.info("FP8 GEMM warm-up: %d shape(s), %d decision(s) in %.1f s", len(workloads), len(made),
                 time.perf_counter() - start)
-    warn_untabled(made)
+    warn_untabled(made, max(token_counts, default=0))
     return made
 
 
-def warn_untabled(records: Sequence[TuningRecord]) -> int:
+def warn_untabled(records: Sequence[TuningRecord], max_tokens: int = 0) -> int:
     """One warning naming the shapes whose decisions this GPU's table lacked (they run the default configuration,
     untimed: GLM-5's FP8 step was slower than its bf16 step that way until its shapes were tuned); returns how many
-    decisions that was. Each decision is also logged at INFO as it is made, which is easy to miss."""
+    decisions that was. Each decision is also logged at INFO as it is made, which is easy to miss. `max_tokens`:
+    the warm-up's largest token count, named in the tuning command (the tuner's default stops at 512 tokens, short
+    of a prefill chunk's pass)."""
     missing = [r for r in records if r.source == NO_TABLE_ENTRY]
     if missing:
         shapes = sorted({(r.kind, r.n, r.k, r.experts) for r in missing})
         listed = ", ".join(f"{kind} N={n} K={k}" + (f" E={e}" if e else "") for kind, n, k, e in shapes[:8])
         logger.warning("FP8 GEMM warm-up: %d of %d decisions have no entry in this GPU's table and run the default "
                        "configuration, untimed (%d shape(s): %s%s); measure them with benchmarks/tune_fp8_gemm.py "
-                       "--configs <model> --parallel <TP>x<EP> and ship the table (docs/kernels.md)", len(missing),
-                       len(records), len(shapes), listed, ", …" if len(shapes) > 8 else "")
+                       "--configs <model> --parallel <TP>x<EP>%s and ship the table (docs/kernels.md)", len(missing),
+                       len(records), len(shapes), listed, ", …" if len(shapes) > 8 else "",
+                       f" --max-tokens {m_bucket(max_tokens)}" if max_tokens > 0 else "")
     return len(missing)

@@ -247,10 +247,14 @@ def test_decisions_missing_from_the_table_are_recorded_and_warned_once(fake_gpu,
     assert [r.source for r in tuner.records] == ["table", fp8_gemm.NO_TABLE_ENTRY, fp8_gemm.NO_TABLE_ENTRY]
     with caplog.at_level("WARNING", logger="decode_server.model.fp8_warmup"):
         assert warn_untabled(tuner.records) == 2
-    (record,) = caplog.records
-    assert record.levelname == "WARNING"
-    assert "2 of 3 decisions" in record.getMessage() and "dense N=576 K=7168" in record.getMessage()
-    assert "grouped N=2048 K=6144 E=32" in record.getMessage()
+        assert warn_untabled(tuner.records, max_tokens=2050) == 2  # a 2048-token chunk + 2 decode rows
+    first, second = caplog.records
+    assert first.levelname == "WARNING"
+    assert "2 of 3 decisions" in first.getMessage() and "dense N=576 K=7168" in first.getMessage()
+    assert "grouped N=2048 K=6144 E=32" in first.getMessage()
+    # The tuning command it suggests reaches the warm-up's largest pass (the tuner's default stops at 512 tokens).
+    assert "--max-tokens" not in first.getMessage()
+    assert "--parallel <TP>x<EP> --max-tokens 4096 and ship" in second.getMessage()
 
 
 @pytest.mark.parametrize(("config_name", "kinds"), [("glm5-rank-ep8", ("full", "full", "shared")),
