@@ -234,17 +234,16 @@ class EngineConfig(BaseModel):
                 "(experts split across the tensor-parallel ranks)"
             )
         self._check_dp_attention()
-        if self.tp_size > 1 and self.disaggregation.enabled and not (
-                self.enable_dp_attention and self.disaggregation.mode == "decode"):
+        if self.tp_size > 1 and self.disaggregation.mode == "prefill":
             if self.enable_dp_attention:
                 raise ValueError(
                     "--enable-dp-attention with --disaggregation-mode prefill is not supported: a prefill server "
                     "runs one rank (decode servers may use DP attention; docs/parallelism.md)"
                 )
             raise ValueError(
-                f"--tp-size {self.tp_size} with --disaggregation-mode {self.disaggregation.mode} is not supported: "
-                "PD transfers register one rank's memory (docs/parallelism.md); run PD servers with --tp-size 1, or "
-                "a decode server with --enable-dp-attention"
+                f"--tp-size {self.tp_size} with --disaggregation-mode prefill is not supported: a prefill server "
+                "runs one rank (docs/parallelism.md); decode servers may use --tp-size N, with or without "
+                "--enable-dp-attention"
             )
         return self
 

@@ -15,6 +15,12 @@ Request flow (room = the router's `bootstrap_room`):
 5. Room FAILED: the request ends with `KVTransferError` (503, the transfer layer's reason) and frees everything.
 With data-parallel attention every rank runs its own decode role (its own transfer engine, receiver and registered
 memory) for the requests the api gave it, so prefill writes each request's KV into the one rank that serves it.
+With tensor parallelism alone (`--tp-size N`, every rank runs every request in lockstep: decode_server/runtime/
+tp_ranks.py) the KV arrives once, on rank 0, into memory all ranks map (decode_server/disagg/memory.py): rank 0
+alone holds the transfer engine and receiver; every rank admits the same requests and computes the same
+destinations, and how each room ended (`RoomOutcome`, rank 0's reading of the receiver and the aux record) is
+broadcast with the api's messages, so every rank installs the rows and commits the first token at the same
+point of its loop.
 A client abort of a TRANSFERRING request sends ABORT to prefill; its pages stay allocated until the room ends
 (prefill acknowledged, or died), since prefill might otherwise still write into pages handed to someone else.
 A client abort before decode had memory for the request (no room sent yet) tells prefill too
@@ -46,21 +52,46 @@ class _DecodeRoom:
     rid: str
     info: BootstrapInfo
     row: int = -1  # engine row (= aux row) once admitted
-    room_added: bool = False
+    room_added: bool = False  # admitted and its destination computed (rank 0: sent to the receiver)
     aborted: bool = False  # the client is gone; memory held until the room ends
+
+
+@dataclass(frozen=True)
+class RoomOutcome:
+    """How a request's room ended, as rank 0 read it: what every rank applies alike (`DecodeRole.apply_outcome`).
+
+    `ok`: the KV and the first token arrived and check out (`first_token`, `logprob` from the aux record);
+    otherwise `message` is the request's error (ignored for a request already aborted or gone)."""
+
+    rid: str
+    ok: bool
+    message: str = ""
+    first_token: int = -1
+    logprob: Any = None
 
 
 class DecodeRole(PDRole):
     mode = "decode"
 
-    def __init__(self, engine: Any, cfg: DisaggregationConfig) -> None:
+    def __init__(self, engine: Any, cfg: DisaggregationConfig, parallel: Any = None) -> None:
+        """`parallel`: the ranks of a tensor-parallel decode server (lockstep), or None for one rank (and for each
+        rank of DP attention, which receives its own requests' KV)."""
         super().__init__(engine, cfg)
+        self.memory = DecodeMemory(engine.kv, engine.config.max_running_requests, parallel)
+        self.layout = engine_layout(engine, self.memory.regions)
+        self.lockstep = parallel is not None and parallel.tp_size > 1
+        self.receiver: Any = None  # rank 0 (or the only rank) alone talks to prefill
+        self._outcomes: list[RoomOutcome] = []  # lockstep: rank 0's outcomes, broadcast by the loop
+        self._by_rid: dict[str, _DecodeRoom] = {}
+        self._by_room: dict[int, _DecodeRoom] = {}
+        if not self.lockstep or parallel.tp_rank == 0:
+            self._start_receiver(cfg)
+
+    def _start_receiver(self, cfg: DisaggregationConfig) -> None:
         from transfer.receiver import KVReceiver, ReceiverTimeouts
         from transfer.regions import MemoryRegion
 
-        self.memory = DecodeMemory(engine.kv, engine.config.max_running_requests)
         views = self.memory.regions
-        self.layout = engine_layout(engine, views)
         self.auth = make_auth(cfg)
         self.transport = make_transport(cfg)
         timeouts = ReceiverTimeouts(
@@ -77,9 +108,9 @@ class DecodeRole(PDRole):
         except BaseException:
             self.transport.close()
             raise
-        self._by_rid: dict[str, _DecodeRoom] = {}
-        self._by_room: dict[int, _DecodeRoom] = {}
-        logger.info("decode role: transfer session %s, layout %s", self.transport.session_id, self.layout)
+        logger.info("decode role: transfer session %s, layout %s%s", self.transport.session_id, self.layout,
+                    " (rank 0 of a tensor-parallel group: the ranks share the received rows)" if self.lockstep
+                    else "")  # fmt: skip
 
     # -- requests --
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
@@ -98,14 +129,16 @@ class DecodeRole(PDRole):
         if entry is None or req is None or req.status is not RequestStatus.TRANSFERRING or not entry.room_added:
             self.engine.abort_request(rid)
             if entry is not None:
-                if not entry.room_added:  # prefill may hold the prompt's KV waiting for us: let it go now
+                if not entry.room_added and self.receiver is not None:
+                    # prefill may hold the prompt's KV waiting for us: let it go now
                     self.receiver.abort_unsent(entry.info.room, entry.info.host, entry.info.port,
                                                "the request was aborted on the decode server before admission")
                 self._forget(entry)
             return
         entry.aborted = True
         self.engine.abort_request(rid, hold_kv=True)
-        self.receiver.abort(entry.info.room, "the request was aborted on the decode server")
+        if self.receiver is not None:  # a room that has ended already ignores it; its outcome frees the memory
+            self.receiver.abort(entry.info.room, "the request was aborted on the decode server")
 
     # -- loop --
     def step(self) -> list[RequestDelta]:
@@ -114,30 +147,68 @@ class DecodeRole(PDRole):
         deltas = self.engine.step() if busy else []
         for req in self.engine.pop_remote_admitted():
             self._send_destination(req)
-        for result in self.receiver.poll():
-            delta = self._on_result(result)
-            if delta is not None:
-                deltas.append(delta)
+        if self.receiver is not None:
+            for result in self.receiver.poll():
+                outcome = self._read_result(result)
+                delta = self._settle(outcome) if outcome is not None else None
+                if delta is not None:
+                    deltas.append(delta)
         return deltas
 
     def has_pending(self) -> bool:
-        return bool(self._by_rid)
+        return bool(self._by_rid) or bool(self._outcomes)
+
+    def poll_timeout_ms(self, idle_ms: int) -> int:
+        return 0 if self._outcomes else super().poll_timeout_ms(idle_ms)
+
+    def take_outcomes(self) -> list[RoomOutcome]:
+        """Lockstep, rank 0: the outcomes read since the last call, for the loop to broadcast (every rank, this
+        one included, then applies them with `apply_outcome`)."""
+        out, self._outcomes = self._outcomes, []
+        return out
+
+    def _settle(self, outcome: RoomOutcome) -> RequestDelta | None:
+        """Apply an outcome now (one rank), or queue it for the broadcast (lockstep: every rank applies it then)."""
+        if self.lockstep:
+            self._outcomes.append(outcome)
+            return None
+        return self.apply_outcome(outcome)
 
     def _send_destination(self, req: Any) -> None:
         entry = self._by_rid[req.rid]
         entry.row = req.row
         rows = self.memory.destination(req.row, req.prompt_len)
+        entry.room_added = True
+        if self.receiver is None:  # another rank of a tensor-parallel group: rank 0 sends it
+            return
         try:
             self.receiver.add_room(entry.info.room, entry.info.host, entry.info.port, rows, aux_index=req.row)
-        except ValueError as exc:
-            self.memory.release(req.row)
-            self.engine.fail_request(req.rid, KVTransferError.__name__, f"cannot receive the KV: {exc}")
-            self._forget(entry)
-            return
-        entry.room_added = True
+        except ValueError as exc:  # the request fails (a failure yields no delta of its own)
+            self._settle(RoomOutcome(req.rid, ok=False, message=f"cannot receive the KV: {exc}"))
 
-    def _on_result(self, result: Any) -> RequestDelta | None:
+    def _read_result(self, result: Any) -> RoomOutcome | None:
+        """Rank 0: a room's end as the receiver reported it, checked against the aux record prefill wrote."""
         entry = self._by_room.get(result.room)
+        if entry is None:
+            return None
+        req = self.engine.get_request(entry.rid)
+        if entry.aborted or req is None:
+            return RoomOutcome(entry.rid, ok=False)
+        if not result.ok:
+            return RoomOutcome(entry.rid, ok=False, message=f"KV transfer from prefill failed: {result.reason}")
+        try:
+            record = AuxRecord.decode(self.memory.read_aux(entry.row), entry.info.room)
+            if record.prompt_len != req.prompt_len:
+                raise AuxRecordError(f"prefill computed {record.prompt_len} prompt tokens, this request has "
+                                     f"{req.prompt_len} (the two servers got different prompts)")
+        except AuxRecordError as exc:
+            return RoomOutcome(entry.rid, ok=False, message=f"KV transfer from prefill failed: {exc}")
+        return RoomOutcome(entry.rid, ok=True, first_token=record.first_token, logprob=self._logprob(req, record))
+
+    def apply_outcome(self, outcome: RoomOutcome) -> RequestDelta | None:
+        """Every rank: end the room's request as rank 0 read it — install the rows and commit the first token, or
+        fail it; either way (and for a request aborted meanwhile) every staging row and page it held is freed."""
+        entry = self._by_rid.get(outcome.rid)
         if entry is None:
             return None
         self._forget(entry)
@@ -150,24 +221,15 @@ class DecodeRole(PDRole):
         if req is None:
             self.memory.release(row)
             return None
-        if not result.ok:
+        if not outcome.ok:
             self.memory.release(row)
-            self.engine.fail_request(entry.rid, KVTransferError.__name__, f"KV transfer from prefill failed: {result.reason}")
-            return None
-        try:
-            record = AuxRecord.decode(self.memory.read_aux(row), entry.info.room)
-            if record.prompt_len != req.prompt_len:
-                raise AuxRecordError(f"prefill computed {record.prompt_len} prompt tokens, this request has "
-                                     f"{req.prompt_len} (the two servers got different prompts)")
-        except AuxRecordError as exc:
-            self.memory.release(row)
-            self.engine.fail_request(entry.rid, KVTransferError.__name__, f"KV transfer from prefill failed: {exc}")
+            self.engine.fail_request(entry.rid, KVTransferError.__name__, outcome.message)
             return None
         self.memory.install(row, req.prompt_len)
-        return self.engine.commit_remote_prefill(entry.rid, record.first_token, self._logprob(req, record))
+        return self.engine.commit_remote_prefill(entry.rid, outcome.first_token, outcome.logprob)
 
     def _control_endpoint(self) -> str:
-        return self.receiver.endpoint
+        return self.receiver.endpoint if self.receiver is not None else ""
 
     @staticmethod
     def _logprob(req: Any, record: AuxRecord) -> Any:
@@ -183,6 +245,11 @@ class DecodeRole(PDRole):
         self._by_room.pop(entry.info.room, None)
 
     # -- stats, shutdown --
+    def stats(self) -> Any:
+        if self.receiver is None:  # ranks 1..N-1 of a tensor-parallel group: rank 0 reports the transfers
+            return self.engine.stats()
+        return super().stats()
+
     def _disagg_stats(self) -> DisaggStats:
         stats = self._transfer_stats(self.receiver)
         sched = self.engine.scheduler
@@ -193,5 +260,6 @@ class DecodeRole(PDRole):
         return stats
 
     def close(self) -> None:
-        self.receiver.close()
-        self.transport.close()
+        if self.receiver is not None:
+            self.receiver.close()
+            self.transport.close()

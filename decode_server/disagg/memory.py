@@ -15,12 +15,18 @@ in all three regions (so one destination row list serves them all).
   device cache on admission.
 - Aux: one `AUX_RECORD_BYTES` row per request row of the engine (a request holds its row while its KV arrives).
 All decode regions are allocated once at start and registered with the transfer engine once.
+
+A tensor-parallel decode server (`--tp-size N` without DP attention) receives each prompt's KV once, on rank 0:
+its staging areas are shared-memory regions every rank maps (decode_server/hisparse/shared_host.py, like the
+HiSparse host pool, which is shared already), so every rank installs the same arrived rows into its own device
+from them. Only rank 0 registers them with its transfer engine (decode_server/disagg/decode_role.py).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,6 +37,7 @@ from decode_server.engine.kv_manager import KVManager
 from decode_server.engine.pinned import host_empty
 from decode_server.engine.types import PoolUsage
 from decode_server.hisparse.coordinator import HiSparseCoordinator
+from decode_server.hisparse.shared_host import allocate_shared_host
 from kernels.indexer_ref import INDEX_HEAD_DIM
 
 logger = logging.getLogger(__name__)
@@ -99,10 +106,21 @@ def prefill_rows(kv: KVManager, req_row: int, start: int, num_tokens: int) -> li
 class DecodeMemory:
     """The decode engine's receiving memory: regions for the transfer engine, destinations, hand-over."""
 
-    def __init__(self, kv: KVManager, max_requests: int) -> None:
+    def __init__(self, kv: KVManager, max_requests: int, parallel: Any = None) -> None:
+        """`parallel`: the ranks of a tensor-parallel decode server (collective: every rank builds its memory in
+        the same order), or None for one rank."""
         self.kv = kv
         device = _device_of(kv)
         pin = torch.cuda.is_available() and device.type == "cuda"
+        self.shared = parallel is not None and parallel.tp_size > 1
+
+        def staging(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
+            if not self.shared:
+                return host_empty(shape, dtype, device, what)
+            row_bytes = shape[-1] * dtype.itemsize if len(shape) > 2 else dtype.itemsize
+            flat = allocate_shared_host((shape[0], shape[1], row_bytes), parallel, device, what=f"shared {what}")
+            return flat.view(dtype).view(shape)
+
         self.aux = torch.zeros((max_requests, AUX_RECORD_BYTES), dtype=torch.uint8, pin_memory=pin)
         self._staging_rows: dict[int, list[int]] = {}  # dense: req_row -> staging rows it holds
         self._staging_pages: dict[int, list[int]] = {}
@@ -111,9 +129,9 @@ class DecodeMemory:
             num_layers, num_rows = host.kv.shape[0], host.kv.shape[1]
             self.staging_alloc: PagedAllocator | None = None
             self.stage_kv: torch.Tensor | None = None
-            self.stage_keys = host_empty((num_layers, num_rows, INDEX_HEAD_DIM), torch.float8_e4m3fn, device,
-                                         "PD index-key staging")
-            self.stage_scales = host_empty((num_layers, num_rows), torch.float32, device, "PD index-scale staging")
+            self.stage_keys = staging((num_layers, num_rows, INDEX_HEAD_DIM), torch.float8_e4m3fn,
+                                      "PD index-key staging")
+            self.stage_scales = staging((num_layers, num_rows), torch.float32, "PD index-scale staging")
             self.regions = {
                 "kv": RegionView("kv", host.kv),
                 "index_keys": RegionView("index_keys", self.stage_keys),
@@ -124,11 +142,9 @@ class DecodeMemory:
             num_layers, num_rows = cache.kv.shape[0], cache.kv.shape[1]
             # As many rows as the device cache: the prompts of admitted requests always fit.
             self.staging_alloc = PagedAllocator(num_rows, cache.allocator.page_size, name="PD staging")
-            self.stage_kv = host_empty(tuple(cache.kv.shape), cache.kv.dtype, device, "PD KV staging")
-            self.stage_keys = host_empty(tuple(cache.index_keys.shape), cache.index_keys.dtype, device,
-                                         "PD index-key staging")
-            self.stage_scales = host_empty(tuple(cache.index_scales.shape), torch.float32, device,
-                                           "PD index-scale staging")
+            self.stage_kv = staging(tuple(cache.kv.shape), cache.kv.dtype, "PD KV staging")
+            self.stage_keys = staging(tuple(cache.index_keys.shape), cache.index_keys.dtype, "PD index-key staging")
+            self.stage_scales = staging(tuple(cache.index_scales.shape), torch.float32, "PD index-scale staging")
             self.regions = {
                 "kv": RegionView("kv", self.stage_kv),
                 "index_keys": RegionView("index_keys", self.stage_keys),

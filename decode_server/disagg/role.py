@@ -111,6 +111,11 @@ class PDRole(ABC):
     def has_pending(self) -> bool:
         """Rooms in flight: the loop must keep polling (briefly) even when the engine has nothing to compute."""
 
+    def take_outcomes(self) -> list[Any]:
+        """What rank 0 of a tensor-parallel group broadcasts for every rank to apply (the decode role's room
+        outcomes); nothing for a role that runs alone."""
+        return []
+
     def poll_timeout_ms(self, idle_ms: int) -> int:
         if self.engine.has_runnable_work():
             return 0

@@ -115,6 +115,7 @@ class TPRankStats(BaseModel):
     device_slots_used: int = 0
     indexer_slots_used: int = 0
     dense_kv_slots_used: int = 0
+    pd_staging_rows_used: int = Field(default=0, description="PD decode: staging rows this rank holds (shared memory)")
 
 
 class DPRankStats(BaseModel):

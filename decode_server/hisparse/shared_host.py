@@ -42,11 +42,11 @@ def shm_free_bytes(directory: Path = SHM_DIR) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _create_region(nbytes: int, directory: Path) -> Path:
+def _create_region(nbytes: int, directory: Path, what: str) -> Path:
     free = shm_free_bytes(directory)
     if nbytes > free:
         raise ValueError(
-            f"the shared host KV pool needs {nbytes / 2**30:.2f} GiB in {directory}, which has "
+            f"the {what} needs {nbytes / 2**30:.2f} GiB in {directory}, which has "
             f"{free / 2**30:.2f} GiB free: lower --host-kv-budget, or enlarge {directory} (docker --shm-size, "
             "a Kubernetes emptyDir with medium: Memory mounted there)"
         )
@@ -60,10 +60,11 @@ def _create_region(nbytes: int, directory: Path) -> Path:
 
 
 def allocate_shared_host(shape: tuple[int, ...], parallel: Any, device: torch.device,
-                         directory: Path = SHM_DIR) -> torch.Tensor:
+                         directory: Path = SHM_DIR, what: str = "shared host KV pool") -> torch.Tensor:
     """A uint8 tensor of `shape` backed by one shared-memory region that every rank of `parallel` maps.
 
-    Collective over `parallel.cpu_group`: every rank must call it, in the same order."""
+    Collective over `parallel.cpu_group`: every rank must call it, in the same order. `what` names the region in
+    errors and logs (the KV pool; a PD decode server's staging areas use it too)."""
     nbytes = 1
     for n in shape:
         nbytes *= int(n)
@@ -71,7 +72,7 @@ def allocate_shared_host(shape: tuple[int, ...], parallel: Any, device: torch.de
     path: Path | None = None
     try:
         if parallel.tp_rank == 0:
-            path = _create_region(nbytes, directory)
+            path = _create_region(nbytes, directory, what)
             box: list[Any] = [str(path)]
         else:
             box = [None]
@@ -91,9 +92,9 @@ def allocate_shared_host(shape: tuple[int, ...], parallel: Any, device: torch.de
                 path.unlink()
     if device.type == "cuda" and torch.cuda.is_available():
         # Not prefaulted: other ranks may be writing rows already.
-        flat = lock_mapping(mapping, nbytes, device, "shared host KV pool", prefault=False)
+        flat = lock_mapping(mapping, nbytes, device, what, prefault=False)
     else:
         flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
-    logger.info("shared host KV pool: %.1f MiB mapped by tensor-parallel rank %d/%d (%s, unlinked)",
-                nbytes / 2**20, parallel.tp_rank, parallel.tp_size, name)  # fmt: skip
+    logger.info("%s: %.1f MiB mapped by tensor-parallel rank %d/%d (%s, unlinked)",
+                what, nbytes / 2**20, parallel.tp_rank, parallel.tp_size, name)  # fmt: skip
     return flat.view(shape)

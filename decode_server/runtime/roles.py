@@ -11,8 +11,12 @@ if TYPE_CHECKING:
     from decode_server.disagg.role import PDRole
 
 
-def build_role(engine: Any, cfg: DisaggregationConfig) -> PDRole | None:
-    """The PD role of `--disaggregation-mode` between the loop and the engine (None when colocated)."""
+def build_role(engine: Any, cfg: DisaggregationConfig, lockstep: Any = None) -> PDRole | None:
+    """The PD role of `--disaggregation-mode` between the loop and the engine (None when colocated).
+
+    `lockstep`: the `ParallelState` of a tensor-parallel group whose ranks all run every request
+    (decode_server/runtime/tp_ranks.py): the decode role then receives on rank 0 for all of them. None for one
+    engine, and for data-parallel attention's ranks, each of which receives its own requests' KV."""
     if cfg.mode == "prefill":
         from decode_server.disagg.prefill_role import PrefillRole
 
@@ -20,5 +24,5 @@ def build_role(engine: Any, cfg: DisaggregationConfig) -> PDRole | None:
     if cfg.mode == "decode":
         from decode_server.disagg.decode_role import DecodeRole
 
-        return DecodeRole(engine, cfg)
+        return DecodeRole(engine, cfg, lockstep)
     return None

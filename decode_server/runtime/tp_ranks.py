@@ -10,6 +10,12 @@ sampled request without a seed one drawn from `--random-seed`'s stream, and broa
 `engine.step()`, so their schedulers, pools and samplers stay identical. Only rank 0 answers the api (acceptances,
 deltas, stats, heartbeats). A stats query is a collective: every rank's counters, pool usage and a running digest
 of the tokens it produced are gathered into `EngineStats.tp_ranks`, so divergence is visible.
+
+A PD decode server (`--disaggregation-mode decode`) runs a decode role on every rank over the same lockstep:
+rank 0's alone talks to prefill and receives each prompt's KV into memory every rank maps; how each room ended
+(`RoomOutcome`) joins the next broadcast, ahead of the api's messages, and every rank applies it there (installs
+the rows, commits the first token, or fails the request), so the ranks stay identical
+(decode_server/disagg/decode_role.py).
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ import torch.distributed as dist
 import zmq
 
 from decode_server.config import EngineConfig
+from decode_server.disagg.decode_role import RoomOutcome
 from decode_server.engine.sampler import is_greedy
 from decode_server.engine.types import TPRankStats
 from decode_server.parallel.state import ParallelState
 from decode_server.runtime.loop import EngineLoop
 from decode_server.runtime.messages import GenerateMsg, ToEngine, decode_to_engine
 from decode_server.runtime.rank_group import RankLoops, RankSupervisor, run_group_driver, run_group_worker
+from decode_server.runtime.roles import build_role
 
 
 class _NoReplies:
@@ -44,18 +52,29 @@ class _NoReplies:
 class LockstepLoop(EngineLoop):
     """What every rank does alike: apply a broadcast list of messages, step, digest what it produced."""
 
-    def __init__(self, engine: Any, pull: Any, push: Any, parent_pid: int | None, parallel: ParallelState) -> None:
-        super().__init__(engine, pull, push, parent_pid)
+    def __init__(self, engine: Any, pull: Any, push: Any, parent_pid: int | None, parallel: ParallelState,
+                 config: EngineConfig | None = None) -> None:  # fmt: skip
+        pd = config is not None and config.disaggregation.enabled
+        role = build_role(engine, config.disaggregation, lockstep=parallel) if pd else None
+        super().__init__(engine, pull, push, parent_pid, role)
         self.parallel = parallel
         self._digest = hashlib.blake2b(digest_size=8)
 
-    def _apply(self, msgs: list[ToEngine]) -> None:
+    def _apply(self, msgs: list[Any]) -> None:
         for msg in msgs:
             self._handle(msg)
             if self.stopping:
                 return
 
-    def _broadcast(self, msgs: list[ToEngine] | None) -> list[ToEngine]:
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, RoomOutcome):  # rank 0's reading of a PD room, applied by every rank here
+            delta = self.role.apply_outcome(msg)
+            if delta is not None:
+                self._on_deltas([delta])
+            return
+        super()._handle(msg)
+
+    def _broadcast(self, msgs: list[Any] | None) -> list[Any]:
         box: list[Any] = [msgs]
         dist.broadcast_object_list(box, src=0, group=self.parallel.cpu_group)
         return list(box[0])
@@ -65,13 +84,19 @@ class LockstepLoop(EngineLoop):
             self._digest.update(f"{delta.rid}:{delta.new_token_ids}:{delta.finished};".encode())
         super()._on_deltas(deltas)
 
+    def close(self) -> None:
+        if self.role is not None:
+            self.role.close()
+
     def _rank_stats(self) -> TPRankStats:
         stats = self.engine.stats()
+        memory = getattr(self.role, "memory", None)  # a PD decode role's staging rows
         return TPRankStats(
             tp_rank=self.parallel.tp_rank, pid=os.getpid(), num_steps=stats.num_steps,
             num_generated_tokens=stats.num_generated_tokens, token_digest=self._digest.hexdigest(),
             host_pages_used=stats.host_pages.used, device_slots_used=stats.device_slots.used,
             indexer_slots_used=stats.indexer_slots.used, dense_kv_slots_used=stats.dense_kv_slots.used,
+            pd_staging_rows_used=memory.staging_usage().used if memory is not None else 0,
         )  # fmt: skip
 
     def _stats(self) -> Any:
@@ -79,7 +104,7 @@ class LockstepLoop(EngineLoop):
         mine = self._rank_stats()
         gathered: list[Any] | None = [None] * self.parallel.tp_size if self.parallel.tp_rank == 0 else None
         dist.gather_object(mine, gathered, dst=0, group=self.parallel.cpu_group)
-        stats = self.engine.stats()
+        stats = self.role.stats() if self.role is not None else self.engine.stats()
         if gathered is not None:
             stats.tp_ranks = list(gathered)
         return stats
@@ -90,17 +115,18 @@ class DriverLoop(LockstepLoop):
 
     def __init__(self, engine: Any, pull: zmq.Socket, push: zmq.Socket, parent_pid: int | None,
                  parallel: ParallelState, config: EngineConfig, supervisor: RankSupervisor) -> None:  # fmt: skip
-        super().__init__(engine, pull, push, parent_pid, parallel)
+        super().__init__(engine, pull, push, parent_pid, parallel, config)
         self._seeds = random.Random(config.seed)
         self.supervisor = supervisor
 
-    def _handle(self, msg: ToEngine) -> None:
+    def _handle(self, msg: Any) -> None:
         super()._handle(msg)
         if self.stopping:  # a shutdown: the other ranks exit now too, which is no failure
             self.supervisor.stopping = True
 
     def _receive(self) -> None:
-        msgs: list[ToEngine] = []
+        # PD rooms that ended at the last step go first: every rank applies them before anything else.
+        msgs: list[Any] = self.role.take_outcomes() if self.role is not None else []
         if self.pull.poll(self._poll_timeout_ms()):
             while True:
                 try:
@@ -130,7 +156,7 @@ class FollowerLoop(LockstepLoop):
 
     def __init__(self, engine: Any, parent_pid: int | None, parallel: ParallelState,
                  config: EngineConfig | None = None, reply_address: str | None = None) -> None:  # fmt: skip
-        super().__init__(engine, None, _NoReplies(), parent_pid, parallel)
+        super().__init__(engine, None, _NoReplies(), parent_pid, parallel, config)
 
     def _receive(self) -> None:
         self._apply(self._broadcast(None))

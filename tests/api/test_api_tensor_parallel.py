@@ -239,7 +239,7 @@ def test_killing_rank1_ends_the_server_cleanly(hisparse_tp2: ServerProcess) -> N
     [
         (["serve", "--tp-size", "0"], "greater than or equal to 1"),
         (["serve", "--tp", "2", "--ep-size", "3"], "--ep-size 3 must be 1"),
-        (["serve", "--tp", "2", "--disaggregation-mode", "decode"], "run PD servers with --tp-size 1"),
+        (["serve", "--tp", "2", "--disaggregation-mode", "prefill"], "a prefill server runs one rank"),
         (["serve", "--tp", "2", "--device", "cuda"], "needs 2 visible GPUs"),
         (["generate", "--tp", "2", "--prompt", "x"], "use `decode-server serve`"),
     ],
@@ -262,5 +262,5 @@ def test_shared_pool_larger_than_dev_shm_is_a_clear_error(tmp_path: Path) -> Non
     from decode_server.hisparse.shared_host import _create_region, shm_free_bytes
 
     with pytest.raises(ValueError, match="--host-kv-budget"):
-        _create_region(shm_free_bytes(tmp_path) + 2**30, tmp_path)
+        _create_region(shm_free_bytes(tmp_path) + 2**30, tmp_path, "shared host KV pool")
     assert list(tmp_path.iterdir()) == []
