@@ -234,16 +234,11 @@ class EngineConfig(BaseModel):
                 "(experts split across the tensor-parallel ranks)"
             )
         self._check_dp_attention()
-        if self.tp_size > 1 and self.disaggregation.mode == "prefill":
-            if self.enable_dp_attention:
-                raise ValueError(
-                    "--enable-dp-attention with --disaggregation-mode prefill is not supported: a prefill server "
-                    "runs one rank (decode servers may use DP attention; docs/parallelism.md)"
-                )
+        if self.enable_dp_attention and self.disaggregation.mode == "prefill":
             raise ValueError(
-                f"--tp-size {self.tp_size} with --disaggregation-mode prefill is not supported: a prefill server "
-                "runs one rank (docs/parallelism.md); decode servers may use --tp-size N, with or without "
-                "--enable-dp-attention"
+                "--enable-dp-attention with --disaggregation-mode prefill is not supported: a prefill server's ranks "
+                "compute every prompt together (run it with --tp-size N alone; decode servers may use DP attention; "
+                "docs/parallelism.md)"
             )
         return self
 

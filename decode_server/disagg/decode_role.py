@@ -38,7 +38,14 @@ from decode_server.disagg.aux_record import AuxRecord, AuxRecordError
 from decode_server.disagg.bootstrap_info import BootstrapInfo
 from decode_server.disagg.layout import engine_layout
 from decode_server.disagg.memory import DecodeMemory
-from decode_server.disagg.role import PDRole, advertised_host, make_auth, make_transport, require_bootstrap
+from decode_server.disagg.role import (
+    PDRole,
+    RoleOutcome,
+    advertised_host,
+    make_auth,
+    make_transport,
+    require_bootstrap,
+)
 from decode_server.engine.request import RequestStatus
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.engine.types import DisaggStats, RequestDelta
@@ -57,7 +64,7 @@ class _DecodeRoom:
 
 
 @dataclass(frozen=True)
-class RoomOutcome:
+class RoomOutcome(RoleOutcome):
     """How a request's room ended, as rank 0 read it: what every rank applies alike (`DecodeRole.apply_outcome`).
 
     `ok`: the KV and the first token arrived and check out (`first_token`, `logprob` from the aux record);
@@ -76,15 +83,13 @@ class DecodeRole(PDRole):
     def __init__(self, engine: Any, cfg: DisaggregationConfig, parallel: Any = None) -> None:
         """`parallel`: the ranks of a tensor-parallel decode server (lockstep), or None for one rank (and for each
         rank of DP attention, which receives its own requests' KV)."""
-        super().__init__(engine, cfg)
+        super().__init__(engine, cfg, parallel)
         self.memory = DecodeMemory(engine.kv, engine.config.max_running_requests, parallel)
         self.layout = engine_layout(engine, self.memory.regions)
-        self.lockstep = parallel is not None and parallel.tp_size > 1
         self.receiver: Any = None  # rank 0 (or the only rank) alone talks to prefill
-        self._outcomes: list[RoomOutcome] = []  # lockstep: rank 0's outcomes, broadcast by the loop
         self._by_rid: dict[str, _DecodeRoom] = {}
         self._by_room: dict[int, _DecodeRoom] = {}
-        if not self.lockstep or parallel.tp_rank == 0:
+        if self.talks:
             self._start_receiver(cfg)
 
     def _start_receiver(self, cfg: DisaggregationConfig) -> None:
@@ -158,22 +163,6 @@ class DecodeRole(PDRole):
     def has_pending(self) -> bool:
         return bool(self._by_rid) or bool(self._outcomes)
 
-    def poll_timeout_ms(self, idle_ms: int) -> int:
-        return 0 if self._outcomes else super().poll_timeout_ms(idle_ms)
-
-    def take_outcomes(self) -> list[RoomOutcome]:
-        """Lockstep, rank 0: the outcomes read since the last call, for the loop to broadcast (every rank, this
-        one included, then applies them with `apply_outcome`)."""
-        out, self._outcomes = self._outcomes, []
-        return out
-
-    def _settle(self, outcome: RoomOutcome) -> RequestDelta | None:
-        """Apply an outcome now (one rank), or queue it for the broadcast (lockstep: every rank applies it then)."""
-        if self.lockstep:
-            self._outcomes.append(outcome)
-            return None
-        return self.apply_outcome(outcome)
-
     def _send_destination(self, req: Any) -> None:
         entry = self._by_rid[req.rid]
         entry.row = req.row
@@ -205,9 +194,10 @@ class DecodeRole(PDRole):
             return RoomOutcome(entry.rid, ok=False, message=f"KV transfer from prefill failed: {exc}")
         return RoomOutcome(entry.rid, ok=True, first_token=record.first_token, logprob=self._logprob(req, record))
 
-    def apply_outcome(self, outcome: RoomOutcome) -> RequestDelta | None:
+    def apply_outcome(self, outcome: RoleOutcome) -> RequestDelta | None:
         """Every rank: end the room's request as rank 0 read it — install the rows and commit the first token, or
         fail it; either way (and for a request aborted meanwhile) every staging row and page it held is freed."""
+        assert isinstance(outcome, RoomOutcome)
         entry = self._by_rid.get(outcome.rid)
         if entry is None:
             return None
@@ -245,11 +235,6 @@ class DecodeRole(PDRole):
         self._by_room.pop(entry.info.room, None)
 
     # -- stats, shutdown --
-    def stats(self) -> Any:
-        if self.receiver is None:  # ranks 1..N-1 of a tensor-parallel group: rank 0 reports the transfers
-            return self.engine.stats()
-        return super().stats()
-
     def _disagg_stats(self) -> DisaggStats:
         stats = self._transfer_stats(self.receiver)
         sched = self.engine.scheduler

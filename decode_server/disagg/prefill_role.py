@@ -14,6 +14,12 @@ Request flow (room = the router's `bootstrap_room`):
    first token ends the HTTP request with `KVTransferError` (503): bootstrap timeout (decode never sent the
    destination), handshake refused, decode aborted the room or died (a write failed).
 A client abort on prefill fails the room (decode hears ABORT and frees its pages) and frees the KV.
+
+A tensor-parallel prefill server (`--tp-size N`: every rank computes every prompt, and MLA's latent rows and the
+indexer keys are the same on every rank) sends from rank 0's cache only: rank 0 alone runs the bootstrap server
+and the sender. Each sender event (`PrefillOutcome`) is broadcast by the group's loop and applied by every rank
+alike (decode_server/runtime/tp_ranks.py), so all of them admit a request when decode's destination arrives and
+free its held KV when its room ends.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from decode_server.disagg.layout import engine_layout
 from decode_server.disagg.memory import prefill_regions, prefill_rows
 from decode_server.disagg.role import (
     PDRole,
+    RoleOutcome,
     advertised_host,
     error_delta,
     make_auth,
@@ -53,15 +60,36 @@ class _PrefillRoom:
     finished: bool = False  # the first token went out (the HTTP request is over); KV held until the room ends
 
 
+@dataclass(frozen=True)
+class PrefillOutcome(RoleOutcome):
+    """One sender event of a room as rank 0 polled it: `kind` is a `transfer.sender.RoomEventKind` value (decode's
+    destination arrived; the transfer succeeded, failed or was aborted by decode)."""
+
+    room: int
+    kind: str
+    reason: str = ""
+
+
 class PrefillRole(PDRole):
     mode = "prefill"
 
-    def __init__(self, engine: Any, cfg: DisaggregationConfig) -> None:
-        super().__init__(engine, cfg)
+    def __init__(self, engine: Any, cfg: DisaggregationConfig, parallel: Any = None) -> None:
+        super().__init__(engine, cfg, parallel)
+        self.sender: Any = None  # rank 0 (or the only rank) alone talks to decode
+        self.bootstrap_server: Any = None
+        self._by_rid: dict[str, _PrefillRoom] = {}
+        self._by_room: dict[int, _PrefillRoom] = {}
+        self._deltas: list[RequestDelta] = []
+        engine.prefill_chunk_hook = self._on_chunks
+        if self.talks:
+            self._start_sender(cfg)
+
+    def _start_sender(self, cfg: DisaggregationConfig) -> None:
         from transfer.bootstrap import BootstrapServer
         from transfer.regions import MemoryRegion
         from transfer.sender import KVSender
 
+        engine = self.engine
         views = prefill_regions(engine.kv)
         self.layout = engine_layout(engine, views)
         self.auth = make_auth(cfg)
@@ -81,12 +109,9 @@ class PrefillRole(PDRole):
             self.bootstrap_server.close()
             self.transport.close()
             raise
-        self._by_rid: dict[str, _PrefillRoom] = {}
-        self._by_room: dict[int, _PrefillRoom] = {}
-        self._deltas: list[RequestDelta] = []
-        engine.prefill_chunk_hook = self._on_chunks
-        logger.info("prefill role: bootstrap server on %s:%d, transfer session %s, layout %s", cfg.host,
-                    self.bootstrap_server.port, self.transport.session_id, self.layout)
+        logger.info("prefill role: bootstrap server on %s:%d, transfer session %s, layout %s%s", cfg.host,
+                    self.bootstrap_server.port, self.transport.session_id, self.layout,
+                    " (rank 0 of a tensor-parallel group: it sends its own cache's rows)" if self.lockstep else "")
 
     # -- requests --
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
@@ -98,7 +123,8 @@ class PrefillRole(PDRole):
         self.engine.validate_request(rid, prompt_ids, one)
         if rid in self._by_rid:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
-        self.sender.expect_room(info.room)
+        if self.sender is not None:
+            self.sender.expect_room(info.room)
         entry = _PrefillRoom(rid, info.room, list(prompt_ids), one)
         self._by_rid[rid] = entry
         self._by_room[info.room] = entry
@@ -108,13 +134,15 @@ class PrefillRole(PDRole):
         if entry is None:
             self.engine.abort_request(rid)
             return
-        self.sender.fail(entry.room, "the request was aborted on the prefill server")
+        if self.sender is not None:
+            self.sender.fail(entry.room, "the request was aborted on the prefill server")
         self._end(entry, None)
 
     # -- loop --
     def step(self) -> list[RequestDelta]:
-        for event in self.sender.poll():
-            self._on_event(event)
+        if self.sender is not None:
+            for event in self.sender.poll():
+                self._settle(PrefillOutcome(event.room, str(event.kind), event.reason))
         deltas = self.engine.step() if self.engine.has_unfinished_requests() else []
         for delta in deltas:
             entry = self._by_rid.get(delta.rid)
@@ -124,30 +152,38 @@ class PrefillRole(PDRole):
         return out
 
     def has_pending(self) -> bool:
-        return bool(self._by_rid)
+        return bool(self._by_rid) or bool(self._outcomes)
 
-    def _on_event(self, event: Any) -> None:
+    def apply_outcome(self, outcome: RoleOutcome) -> RequestDelta | None:
+        """Every rank: a sender event of a room — admit the request (decode's destination arrived), or end it and
+        free its held KV (the transfer ended). Deltas it causes come out of the next `step()`."""
         from transfer.sender import RoomEventKind
 
-        entry = self._by_room.get(event.room)
+        assert isinstance(outcome, PrefillOutcome)
+        entry = self._by_room.get(outcome.room)
         if entry is None:
-            self.sender.release(event.room)
-            return
-        if event.kind == RoomEventKind.READY:
+            if self.sender is not None:
+                self.sender.release(outcome.room)
+            return None
+        if outcome.kind == RoomEventKind.READY:
             try:
                 self.engine.add_request(entry.rid, entry.prompt_ids, entry.params, hold_kv=True)
             except DecodeServerError as exc:
-                self.sender.fail(entry.room, f"prefill refused the request: {exc.message}")
+                if self.sender is not None:
+                    self.sender.fail(entry.room, f"prefill refused the request: {exc.message}")
                 self._end(entry, (type(exc).__name__, exc.message))
-                return
+                return None
             entry.in_engine = True
-        elif event.kind == RoomEventKind.SUCCESS:
+        elif outcome.kind == RoomEventKind.SUCCESS:
             self._end(entry, None)
         else:
-            self._end(entry, (KVTransferError.__name__, f"KV transfer to decode failed: {event.reason}"))
+            self._end(entry, (KVTransferError.__name__, f"KV transfer to decode failed: {outcome.reason}"))
+        return None
 
     def _on_chunks(self, chunks: list[tuple[Request, int, int]]) -> None:
         """Engine hook after a prefill pass: queue each PD request's new rows for decode."""
+        if self.sender is None:  # another rank of a tensor-parallel group: rank 0 sends the same rows
+            return
         for req, start, n in chunks:
             entry = self._by_rid.get(req.rid)
             if entry is not None:
@@ -159,7 +195,8 @@ class PrefillRole(PDRole):
         entry.finished = True
         logprob = delta.logprobs[0] if delta.logprobs else None
         aux = AuxRecord.from_token(entry.room, len(entry.prompt_ids), delta.new_token_ids[0], logprob)
-        self.sender.finish(entry.room, aux.encode())
+        if self.sender is not None:
+            self.sender.finish(entry.room, aux.encode())
 
     def _end(self, entry: _PrefillRoom, error: tuple[str, str] | None) -> None:
         """The room is over (or given up): free the KV, release the room, and tell the client if still waiting."""
@@ -175,7 +212,8 @@ class PrefillRole(PDRole):
             self.engine.release_held(entry.rid)
         elif error is not None:
             self._deltas.append(error_delta(entry.rid, error[0], error[1], len(entry.prompt_ids)))
-        self.sender.release(entry.room)
+        if self.sender is not None:
+            self.sender.release(entry.room)
         if error is not None:
             logger.info("prefill request %s (room %d) failed: %s", entry.rid, entry.room, error[1])
 
@@ -183,7 +221,7 @@ class PrefillRole(PDRole):
         return {**super().describe(), "bootstrap_port": self.bootstrap_server.port}
 
     def _control_endpoint(self) -> str:
-        return self.sender.endpoint
+        return self.sender.endpoint if self.sender is not None else ""
 
     # -- stats, shutdown --
     def _disagg_stats(self) -> DisaggStats:
@@ -195,6 +233,7 @@ class PrefillRole(PDRole):
         return stats
 
     def close(self) -> None:
-        self.sender.close()
-        self.bootstrap_server.close()
-        self.transport.close()
+        if self.sender is not None:
+            self.sender.close()
+            self.bootstrap_server.close()
+            self.transport.close()

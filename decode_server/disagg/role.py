@@ -9,6 +9,7 @@ import bisect
 import logging
 import socket
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 from decode_server.config import DisaggregationConfig
@@ -65,6 +66,13 @@ def error_delta(rid: str, error_class: str, message: str, prompt_tokens: int = 0
                         error=message, error_class=error_class)
 
 
+@dataclass(frozen=True)
+class RoleOutcome:
+    """Base of what rank 0's PD role reads from its transfer engine for a tensor-parallel group: the group's loop
+    broadcasts it ahead of the api's messages and every rank applies it (`PDRole.apply_outcome`) at the same
+    point, so their engines stay identical (decode_server/runtime/tp_ranks.py)."""
+
+
 class LatencyHistogram:
     """Cumulative transfer-latency histogram fed with the transfer package's samples."""
 
@@ -85,9 +93,14 @@ class PDRole(ABC):
 
     mode = "null"
 
-    def __init__(self, engine: Any, cfg: DisaggregationConfig) -> None:
+    def __init__(self, engine: Any, cfg: DisaggregationConfig, parallel: Any = None) -> None:
+        """`parallel`: the ranks of a tensor-parallel group in lockstep (rank 0 alone talks to the peers), or None
+        for one engine (and for each rank of DP attention, which talks to its own peers)."""
         self.engine = engine
         self.cfg = cfg
+        self.lockstep = parallel is not None and parallel.tp_size > 1
+        self.talks = not self.lockstep or parallel.tp_rank == 0  # this rank runs the transfer engine
+        self._outcomes: list[RoleOutcome] = []
         self.latency = LatencyHistogram()
         self.transport: Any = None
         self.layout: Any = None
@@ -111,19 +124,32 @@ class PDRole(ABC):
     def has_pending(self) -> bool:
         """Rooms in flight: the loop must keep polling (briefly) even when the engine has nothing to compute."""
 
-    def take_outcomes(self) -> list[Any]:
-        """What rank 0 of a tensor-parallel group broadcasts for every rank to apply (the decode role's room
-        outcomes); nothing for a role that runs alone."""
-        return []
+    def take_outcomes(self) -> list[RoleOutcome]:
+        """Rank 0 of a tensor-parallel group: the outcomes read since the last call, for the loop to broadcast
+        (every rank, this one included, then applies them with `apply_outcome`); nothing for a role alone."""
+        out, self._outcomes = self._outcomes, []
+        return out
+
+    def apply_outcome(self, outcome: RoleOutcome) -> RequestDelta | None:
+        """Every rank of a tensor-parallel group: apply one of rank 0's outcomes; its first delta, if any."""
+        raise NotImplementedError(f"{type(self).__name__} has no outcomes to apply")
+
+    def _settle(self, outcome: RoleOutcome) -> RequestDelta | None:
+        """Apply an outcome now (one rank), or queue it for the broadcast (lockstep: every rank applies it then)."""
+        if self.lockstep:
+            self._outcomes.append(outcome)
+            return None
+        return self.apply_outcome(outcome)
 
     def poll_timeout_ms(self, idle_ms: int) -> int:
-        if self.engine.has_runnable_work():
+        if self.engine.has_runnable_work() or self._outcomes:
             return 0
         return PD_WAIT_MS if self.has_pending() else idle_ms
 
     def stats(self) -> EngineStats:
         stats = self.engine.stats()
-        stats.disagg = self._disagg_stats()
+        if self.talks:  # ranks 1..N-1 of a tensor-parallel group: rank 0 reports the transfers
+            stats.disagg = self._disagg_stats()
         return stats
 
     @abstractmethod

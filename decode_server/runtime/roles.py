@@ -15,12 +15,13 @@ def build_role(engine: Any, cfg: DisaggregationConfig, lockstep: Any = None) -> 
     """The PD role of `--disaggregation-mode` between the loop and the engine (None when colocated).
 
     `lockstep`: the `ParallelState` of a tensor-parallel group whose ranks all run every request
-    (decode_server/runtime/tp_ranks.py): the decode role then receives on rank 0 for all of them. None for one
-    engine, and for data-parallel attention's ranks, each of which receives its own requests' KV."""
+    (decode_server/runtime/tp_ranks.py): rank 0's role then talks to the peers for all of them (prefill: sends its
+    own cache's rows; decode: receives into memory every rank maps). None for one engine, and for data-parallel
+    attention's ranks, each of which receives its own requests' KV."""
     if cfg.mode == "prefill":
         from decode_server.disagg.prefill_role import PrefillRole
 
-        return PrefillRole(engine, cfg)
+        return PrefillRole(engine, cfg, lockstep)
     if cfg.mode == "decode":
         from decode_server.disagg.decode_role import DecodeRole
 

@@ -13,9 +13,12 @@ of the tokens it produced are gathered into `EngineStats.tp_ranks`, so divergenc
 
 A PD decode server (`--disaggregation-mode decode`) runs a decode role on every rank over the same lockstep:
 rank 0's alone talks to prefill and receives each prompt's KV into memory every rank maps; how each room ended
-(`RoomOutcome`) joins the next broadcast, ahead of the api's messages, and every rank applies it there (installs
+(`RoleOutcome`) joins the next broadcast, ahead of the api's messages, and every rank applies it there (installs
 the rows, commits the first token, or fails the request), so the ranks stay identical
-(decode_server/disagg/decode_role.py).
+(decode_server/disagg/decode_role.py). A PD prefill server works the same way: rank 0 alone runs the bootstrap
+server and the sender, and sends the rows of its own cache (every rank computes the same KV); when decode's
+destination arrives or a transfer ends, every rank admits or frees the request together
+(decode_server/disagg/prefill_role.py).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch.distributed as dist
 import zmq
 
 from decode_server.config import EngineConfig
-from decode_server.disagg.decode_role import RoomOutcome
+from decode_server.disagg.role import RoleOutcome
 from decode_server.engine.sampler import is_greedy
 from decode_server.engine.types import TPRankStats
 from decode_server.parallel.state import ParallelState
@@ -67,7 +70,7 @@ class LockstepLoop(EngineLoop):
                 return
 
     def _handle(self, msg: Any) -> None:
-        if isinstance(msg, RoomOutcome):  # rank 0's reading of a PD room, applied by every rank here
+        if isinstance(msg, RoleOutcome):  # rank 0's reading of a PD room, applied by every rank here
             delta = self.role.apply_outcome(msg)
             if delta is not None:
                 self._on_deltas([delta])

@@ -239,7 +239,8 @@ def test_killing_rank1_ends_the_server_cleanly(hisparse_tp2: ServerProcess) -> N
     [
         (["serve", "--tp-size", "0"], "greater than or equal to 1"),
         (["serve", "--tp", "2", "--ep-size", "3"], "--ep-size 3 must be 1"),
-        (["serve", "--tp", "2", "--disaggregation-mode", "prefill"], "a prefill server runs one rank"),
+        (["serve", "--tp", "2", "--dp", "2", "--enable-dp-attention", "--disaggregation-mode", "prefill"],
+         "--enable-dp-attention with --disaggregation-mode prefill is not supported"),
         (["serve", "--tp", "2", "--device", "cuda"], "needs 2 visible GPUs"),
         (["generate", "--tp", "2", "--prompt", "x"], "use `decode-server serve`"),
     ],

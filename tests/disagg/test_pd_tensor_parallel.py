@@ -1,10 +1,14 @@
-"""PD with a tensor-parallel decode server: a prefill server and `--tp-size 2` decode servers (HiSparse, whose host
-pool the node's ranks share, and dense) as real processes, real mooncake over TCP on 127.0.0.1.
+"""PD with tensor-parallel servers: prefill servers with `--tp-size 1` and `2`, and `--tp-size 2` decode servers
+(HiSparse, whose host pool the node's ranks share, and dense) as real processes, real mooncake over TCP on
+127.0.0.1.
 
-Rank 0 alone receives each prompt's KV, into memory both ranks map (the HiSparse host pool; the staging areas);
-every rank installs it and commits the first token at the same point of its lockstep loop. Checked here: greedy
-tokens equal colocated serving's with concurrent requests; both ranks agree on every step, token digest and pool,
-PD staging rows included; a transfer that fails and a client that leaves mid-transfer free every rank's memory."""
+A TP decode server's rank 0 alone receives each prompt's KV, into memory both ranks map (the HiSparse host pool;
+the staging areas); every rank installs it and commits the first token at the same point of its lockstep loop. A
+TP prefill server's rank 0 alone sends, from its own cache; every rank admits the request when decode's
+destination arrives and frees its KV when the room ends. Checked here: greedy tokens equal colocated serving's
+with concurrent requests, for each pairing; both ranks of every server agree on steps, token digest and pools, PD
+staging rows included; a transfer that fails and a client that leaves mid-transfer free every rank's memory, on
+either side."""
 
 from __future__ import annotations
 
@@ -34,14 +38,15 @@ _rooms = itertools.count(7_000)
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict]:
-    prefill = PrefillServer()
+    prefills = {"prefill_tp1": PrefillServer(), "prefill_tp2": PrefillServer("--tp-size", "2")}
     decodes = {"hisparse": decode_server("--tp-size", "2", hisparse=True),
                "dense": decode_server("--tp-size", "2", "--ep-size", "2", hisparse=False)}  # fmt: skip
-    start_all(prefill, *decodes.values())
+    everyone = [*prefills.values(), *decodes.values()]
+    start_all(*everyone)
     try:
-        yield {"prefill": prefill, **decodes}
+        yield {"prefill": prefills["prefill_tp1"], **prefills, **decodes}
     finally:
-        for server in (prefill, *decodes.values()):
+        for server in everyone:
             server.kill()
 
 
@@ -89,14 +94,15 @@ def _shared_regions(pid: int) -> set[str]:
     return {line.split(None, 5)[5] for line in lines if SHM_PREFIX in line}
 
 
+@pytest.mark.parametrize("prefill_name", ["prefill_tp1", "prefill_tp2"])
 @pytest.mark.parametrize("mode", ["hisparse", "dense"])
-def test_tp_decode_greedy_equals_colocated(servers, mode):
+def test_tp_greedy_equals_colocated(servers, mode, prefill_name):
     kwargs = {"enable_hisparse": True, "hisparse": {"device_buffer_size": 64, "num_recent_slots": 4}} \
         if mode == "hisparse" else {}
     llm = LLM(MODEL, device="cpu", context_length=CONTEXT_LENGTH, **kwargs)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     expected = [o.text for o in llm.generate(PROMPTS, params)]
-    prefill, decode = servers["prefill"], servers[mode]
+    prefill, decode = servers[prefill_name], servers[mode]
 
     async def all_at_once():
         return await asyncio.gather(*(_pd_request(prefill, decode, p, 6) for p in PROMPTS))
@@ -108,7 +114,11 @@ def test_tp_decode_greedy_equals_colocated(servers, mode):
     assert d["rooms_finished"].get("SUCCESS", 0) >= len(PROMPTS) and not d["failures_by_cause"]
     ranks = _wait_free_everywhere(decode)
     assert all(r["num_generated_tokens"] >= 5 * len(PROMPTS) for r in ranks)  # every rank decoded every request
-    wait_pd_idle(prefill)
+    if prefill_name == "prefill_tp2":  # both prefill ranks computed every prompt and freed its held KV
+        ranks = _wait_free_everywhere(prefill)
+        assert all(r["num_generated_tokens"] >= len(PROMPTS) for r in ranks)
+    else:
+        wait_pd_idle(prefill)
 
 
 @pytest.mark.parametrize(("mode", "regions"), [("hisparse", 3), ("dense", 3)])
@@ -163,3 +173,27 @@ def test_client_leaving_mid_transfer_frees_every_rank(servers):
                    json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, **route})
     assert r.status_code == 503 and "aborted by decode" in r.json()["error"]["message"]
     wait_pd_idle(prefill)
+
+
+def test_tp_prefill_room_failures_free_every_rank(servers):
+    """A TP prefill server's rooms that end badly: one whose decode never sends the destination (prefill's bootstrap
+    timeout, 4 s here: the request never entered the engine), and one that decode aborted before prefill got the
+    request (refused at once with 'aborted by decode'). Rank 0's sender events are applied by both ranks alike, and
+    both ranks end up with nothing held."""
+    prefill, decode = servers["prefill_tp2"], servers["hisparse"]
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 4, **prefill.route(next(_rooms))}
+    r = httpx.post(prefill.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 503 and "bootstrap timeout" in r.json()["error"]["message"]
+    route = prefill.route(next(_rooms))
+    stream = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "stream": True, **route}
+    with httpx.Client(timeout=60) as c, c.stream("POST", decode.url + "/v1/completions", json=stream) as resp:
+        assert resp.status_code == 200
+        wait_for(lambda: disagg_stats(decode)["rooms_by_state"].get("WAITING") == 1, what="decode's room sent")
+    _wait_free_everywhere(decode)
+    r = httpx.post(prefill.url + "/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, **route})
+    assert r.status_code == 503 and "aborted by decode" in r.json()["error"]["message"]
+    d = _wait_free_everywhere(prefill) and disagg_stats(prefill)
+    assert d["failures_by_cause"].get("bootstrap_timeout", 0) >= 1
+    engine = httpx.get(prefill.url + "/server_info", timeout=10).json()["engine"]
+    assert engine["disaggregation"]["mode"] == "prefill" and engine["disaggregation"]["bootstrap_port"]

@@ -77,8 +77,7 @@ def test_config_and_state_checks() -> None:
     assert EngineConfig(tp_size=4).attention_tp_size == 4 and EngineConfig().dp_attention_size == 1
     EngineConfig(tp_size=2, dp_size=2, enable_dp_attention=True, disaggregation={"mode": "decode"})
     EngineConfig(tp_size=2, disaggregation={"mode": "decode"})  # rank 0 receives for the group (tp_ranks.py)
-    with pytest.raises(ValidationError, match="a prefill server runs one rank"):
-        EngineConfig(tp_size=2, disaggregation={"mode": "prefill"})
+    EngineConfig(tp_size=2, disaggregation={"mode": "prefill"})  # rank 0 sends for the group
     with pytest.raises(ValidationError, match="--enable-dp-attention with --disaggregation-mode prefill"):
         EngineConfig(tp_size=2, dp_size=2, enable_dp_attention=True, disaggregation={"mode": "prefill"})
     state = ParallelState(tp_rank=1, tp_size=2, dp_size=2, ep_size=2)
