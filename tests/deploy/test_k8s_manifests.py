@@ -169,6 +169,18 @@ def test_resource_probe_and_budget_checks_catch_mistakes(rendered: dict[str, lis
     container = find(objs, "StatefulSet", "hisparse-decode")["spec"]["template"]["spec"]["containers"][0]
     container["resources"]["limits"]["memory"] = "128Gi"  # less than the 192GiB host pool
     assert any("does not hold the host KV pool" in p for p in check_resources(objs, gpu=True))
+    objs = mutated(rendered["gpu-rdma-tp8"])
+    container = find(objs, "StatefulSet", "hisparse-decode")["spec"]["template"]["spec"]["containers"][0]
+    container["resources"]["limits"]["nvidia.com/gpu"] = container["resources"]["requests"]["nvidia.com/gpu"] = 4
+    assert any("--tp-size 8 needs 8 GPUs, the pod has 4" in p for p in check_resources(objs, gpu=True))
+    objs = mutated(rendered["gpu-rdma-tp8"])
+    pod = find(objs, "StatefulSet", "hisparse-decode")["spec"]["template"]["spec"]
+    next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"] = "192Gi"  # the pool alone
+    assert any("does not hold the shared host KV pool" in p for p in check_resources(objs, gpu=True))
+    objs = mutated(rendered["gpu-rdma-tp8"])
+    container = find(objs, "StatefulSet", "hisparse-decode")["spec"]["template"]["spec"]["containers"][0]
+    container["resources"]["limits"]["memory"] = "200Gi"  # the pool, not its /dev/shm with the staging
+    assert any("with its staging" in p for p in check_resources(objs, gpu=True))
     objs = mutated(rendered["cpu-demo"])
     pod = find(objs, "StatefulSet", "hisparse-prefill")["spec"]["template"]["spec"]
     next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"].pop("medium")
