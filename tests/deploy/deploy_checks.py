@@ -26,7 +26,7 @@ OVERLAYS = ("cpu-demo", "gpu-tcp", "gpu-rdma", "gpu-rdma-lws", "gpu-rdma-tp8")
 GPU_OVERLAYS = ("gpu-tcp", "gpu-rdma", "gpu-rdma-lws", "gpu-rdma-tp8")
 # A tensor-parallel HiSparse server keeps its host KV pool in /dev/shm (shared by its ranks), and a PD decode
 # server its index-key staging beside it: 132 B per host row and layer, +20 % of a 656 B FP8 row (+11.5 % of bf16).
-SHARED_POOL_SHM_FACTOR = 1.25
+PD_STAGING_SHM_FACTOR = 1.25
 KUBERNETES_VERSION = "1.37.0"
 LWS_SCHEMA = K8S / "schemas" / "leaderworkerset-v1.json"
 BIN = Path(sys.executable).parent
@@ -320,11 +320,12 @@ def check_resources(objs: list[Obj], gpu: bool) -> list[str]:
         pool = ns.host_kv_budget if ns is not None else None
         tp = ns.tp_size if ns is not None else 1
         shared_pool = bool(pool) and tp > 1 and ns.enable_hisparse and not ns.enable_dp_attention
+        staging = shared_pool and ns.disaggregation_mode == "decode"
         # The shared pool (and its PD staging) sits in /dev/shm, which counts against the memory limit.
-        in_memory = int(pool * SHARED_POOL_SHM_FACTOR) if shared_pool else pool
+        in_memory = int(pool * PD_STAGING_SHM_FACTOR) if staging else pool
         if pool and "memory" in limits and parse_quantity(limits["memory"]) < in_memory + 2**30:
             problems.append(f"{where}: memory limit {limits['memory']} does not hold the host KV pool "
-                            f"({in_memory} bytes{' with its staging' if shared_pool else ''}) plus the process")
+                            f"({in_memory} bytes{' with its PD staging' if staging else ''}) plus the process")
         if gpu and tp > gpus:
             problems.append(f"{where}: --tp-size {tp} needs {tp} GPUs, the pod has {gpus}")
         volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
@@ -333,8 +334,9 @@ def check_resources(objs: list[Obj], gpu: bool) -> list[str]:
         if shm_dir.get("medium") != "Memory":
             problems.append(f"{where}: /dev/shm is not a memory-backed emptyDir")
         elif shared_pool and parse_quantity(shm_dir.get("sizeLimit", 0)) < in_memory:
-            problems.append(f"{where}: /dev/shm ({shm_dir.get('sizeLimit')}) does not hold the shared host KV pool "
-                            f"and its PD staging ({in_memory} bytes: --tp-size {tp} keeps them there)")
+            problems.append(f"{where}: /dev/shm ({shm_dir.get('sizeLimit')}) does not hold the shared host KV pool"
+                            f"{' and its PD staging' if staging else ''} ({in_memory} bytes: --tp-size {tp} keeps "
+                            "them there)")
     return problems
 
 

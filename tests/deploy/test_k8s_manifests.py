@@ -180,7 +180,7 @@ def test_resource_probe_and_budget_checks_catch_mistakes(rendered: dict[str, lis
     objs = mutated(rendered["gpu-rdma-tp8"])
     container = find(objs, "StatefulSet", "hisparse-decode")["spec"]["template"]["spec"]["containers"][0]
     container["resources"]["limits"]["memory"] = "200Gi"  # the pool, not its /dev/shm with the staging
-    assert any("with its staging" in p for p in check_resources(objs, gpu=True))
+    assert any("with its PD staging" in p for p in check_resources(objs, gpu=True))
     objs = mutated(rendered["cpu-demo"])
     pod = find(objs, "StatefulSet", "hisparse-prefill")["spec"]["template"]["spec"]
     next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"].pop("medium")
