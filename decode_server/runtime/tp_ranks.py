@@ -128,9 +128,10 @@ class DriverLoop(LockstepLoop):
             self.supervisor.stopping = True
 
     def _receive(self) -> None:
+        timeout = self._poll_timeout_ms()  # 0 while PD outcomes wait for the broadcast
         # PD rooms that ended at the last step go first: every rank applies them before anything else.
         msgs: list[Any] = self.role.take_outcomes() if self.role is not None else []
-        if self.pull.poll(self._poll_timeout_ms()):
+        if self.pull.poll(timeout):
             while True:
                 try:
                     data = self.pull.recv(zmq.NOBLOCK)
