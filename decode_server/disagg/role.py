@@ -130,9 +130,10 @@ class PDRole(ABC):
         out, self._outcomes = self._outcomes, []
         return out
 
+    @abstractmethod
     def apply_outcome(self, outcome: RoleOutcome) -> RequestDelta | None:
-        """Every rank of a tensor-parallel group: apply one of rank 0's outcomes; its first delta, if any."""
-        raise NotImplementedError(f"{type(self).__name__} has no outcomes to apply")
+        """Apply one of rank 0's outcomes (every rank of a tensor-parallel group, or the only rank at once): the
+        request's first delta, if the outcome gives one. Implemented by PrefillRole and DecodeRole."""
 
     def _settle(self, outcome: RoleOutcome) -> RequestDelta | None:
         """Apply an outcome now (one rank), or queue it for the broadcast (lockstep: every rank applies it then)."""
