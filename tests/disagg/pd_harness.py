@@ -4,9 +4,13 @@ checks that every pool, staging row and room is free again on both sides."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from pathlib import Path
+
+import openai
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
 
@@ -80,3 +84,16 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def refused_completion(server: ServerProcess, body: dict) -> openai.APIStatusError:
+    """A completion that must fail, sent with the openai client as a router would: the error it raised (its HTTP
+    status and OpenAI-style message)."""
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
+            return await c.completions.create(**body)
+
+    with pytest.raises(openai.APIStatusError) as err:
+        asyncio.run(run())
+    return err.value

@@ -23,6 +23,7 @@ from pd_harness import (
     PrefillServer,
     decode_server,
     disagg_stats,
+    refused_completion,
     start_all,
     wait_for,
     wait_pd_idle,
@@ -232,14 +233,9 @@ def test_bootstrap_unreachable(servers):
     body = _body(PROMPTS[0], {"bootstrap_host": "127.0.0.1", "bootstrap_port": dead_port,
                               "bootstrap_room": next(_rooms)})
 
-    async def run():
-        async with _client(decode) as dc:
-            return await dc.completions.create(**body)
-
-    with pytest.raises(openai.APIStatusError) as err:
-        asyncio.run(run())
-    assert err.value.status_code == 503 and "bootstrap timeout" in _error_of(err.value)
-    assert "unreachable" in _error_of(err.value)
+    error = refused_completion(decode, body)
+    assert error.status_code == 503 and "bootstrap timeout" in _error_of(error)
+    assert "unreachable" in _error_of(error)
     d = wait_pd_idle(decode)
     assert d["failures_by_cause"].get("bootstrap_timeout", 0) >= 1
 
@@ -274,13 +270,8 @@ def test_prefill_bootstrap_timeout(servers):
     prefill = servers["prefill"]
     body = _body(PROMPTS[0], prefill.route(next(_rooms)))
 
-    async def run():
-        async with _client(prefill) as pc:
-            return await pc.completions.create(**body)
-
-    with pytest.raises(openai.APIStatusError) as err:
-        asyncio.run(run())
-    assert err.value.status_code == 503 and "bootstrap timeout" in _error_of(err.value)
+    error = refused_completion(prefill, body)
+    assert error.status_code == 503 and "bootstrap timeout" in _error_of(error)
     d = wait_pd_idle(prefill)
     assert d["failures_by_cause"].get("bootstrap_timeout", 0) >= 1
 
@@ -357,14 +348,9 @@ def test_handshake_mismatch_refused(servers):
     prefill, decode = servers["prefill"], servers["mismatched"]
     body = _body(PROMPTS[0], prefill.route(next(_rooms)))
 
-    async def run():
-        async with _client(decode) as dc:
-            return await dc.completions.create(**body)
-
-    with pytest.raises(openai.APIStatusError) as err:
-        asyncio.run(run())
-    message = _error_of(err.value)
-    assert err.value.status_code == 503 and "transfer layout mismatch" in message, message
+    error = refused_completion(decode, body)
+    message = _error_of(error)
+    assert error.status_code == 503 and "transfer layout mismatch" in message, message
     assert "2304" in message and "1152" in message  # fp32 vs bf16 MLA rows
     wait_pd_idle(decode)
 

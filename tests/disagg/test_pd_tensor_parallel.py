@@ -21,7 +21,16 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from pd_harness import MODEL, PrefillServer, decode_server, disagg_stats, start_all, wait_for, wait_pd_idle
+from pd_harness import (
+    MODEL,
+    PrefillServer,
+    decode_server,
+    disagg_stats,
+    refused_completion,
+    start_all,
+    wait_for,
+    wait_pd_idle,
+)
 
 from decode_server.engine.llm import LLM
 from decode_server.engine.sampling_params import SamplingParams
@@ -146,13 +155,8 @@ def test_failed_transfer_frees_every_rank(servers, mode):
             "extra_body": {"bootstrap_host": "127.0.0.1", "bootstrap_port": free_port(),
                            "bootstrap_room": next(_rooms)}}  # fmt: skip
 
-    async def run():
-        async with _client(decode) as dc:
-            return await dc.completions.create(**body)
-
-    with pytest.raises(openai.APIStatusError) as err:
-        asyncio.run(run())
-    assert err.value.status_code == 503 and "bootstrap timeout" in str(err.value)
+    error = refused_completion(decode, body)
+    assert error.status_code == 503 and "bootstrap timeout" in str(error)
     assert disagg_stats(decode)["failures_by_cause"].get("bootstrap_timeout", 0) >= 1
     _wait_free_everywhere(decode)
 
