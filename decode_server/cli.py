@@ -143,6 +143,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)  # fmt: skip
     g.add_argument(
+        "--enable-prefix-caching", action="store_true",
+        help="keep finished requests' KV pages in a radix tree and map a new prompt's cached prefix instead of "
+        "recomputing it (colocated and prefill servers; off by default)",
+    )
+    g.add_argument(
+        "--disable-radix-cache", action="store_true",
+        help="SGLang's flag: prefix caching off, which is the default here (accepted so SGLang launch lines work)",
+    )
+    g.add_argument(
         "--tp-size", "--tp", dest="tp_size", type=int, default=d.tp_size,
         help="tensor-parallel ranks: one engine process per rank (one GPU each on CUDA, gloo on CPU)",
     )
@@ -238,6 +247,12 @@ def disaggregation_config_from_args(args: argparse.Namespace) -> DisaggregationC
     )
 
 
+def prefix_caching_from_args(args: argparse.Namespace) -> bool:
+    if args.enable_prefix_caching and args.disable_radix_cache:
+        raise ValueError("--enable-prefix-caching and --disable-radix-cache contradict each other")
+    return bool(args.enable_prefix_caching)
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         disaggregation=disaggregation_config_from_args(args),
@@ -265,6 +280,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests,
         chunked_prefill_size=args.chunked_prefill_size,
+        enable_prefix_caching=prefix_caching_from_args(args),
         watchdog_timeout=args.watchdog_timeout,
         tp_size=args.tp_size,
         ep_size=args.ep_size,

@@ -166,6 +166,10 @@ class EngineConfig(BaseModel):
     max_running_requests: int = Field(default=64, ge=1)
     max_queued_requests: int = Field(default=1024, ge=1)
     chunked_prefill_size: int = Field(default=2048, ge=1)
+    # Prefix caching (vLLM's --enable-prefix-caching; SGLang's radix cache): finished requests' full KV pages stay
+    # in a radix tree and a new prompt maps its cached prefix instead of recomputing it (docs/engine.md "Prefix
+    # caching"). Off by default; a PD decode server receives every prompt's KV and refuses it.
+    enable_prefix_caching: bool = False
     context_length: int | None = Field(default=None, ge=1)
     # Overlap scheduling (SGLang's --disable-overlap-schedule): the host prepares pass N+1 while the device runs
     # pass N. On by default on CUDA, off on CPU (nothing overlaps there); `force_overlap_schedule` runs it on CPU.
@@ -217,6 +221,15 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 "--disaggregation-mode prefill keeps the prompt's KV dense on its device; drop --enable-hisparse "
                 "(HiSparse is a decode-side mode)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_prefix_caching(self) -> EngineConfig:
+        if self.disaggregation.mode == "decode" and self.enable_prefix_caching:
+            raise ValueError(
+                "--enable-prefix-caching on a --disaggregation-mode decode server: its prompts' KV arrives whole from "
+                "the prefill server, which is where prefix caching saves work (enable it there)"
             )
         return self
 

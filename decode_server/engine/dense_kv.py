@@ -10,10 +10,12 @@ change the logits, hence greedy tokens).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from decode_server.engine.dense_backend import DenseBackend, DenseKVCache
-from decode_server.engine.kv_alloc import PagedAllocator
+from decode_server.engine.kv_alloc import PagedAllocator, RequestTokenTable
 from decode_server.engine.kv_manager import KVManager
 from decode_server.engine.kv_rows import CacheGeometry
 from decode_server.engine.types import PoolUsage
@@ -40,6 +42,9 @@ class DenseKVManager(KVManager):
     def page_size(self) -> int:
         return self._alloc.page_size
 
+    def token_tables(self) -> list[RequestTokenTable]:
+        return [self.cache.tokens]
+
     @property
     def max_request_tokens(self) -> int:
         return min(self.max_ctx, self._alloc.num_slots)
@@ -54,18 +59,25 @@ class DenseKVManager(KVManager):
         return None
 
     def free_pages(self) -> int:
-        return self._alloc.num_free_pages
+        return self._alloc.num_free_pages + self._evictable_pages()
 
     def pages_needed(self, req_row: int, num_tokens: int) -> int:
         return self.cache.tokens.pages_needed(req_row, num_tokens)
 
-    def try_admit(self, req_row: int, prompt_len: int, max_total_len: int) -> bool:
-        return self.ensure_room(req_row, min(prompt_len + 1, max_total_len))
+    def try_admit(self, req_row: int, prompt_len: int, max_total_len: int,
+                  prompt_ids: Sequence[int] | None = None) -> bool:
+        self._attach_prefix(req_row, prompt_ids, prompt_len)
+        if self.ensure_room(req_row, min(prompt_len + 1, max_total_len)):
+            return True
+        self._release_tables(req_row, None)  # gives the cached prefix back
+        return False
 
     def ensure_room(self, req_row: int, num_tokens: int) -> bool:
         need = self.cache.tokens.pages_needed(req_row, num_tokens)
-        if need and not self._alloc.can_allocate(need):
-            return False
+        if need:
+            self._make_room(req_row, num_tokens)
+            if not self._alloc.can_allocate(need):
+                return False
         self.backend.reserve(req_row, num_tokens)
         return True
 
@@ -75,7 +87,7 @@ class DenseKVManager(KVManager):
         slots = cache.tokens.slots(req_row, num_tokens).long()
         self._saved[req_row] = (cache.kv[:, slots].cpu(), cache.index_keys[:, slots].cpu(),
                                 cache.index_scales[:, slots].cpu())
-        self.backend.release(req_row)
+        self._release_tables(req_row, None)
 
     def try_resume(self, req_row: int, num_tokens: int) -> bool:
         """Pages for `num_tokens` + 1 tokens, then the saved rows copied back; False (nothing taken) if short."""
@@ -89,16 +101,19 @@ class DenseKVManager(KVManager):
         cache.index_scales[:, slots] = scales.to(cache.device)
         return True
 
-    def free(self, req_row: int) -> None:
+    def free(self, req_row: int, token_ids: Sequence[int] | None = None) -> None:
         self._saved.pop(req_row, None)
-        self.backend.release(req_row)
+        self._release_tables(req_row, token_ids)
 
     def usage(self) -> dict[str, PoolUsage]:
         ps = self._alloc.page_size
         return {"dense_kv_slots": PoolUsage(used=self._alloc.num_used_pages * ps, total=self._alloc.num_slots)}
 
     def token_usage(self) -> float:
-        return self.usage()["dense_kv_slots"].fraction
+        """Like SGLang's: cached pages that no request maps count as free."""
+        return (self._alloc.num_used_pages - self._evictable_pages()) / self._alloc.num_pages
 
     def is_empty(self) -> bool:
-        return self._alloc.num_used_pages == 0 and not self._saved
+        cached = self.prefix.cache.num_nodes if self.prefix is not None else 0
+        idle_cache = self.prefix is None or self.prefix.is_idle()
+        return self._alloc.num_used_pages == cached and idle_cache and not self._saved

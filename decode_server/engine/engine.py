@@ -154,6 +154,11 @@ class Engine:
         # The budgets the pools were sized from (None with a `kv_manager` passed in, which was sized elsewhere).
         self.kv_budgets: KVBudgets | None = None
         self.kv = kv_manager if kv_manager is not None else self._build_kv_manager()
+        if config.enable_prefix_caching:
+            # Deterministic inference cuts prompts at multiples of chunked_prefill_size of their own tokens: a
+            # reused prefix must end on such a cut too, so the chunks after it are the ones computed without it.
+            self.kv.enable_prefix_cache(config.chunked_prefill_size if config.enable_deterministic_inference
+                                        else config.page_size)
         self.attention_kernel = resolve_attention_kernel(config.attention_backend, self.device,
                                                          config.enable_deterministic_inference)
         self.kv.backend.attention_kernel = self.attention_kernel
@@ -357,6 +362,14 @@ class Engine:
         req.num_computed = req.prompt_len
         self.scheduler.commit_transferred(req)
         return self._append_token(req, first_token, logprob)
+
+    def flush_prefix_cache(self) -> int:
+        """Drop every cached prefix page no request maps (SGLang's /flush_cache); returns the tokens dropped. Safe
+        at any time: pages in use stay, and requests admitted later simply find less cached."""
+        dropped = self.kv.flush_prefix_cache()
+        if dropped:
+            logger.info("prefix cache flushed: %d tokens dropped", dropped)
+        return dropped
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending_deltas) or self._inflight is not None
@@ -585,6 +598,7 @@ class Engine:
             rid=req.rid, new_token_ids=tokens, text=text, finished=finished,
             finish_reason=req.finish_reason if finished else None, stop_reason=req.stop_reason if finished else None,
             prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids), logprobs=logprobs,
+            cached_tokens=req.num_cached_tokens,
         )
 
     # -- introspection --
@@ -608,6 +622,7 @@ class Engine:
             weights_bytes_by_kind={k: v for k, v in self.weight_bytes.items() if k != "total"},
             device_kv_budget_bytes=self.kv_budgets.device if self.kv_budgets is not None else 0,
             host_kv_budget_bytes=self.kv_budgets.host if self.kv_budgets is not None else 0,
+            prefix_cache=self.kv.prefix_cache_stats(),
             **usage,
         )
 

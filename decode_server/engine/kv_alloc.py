@@ -63,6 +63,9 @@ class RequestTokenTable:
 
     The table tensor `[max_requests, max_context]` (int32, −1 = unmapped) lives on `device`, so kernels can
     gather physical rows without a host round trip; the page lists stay on the CPU.
+
+    A row's first pages may be *borrowed* (`adopt`: a cached prefix's pages, owned by the prefix cache): they are
+    mapped like the row's own but never freed by it.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class RequestTokenTable:
         self.max_context = max_context
         self.table = torch.full((max_requests, max_context), -1, dtype=torch.int32, device=device)
         self._pages: dict[int, list[int]] = {}
+        self._borrowed: dict[int, int] = {}  # row → how many of its first pages it does not own
 
     def capacity(self, req_row: int) -> int:
         return len(self._pages.get(req_row, ())) * self.allocator.page_size
@@ -86,7 +90,30 @@ class RequestTokenTable:
         need = self.pages_needed(req_row, num_tokens)
         if need == 0:
             return
-        pages = self.allocator.allocate(need)
+        self._map(req_row, self.allocator.allocate(need))
+
+    def adopt(self, req_row: int, pages: list[int]) -> None:
+        """Map `pages` (owned elsewhere: a cached prefix) as the first pages of the empty row `req_row`."""
+        if self._pages.get(req_row):
+            raise RuntimeError(f"{self.allocator.name}: row {req_row} already holds pages; a prefix goes first")
+        if pages:
+            self._map(req_row, pages)
+            self._borrowed[req_row] = len(pages)
+
+    def num_borrowed(self, req_row: int) -> int:
+        return self._borrowed.get(req_row, 0)
+
+    def pages_of(self, req_row: int) -> list[int]:
+        return list(self._pages.get(req_row, ()))
+
+    def lend_head(self, req_row: int, num_pages: int) -> None:
+        """The row's first `num_pages` pages now belong to someone else (its own ones were given to the prefix
+        cache, which lends them back): it will not free them."""
+        if not self.num_borrowed(req_row) <= num_pages <= len(self._pages.get(req_row, ())):
+            raise RuntimeError(f"{self.allocator.name}: row {req_row} cannot lend {num_pages} pages")
+        self._borrowed[req_row] = num_pages
+
+    def _map(self, req_row: int, pages: list[int]) -> None:
         owned = self._pages.setdefault(req_row, [])
         ps = self.allocator.page_size
         start_page = len(owned)
@@ -100,11 +127,19 @@ class RequestTokenTable:
         self.table[req_row, start:end] = slots[: end - start].to(self.table.device, non_blocking=True)
 
     def release(self, req_row: int) -> None:
-        """Return every page of `req_row` and unmap its row."""
+        """Return every page `req_row` owns (not the borrowed ones) and unmap its row."""
+        pages, borrowed = self.detach(req_row)
+        if pages[borrowed:]:
+            self.allocator.free(pages[borrowed:])
+
+    def detach(self, req_row: int) -> tuple[list[int], int]:
+        """Unmap `req_row` and return its pages (borrowed ones first) and how many are borrowed, freeing none: the
+        caller decides which of its own pages the prefix cache keeps and which go back to the allocator."""
         pages = self._pages.pop(req_row, [])
+        borrowed = self._borrowed.pop(req_row, 0)
         if pages:
-            self.allocator.free(pages)
             self.table[req_row].fill_(-1)
+        return pages, borrowed
 
     def slots(self, req_row: int, num_tokens: int) -> torch.Tensor:
         return self.table[req_row, :num_tokens]

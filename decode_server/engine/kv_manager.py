@@ -6,19 +6,86 @@ KV grows page by page with the sequence: admission takes pages for the prompt an
 `ensure_room` adds a page when a request needs one, and a request that cannot get one is retracted (its KV moved
 out of the budgeted pools into private host memory) and resumed later, bit for bit, without recomputation.
 Both expose the `AttentionBackend` the model uses.
+
+Prefix caching (`enable_prefix_cache`, decode_server/engine/prefix_sharing.py): admission maps the longest cached
+prefix of the prompt into the request's tables (its KV is not recomputed), allocations evict unlocked cached
+pages when a pool is short, and a request that ends donates its full pages to the cache.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 from decode_server.engine.attention_backend import AttentionBackend
-from decode_server.engine.types import HiSparseLayerStats, PoolUsage
+from decode_server.engine.kv_alloc import RequestTokenTable
+from decode_server.engine.prefix_sharing import PrefixSharing
+from decode_server.engine.types import HiSparseLayerStats, PoolUsage, PrefixCacheStats
 
 
 class KVManager(ABC):
     backend: AttentionBackend
     supports_retraction: bool = False
+    prefix: PrefixSharing | None = None  # prefix caching on (enable_prefix_cache)
+
+    @abstractmethod
+    def token_tables(self) -> list[RequestTokenTable]:
+        """The per-token tables of the pools that grow with a request, in a fixed order (what a cached page spans)."""
+
+    def enable_prefix_cache(self, align_tokens: int) -> None:
+        """Turn prefix caching on (before any request): `align_tokens` as in `PrefixSharing`."""
+        if any(t.num_requests for t in self.token_tables()):
+            raise RuntimeError("prefix caching must be enabled before the first request")
+        self.prefix = PrefixSharing(self.token_tables(), align_tokens)
+
+    def cached_prefix_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """Tokens of this prompt that admission would find cached now (0 without prefix caching)."""
+        return self.prefix.lookup(prompt_ids).num_tokens if self.prefix is not None else 0
+
+    def cached_tokens(self, req_row: int) -> int:
+        """Tokens at the head of `req_row` whose pages the prefix cache holds; read right after `try_admit`, the
+        prompt's reused prefix (its prefill starts after them)."""
+        return self.prefix.cached_tokens(req_row) if self.prefix is not None else 0
+
+    def cache_prompt(self, req_row: int, prompt_ids: Sequence[int]) -> None:
+        """Prefill done: the prompt's full pages join the prefix cache (lent back to the request)."""
+        if self.prefix is not None:
+            self.prefix.share_prompt(req_row, prompt_ids)
+
+    def flush_prefix_cache(self) -> int:
+        """Drop every cached page no request maps (SGLang's /flush_cache); returns the tokens dropped."""
+        return self.prefix.flush() * self.page_size if self.prefix is not None else 0
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        if self.prefix is None:
+            return None
+        cache = self.prefix.cache
+        return PrefixCacheStats(
+            cached_tokens=cache.num_cached_tokens, evictable_tokens=cache.num_evictable_pages * self.page_size,
+            queried_tokens=cache.num_queried_tokens, hit_tokens=cache.num_hit_tokens,
+            evicted_tokens=cache.num_evicted_pages * self.page_size)
+
+    def _evictable_pages(self) -> int:
+        return self.prefix.num_evictable_pages if self.prefix is not None else 0
+
+    def _attach_prefix(self, req_row: int, prompt_ids: Sequence[int] | None, prompt_len: int) -> None:
+        """Map the prompt's cached prefix into the empty row (nothing without prefix caching or prompt ids)."""
+        if self.prefix is not None and prompt_ids is not None:
+            self.prefix.attach(req_row, self.prefix.lookup(prompt_ids), prompt_len)
+
+    def _make_room(self, req_row: int, num_tokens: int) -> None:
+        """Evict cached pages so that every table can grow `req_row` to `num_tokens` tokens, where they allow."""
+        if self.prefix is not None:
+            self.prefix.make_room([t.pages_needed(req_row, num_tokens) for t in self.token_tables()])
+
+    def _release_tables(self, req_row: int, token_ids: Sequence[int] | None) -> None:
+        """Unmap `req_row` everywhere: with prefix caching its full pages of `token_ids` go to the cache (None:
+        none do), its borrowed prefix is unlocked; every other page it owns is freed."""
+        if self.prefix is not None:
+            self.prefix.release(req_row, token_ids)
+        else:
+            for table in self.token_tables():
+                table.release(req_row)
 
     @abstractmethod
     def capacity_error(self, prompt_len: int, max_total_len: int) -> str | None:
@@ -47,9 +114,11 @@ class KVManager(ABC):
         return True
 
     @abstractmethod
-    def try_admit(self, req_row: int, prompt_len: int, max_total_len: int) -> bool:
+    def try_admit(self, req_row: int, prompt_len: int, max_total_len: int,
+                  prompt_ids: Sequence[int] | None = None) -> bool:
         """Take what the request needs to prefill and sample its first token (pages for prompt + 1 tokens, and
-        the fixed per-request resources); False = not now."""
+        the fixed per-request resources); False = not now (nothing taken). With prefix caching and `prompt_ids`,
+        the prompt's cached prefix is mapped first (`cached_tokens` says how long it is)."""
 
     @abstractmethod
     def ensure_room(self, req_row: int, num_tokens: int) -> bool:
@@ -65,8 +134,9 @@ class KVManager(ABC):
         raise RuntimeError(f"{type(self).__name__} does not retract")
 
     @abstractmethod
-    def free(self, req_row: int) -> None:
-        """Release everything the request holds (finish and abort)."""
+    def free(self, req_row: int, token_ids: Sequence[int] | None = None) -> None:
+        """Release everything the request holds (finish and abort). `token_ids`: the tokens whose KV is complete
+        in its pages, which prefix caching keeps (None: nothing is kept)."""
 
     @abstractmethod
     def usage(self) -> dict[str, PoolUsage]:
@@ -81,4 +151,5 @@ class KVManager(ABC):
 
     @abstractmethod
     def is_empty(self) -> bool:
-        """True when nothing is allocated (the engine asserts it when idle in tests)."""
+        """True when no request holds anything: nothing is allocated but the prefix cache's unlocked pages (the
+        engine asserts it when idle in tests)."""

@@ -35,6 +35,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     row: int = -1  # row in the engine's request tables while it holds memory
     num_computed: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # prompt tokens whose KV was mapped from the prefix cache at admission
     num_bypassed: int = 0  # later requests admitted while this one waited for memory
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

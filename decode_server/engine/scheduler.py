@@ -19,6 +19,10 @@ tokens of KV. The ratio starts at `INIT_NEW_TOKEN_RATIO`, decays linearly by dec
 retraction is raised to what the running batch actually used: (decoded tokens + `RETRACT_DECODE_STEPS` per
 request) / (their max_tokens), so admission becomes more careful exactly when the estimate proved too low.
 
+Prefix caching (`KVManager.enable_prefix_cache`): a request admitted with its prompt's first tokens cached starts
+its prefill after them (`num_computed`), admission counts only the pages it still needs, and a request that ends
+hands the tokens whose KV its pages hold to the KV manager, which keeps the full pages for later prompts.
+
 PD disaggregation (decode_server/disagg/) adds two holding sets: `transferring` (decode: admitted like any
 request, but its prompt's KV arrives from a prefill server instead of being computed; it joins the decode set
 with `commit_transferred`) and `held` (prefill: finished requests whose KV rows stay allocated until their
@@ -85,7 +89,7 @@ class Scheduler:
         # step id). A row freed while that step may still touch it is released only once it has finished.
         self.inflight_rows: frozenset[int] = frozenset()
         self.inflight_step = 0
-        self._deferred_rows: list[tuple[int, int]] = []  # (step id, row)
+        self._deferred_rows: list[tuple[int, int, list[int] | None]] = []  # (step id, row, tokens to cache)
         self.num_retractions = 0
         self._last_was_prefill = False
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -136,13 +140,23 @@ class Scheduler:
 
     def _free_row(self, req: Request) -> None:
         row, req.row = req.row, -1
+        tokens = self._tokens_to_cache(req)
         if row in self.inflight_rows:
-            self._deferred_rows.append((self.inflight_step, row))  # its KV is still in use on the device
+            # Its KV is still in use on the device (and the pass in flight completes its last rows).
+            self._deferred_rows.append((self.inflight_step, row, tokens))
             return
-        self._release_row(row)
+        self._release_row(row, tokens)
 
-    def _release_row(self, row: int) -> None:
-        self.kv.free(row)
+    def _tokens_to_cache(self, req: Request) -> list[int] | None:
+        """The tokens whose KV the request's pages hold once its passes have finished (prefix caching only): every
+        computed position whose token id the host knows."""
+        if self.kv.prefix is None or req.remote_prefill:
+            return None
+        known = req.prompt_ids + req.output_ids
+        return known[: min(req.num_computed, len(known))]
+
+    def _release_row(self, row: int, tokens: list[int] | None = None) -> None:
+        self.kv.free(row, tokens)
         self._free_rows.append(row)
 
     def release_rows_of(self, step_id: int) -> None:
@@ -150,11 +164,11 @@ class Scheduler:
         if not self._deferred_rows:
             return
         keep = []
-        for step, row in self._deferred_rows:
+        for step, row, tokens in self._deferred_rows:
             if step <= step_id:
-                self._release_row(row)
+                self._release_row(row, tokens)
             else:
-                keep.append((step, row))
+                keep.append((step, row, tokens))
         self._deferred_rows = keep
 
     # -- one step --
@@ -215,8 +229,11 @@ class Scheduler:
             if blocked is not None and blocked.num_bypassed >= HOL_BYPASS_LIMIT:
                 return
             # SGLang's check: the request's prompt and its clipped max_tokens must fit beside what the others
-            # are expected to take; once admitted, it is expected to take only its ratio.
+            # are expected to take; once admitted, it is expected to take only its ratio. Pages of its prompt
+            # found in the prefix cache are not needed.
             need = self.kv.pages_needed(self._free_rows[-1], self._expected_tokens(req, self.new_request_ratio))
+            if self.kv.prefix is not None and not req.remote_prefill:
+                need -= self.kv.cached_prefix_tokens(req.prompt_ids) // self.kv.page_size
             if self.kv.free_pages() - reserved >= need and self.try_admit(req):
                 reserved += self.kv.pages_needed(req.row, self._expected_tokens(req, self.new_token_ratio))
                 if blocked is not None:
@@ -229,11 +246,14 @@ class Scheduler:
         if not self._free_rows:
             return False
         row = self._free_rows[-1]
-        if not self.kv.try_admit(row, req.prompt_len, req.max_total_len):
+        prompt_ids = None if req.remote_prefill else req.prompt_ids  # PD decode: the KV comes from prefill
+        if not self.kv.try_admit(row, req.prompt_len, req.max_total_len, prompt_ids):
             return False
         self._free_rows.pop()
         self.waiting.remove(req)
         req.row = row
+        req.num_cached_tokens = self.kv.cached_tokens(row)
+        req.num_computed = req.num_cached_tokens  # its prefill starts after the cached prefix
         if req.remote_prefill:
             req.status = RequestStatus.TRANSFERRING
             self.transferring.append(req)
@@ -310,8 +330,10 @@ class Scheduler:
         logger.info("retracted %s at %d tokens (%d running)", req.rid, req.num_computed, len(self.running))
 
     def on_prefill_done(self, req: Request) -> None:
-        """The prompt's KV is complete and its first token sampled: join the decode set."""
+        """The prompt's KV is complete and its first token sampled: join the decode set (and offer the prompt's
+        pages to the prefix cache)."""
         self.prefilling.remove(req)
+        self.kv.cache_prompt(req.row, req.prompt_ids)
         self.kv.finish_prefill(req.row, req.num_computed)
         req.status = RequestStatus.RUNNING
         self.running.append(req)

@@ -38,6 +38,7 @@ class RequestDelta(BaseModel):
     )
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = Field(default=0, description="prompt tokens whose KV came from the prefix cache")
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     error_class: str | None = Field(
@@ -72,6 +73,20 @@ class PoolUsage(BaseModel):
     @property
     def fraction(self) -> float:
         return self.used / self.total if self.total else 0.0
+
+
+class PrefixCacheStats(BaseModel):
+    """Prefix caching (decode_server/engine/prefix_cache.py): what the cache holds and how often prompts hit it."""
+
+    cached_tokens: int = Field(default=0, description="tokens whose KV pages the cache holds")
+    evictable_tokens: int = Field(default=0, description="of those, tokens no request maps (freed when needed)")
+    queried_tokens: int = Field(default=0, description="prompt tokens of requests admitted so far (monotonic)")
+    hit_tokens: int = Field(default=0, description="of those, tokens found cached and not recomputed (monotonic)")
+    evicted_tokens: int = Field(default=0, description="tokens evicted to make room or flushed (monotonic)")
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
 # Upper bounds (seconds) of the PD transfer-latency histogram buckets.
@@ -156,6 +171,7 @@ class EngineStats(BaseModel):
     device_slots: PoolUsage = Field(default_factory=PoolUsage)
     indexer_slots: PoolUsage = Field(default_factory=PoolUsage)
     dense_kv_slots: PoolUsage = Field(default_factory=PoolUsage)
+    prefix_cache: PrefixCacheStats | None = Field(default=None, description="None: prefix caching is off")
     quantization: str = Field(default="none", description="'fp8': block-FP8 weights kept in FP8; 'none': dequantized")
     weights_bytes: int = Field(default=0, description="device bytes the model's weights hold (this rank's with TP)")
     weights_bytes_by_kind: dict[str, int] = Field(

@@ -17,12 +17,14 @@ recomputed, so its outputs are the same bits as without the retraction.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 import kernels
+from decode_server.engine.kv_alloc import RequestTokenTable
 from decode_server.engine.kv_manager import KVManager
 from decode_server.engine.kv_rows import CacheGeometry
 from decode_server.engine.types import HiSparseLayerStats, PoolUsage
@@ -169,13 +171,18 @@ class HiSparseCoordinator(KVManager):
     def page_size(self) -> int:
         return self.layout.page_size
 
+    def token_tables(self) -> list[RequestTokenTable]:
+        """Host rows and indexer keys: a cached prefix is pages of both (the device buffer is per request)."""
+        return [self.host.rows, self.indexer.rows]
+
     @property
     def max_request_tokens(self) -> int:
         lay = self.layout
         return min(lay.max_ctx, lay.host_pages * lay.page_size, lay.indexer_pages * lay.page_size)
 
     def free_pages(self) -> int:
-        return min(self.host.rows.allocator.num_free_pages, self.indexer.rows.allocator.num_free_pages)
+        return (min(self.host.rows.allocator.num_free_pages, self.indexer.rows.allocator.num_free_pages)
+                + self._evictable_pages())
 
     def pages_needed(self, req_row: int, num_tokens: int) -> int:
         return max(self.host.rows.pages_needed(req_row, num_tokens),
@@ -185,13 +192,20 @@ class HiSparseCoordinator(KVManager):
         return self.buffers.free_buffers >= 1
 
     def _can_grow(self, req_row: int, num_tokens: int) -> bool:
+        self._make_room(req_row, num_tokens)
         return (self.host.rows.allocator.can_allocate(self.host.rows.pages_needed(req_row, num_tokens))
                 and self.indexer.rows.allocator.can_allocate(self.indexer.rows.pages_needed(req_row, num_tokens)))
 
-    def try_admit(self, req_row: int, prompt_len: int, max_total_len: int) -> bool:
-        """A device buffer, and host and indexer pages for the prompt and the first generated token."""
+    def try_admit(self, req_row: int, prompt_len: int, max_total_len: int,
+                  prompt_ids: Sequence[int] | None = None) -> bool:
+        """A device buffer, and host and indexer pages for the prompt and the first generated token (after the
+        prompt's cached prefix, with prefix caching)."""
         first_tokens = min(prompt_len + 1, max_total_len)
-        if not self.can_start_request() or not self._can_grow(req_row, first_tokens):
+        if not self.can_start_request():
+            return False
+        self._attach_prefix(req_row, prompt_ids, prompt_len)
+        if not self._can_grow(req_row, first_tokens):
+            self._release_tables(req_row, None)  # gives the cached prefix back
             return False
         self.host.rows.ensure(req_row, first_tokens)
         self.indexer.rows.ensure(req_row, first_tokens)
@@ -242,8 +256,7 @@ class HiSparseCoordinator(KVManager):
         host_slots = self.host.rows.slots(req_row, num_tokens).cpu().long()
         self._spilled_rows[req_row] = self.host.kv[:, host_slots]  # advanced indexing copies
         self._saved_index_keys[req_row] = self.indexer.save(req_row, num_tokens)
-        self.indexer.rows.release(req_row)
-        self.host.rows.release(req_row)
+        self._release_tables(req_row, None)
         self.buffers.free(req_row)
 
     def try_resume(self, req_row: int, num_tokens: int) -> bool:
@@ -260,13 +273,13 @@ class HiSparseCoordinator(KVManager):
         self.preload(req_row, num_tokens)
         return True
 
-    def free(self, req_row: int) -> None:
+    def free(self, req_row: int, token_ids: Sequence[int] | None = None) -> None:
         self._wait_backup_on_host(req_row)
         self._saved_index_keys.pop(req_row, None)
-        self._spilled_rows.pop(req_row, None)
+        spilled = self._spilled_rows.pop(req_row, None) is not None
         self.buffers.free(req_row)
-        self.indexer.rows.release(req_row)
-        self.host.rows.release(req_row)
+        # A retracted request's rows are out of the pool (its pages were freed then): nothing to keep.
+        self._release_tables(req_row, None if spilled else token_ids)
 
     # -- stats --
     def usage(self) -> dict[str, PoolUsage]:
@@ -283,8 +296,12 @@ class HiSparseCoordinator(KVManager):
         }
 
     def token_usage(self) -> float:
+        """The fullest pool; cached pages that no request maps count as free (as in SGLang)."""
         u = self.usage()
-        return max(u["host_pages"].fraction, u["device_slots"].fraction, u["indexer_slots"].fraction)
+        evictable = self._evictable_pages()
+        host = (u["host_pages"].used - evictable) / self.layout.host_pages
+        indexer = (self.indexer.rows.allocator.num_used_pages - evictable) / self.layout.indexer_pages
+        return max(host, u["device_slots"].fraction, indexer)
 
     def layer_stats(self) -> list[HiSparseLayerStats]:
         stats = self.counters.snapshot()
@@ -295,6 +312,8 @@ class HiSparseCoordinator(KVManager):
                 for s in stats]
 
     def is_empty(self) -> bool:
-        return (self.host.rows.allocator.num_used_pages == 0 and self.buffers.used_buffers == 0
-                and self.indexer.rows.allocator.num_used_pages == 0 and not self._saved_index_keys
-                and not self._spilled_rows)
+        cached = self.prefix.cache.num_nodes if self.prefix is not None else 0
+        idle_cache = self.prefix is None or self.prefix.is_idle()
+        return (self.host.rows.allocator.num_used_pages == cached and self.buffers.used_buffers == 0
+                and self.indexer.rows.allocator.num_used_pages == cached and idle_cache
+                and not self._saved_index_keys and not self._spilled_rows)

@@ -45,6 +45,7 @@ def make_engine(
     cuda_graph_bs: list[int] | None = None, eager_graph_buckets: list[int] | None = None,
     overlap: bool | None = None, deterministic: bool = False, prefetch_shared_layers: bool = False,
     early_swap_in: bool = False, side_stream_copy_blocks: int | str = 0, speculative_prefetch: bool = False,
+    prefix_caching: bool = False,
 ) -> Engine:
     """`optimistic`: admission expects no request to grow past its prompt (new-token ratios 0), so that tight
     budgets force retractions. CUDA graphs follow the engine's defaults (captured on CUDA, none on CPU) and
@@ -55,7 +56,8 @@ def make_engine(
     HiSparseConfig key (GLM-5 shared layers' swap-ins started at their full layer); `early_swap_in`: the
     HiSparseConfig key (a layer's swap-in started from its prepare_attention, on a side stream);
     `side_stream_copy_blocks`: the HiSparseConfig key (those side-stream swap-ins' copy grid cap);
-    `speculative_prefetch`: the HiSparseConfig key (each full layer's top-k swapped into the next one's buffer)."""
+    `speculative_prefetch`: the HiSparseConfig key (each full layer's top-k swapped into the next one's buffer);
+    `prefix_caching`: `--enable-prefix-caching`."""
     model, model_config, tokenizer = tiny
     cfg = EngineConfig(
         device=device, enable_hisparse=hisparse, page_size=PAGE, chunked_prefill_size=chunk,
@@ -69,7 +71,7 @@ def make_engine(
         attention_backend=attention_backend,
         disable_cuda_graph=disable_cuda_graph or eager_graph_buckets is not None, cuda_graph_bs=cuda_graph_bs,
         force_overlap_schedule=overlap is True, disable_overlap_schedule=overlap is False,
-        enable_deterministic_inference=deterministic,
+        enable_deterministic_inference=deterministic, enable_prefix_caching=prefix_caching,
     )
     engine = Engine(cfg, model=model, model_config=model_config, tokenizer=tokenizer)
     if eager_graph_buckets is not None:
