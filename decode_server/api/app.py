@@ -192,6 +192,16 @@ def create_app(ctx: ServerContext) -> FastAPI:
             "token_usage": stats.token_usage,
         }
 
+    @app.post("/flush_cache", responses={503: _ERRORS[503]})
+    async def flush_cache() -> dict[str, Any]:
+        """SGLang's /flush_cache: drop every prefix-cache page no request uses (requests in flight keep theirs)."""
+        try:
+            dropped = await ctx.client.flush_cache(STATS_TIMEOUT_S)
+        except TimeoutError:
+            raise EngineBusyError(f"the engine did not answer within {STATS_TIMEOUT_S:.0f} s (a long step); "
+                                  "retry") from None
+        return {"prefix_caching": ctx.model.prefix_caching, "dropped_tokens": dropped}
+
     @app.post("/abort_request", responses={400: _ERRORS[400]})
     async def abort_request(body: AbortRequestBody) -> dict[str, Any]:
         """Abort one request (`rid`: the id of a completion, e.g. `cmpl-…`) or all (`abort_all: true`)."""

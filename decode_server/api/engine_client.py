@@ -49,6 +49,8 @@ from decode_server.runtime.messages import (
     AcceptedMsg,
     DeltasMsg,
     FatalMsg,
+    FlushCacheMsg,
+    FlushedMsg,
     GenerateMsg,
     HeartbeatMsg,
     ReadyMsg,
@@ -154,7 +156,8 @@ class EngineClient:
         self._routes: dict[str, _Route] = {}
         self.balancer = DPBalancer(engine_config.dp_attention_size, engine_config.load_balance_method)
         self._accepts: dict[str, asyncio.Future[None]] = {}
-        self._stats_queries: dict[int, asyncio.Future[EngineStats]] = {}
+        # Queries answered by a message of the same id: stats (StatsMsg) and prefix-cache flushes (FlushedMsg).
+        self._queries: dict[int, asyncio.Future[Any]] = {}
         self._query_ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._process: multiprocessing.process.BaseProcess | None = None
@@ -336,21 +339,29 @@ class EngineClient:
             for rid in rids:
                 with contextlib.suppress(zmq.ZMQError):
                     self._to_engine.send(encode(AbortMsg(rid)), flags=zmq.NOBLOCK)
-        for fut in list(self._stats_queries.values()):
+        for fut in list(self._queries.values()):
             if not fut.done():
                 fut.set_exception(error)
-        self._stats_queries.clear()
+        self._queries.clear()
 
     async def get_stats(self, timeout_s: float = 5.0) -> EngineStats:
+        return await self._query(StatsQueryMsg, timeout_s)
+
+    async def flush_cache(self, timeout_s: float = 5.0) -> int:
+        """Drop the prefix cache's pages no request maps (/flush_cache); the tokens dropped (0: caching off)."""
+        return await self._query(FlushCacheMsg, timeout_s)
+
+    async def _query(self, make_msg: Callable[[int], ToEngine], timeout_s: float) -> Any:
+        """Send `make_msg(query_id)` and wait for the engine's answer of the same id."""
         self._check_available()
         query_id = next(self._query_ids)
-        fut: asyncio.Future[EngineStats] = asyncio.get_running_loop().create_future()
-        self._stats_queries[query_id] = fut
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queries[query_id] = fut
         try:
-            await self._send(StatsQueryMsg(query_id))
+            await self._send(make_msg(query_id))
             return await asyncio.wait_for(fut, timeout_s)
         finally:
-            self._stats_queries.pop(query_id, None)
+            self._queries.pop(query_id, None)
 
     def _check_available(self) -> None:
         if self.dead:
@@ -436,10 +447,10 @@ class EngineClient:
                 fut.set_result(None)
             else:
                 fut.set_exception(msg.to_exception())
-        elif isinstance(msg, StatsMsg):
-            fut = self._stats_queries.get(msg.query_id)
+        elif isinstance(msg, StatsMsg | FlushedMsg):
+            fut = self._queries.get(msg.query_id)
             if fut is not None and not fut.done():
-                fut.set_result(msg.stats)
+                fut.set_result(msg.stats if isinstance(msg, StatsMsg) else msg.dropped_tokens)
         elif isinstance(msg, FatalMsg):
             logger.error("engine process reported a fatal error: %s", msg.message)
             self.death_reason = msg.message

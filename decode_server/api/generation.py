@@ -45,6 +45,7 @@ class ChoiceState:
     finished: bool = False
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, found in the engine's prefix cache
     completion_tokens: int = 0
     last_token_time: float | None = None
     counted: bool = False  # its end is in the metrics already
@@ -114,6 +115,8 @@ class GenerationGroup:
                 choice.logprobs.extend(delta.logprobs)
             if delta.prompt_tokens:
                 choice.prompt_tokens = delta.prompt_tokens
+            if delta.cached_tokens:
+                choice.cached_tokens = delta.cached_tokens
             choice.completion_tokens = max(
                 choice.completion_tokens, delta.completion_tokens, len(choice.token_ids)
             )
@@ -160,6 +163,14 @@ class GenerationGroup:
         seen: dict[int, int] = {}
         for c in self.choices:
             seen[c.spec.prompt_index] = c.prompt_tokens
+        return sum(seen.values())
+
+    @property
+    def cached_tokens(self) -> int:
+        """Cached prompt tokens, once per prompt like `prompt_tokens`: what every choice of the prompt reused."""
+        seen: dict[int, int] = {}
+        for c in self.choices:
+            seen[c.spec.prompt_index] = min(seen.get(c.spec.prompt_index, c.cached_tokens), c.cached_tokens)
         return sum(seen.values())
 
     @property

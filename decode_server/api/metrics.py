@@ -102,6 +102,18 @@ class _EngineStatsCollector(Collector):
         yield counter(SGLANG + "generation_tokens", "tokens generated", stats.num_generated_tokens)
         yield counter(SGLANG + "num_engine_steps", "engine steps run", stats.num_steps)
         yield counter(SGLANG + "num_retractions", "times a request was retracted", stats.num_retractions)
+        if stats.prefix_cache is not None:  # prefix caching on (--enable-prefix-caching)
+            pc = stats.prefix_cache
+            yield gauge(SGLANG + "cache_hit_rate", "prompt tokens found in the prefix cache / prompt tokens admitted",
+                        pc.hit_rate)
+            yield counter(SGLANG + "cached_tokens", "prompt tokens whose KV came from the prefix cache",
+                          pc.hit_tokens)
+            yield gauge(HISPARSE + "prefix_cache_tokens", "tokens whose KV pages the prefix cache holds",
+                        pc.cached_tokens)
+            yield gauge(HISPARSE + "prefix_cache_evictable_tokens",
+                        "prefix-cache tokens no request maps (freed when a pool runs short)", pc.evictable_tokens)
+            yield counter(HISPARSE + "prefix_cache_evicted_tokens", "prefix-cache tokens evicted or flushed",
+                          pc.evicted_tokens)
 
         yield gauge(
             HISPARSE + "enabled", "1 when HiSparse (host KV pool) mode is on", float(stats.hisparse_enabled)

@@ -191,10 +191,24 @@ class ChatCompletionRequest(_SamplingFields):
 # ----------------------------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # OpenAI's field; present when the server runs with prefix caching (prompt tokens not recomputed).
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Without prefix caching the usage object stays the three counts (no `"prompt_tokens_details": null`)."""
+        data = handler(self)
+        if data.get("prompt_tokens_details") is None:
+            data.pop("prompt_tokens_details", None)
+        return data
 
 
 class TopLogprob(BaseModel):

@@ -109,6 +109,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         accepted_names=frozenset({served, engine_config.model_path}),
         disaggregation_mode=engine_config.disaggregation.mode,
         pd_auth=pd_auth,
+        prefix_caching=engine_config.enable_prefix_caching,
     )
     metrics = ServerMetrics(served)
     ctx = ServerContext(client, tokenizer, model, metrics, dict(info, model_path=model_dir),

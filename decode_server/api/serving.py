@@ -38,6 +38,7 @@ from decode_server.api.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
     random_id,
@@ -77,6 +78,7 @@ class ModelInfo:
     pd_auth: Any = None
     # The most tokens (prompt + max_tokens - 1) the KV cache can hold for one request (≤ context length).
     max_request_tokens: int = 0
+    prefix_caching: bool = False  # usage reports `prompt_tokens_details.cached_tokens`
 
 
 class OpenAIServing:
@@ -517,10 +519,11 @@ class OpenAIServing:
 
     # -------------------------------------------------------------------------------------- delivery
 
-    @staticmethod
-    def _usage(group: GenerationGroup) -> UsageInfo:
+    def _usage(self, group: GenerationGroup) -> UsageInfo:
         prompt, completion = group.prompt_tokens, group.completion_tokens
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        details = PromptTokensDetails(cached_tokens=group.cached_tokens) if self.model.prefix_caching else None
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details=details)
 
     async def _collect(
         self, group: GenerationGroup, raw: Request, final: Callable[[UsageInfo], BaseModel]

@@ -58,6 +58,7 @@ class _PrefillRoom:
     params: SamplingParams
     in_engine: bool = False
     finished: bool = False  # the first token went out (the HTTP request is over); KV held until the room ends
+    rows_queued: int = 0  # prompt rows handed to the sender so far (a cached prefix goes with the first chunk)
 
 
 @dataclass(frozen=True)
@@ -181,13 +182,17 @@ class PrefillRole(PDRole):
         return None
 
     def _on_chunks(self, chunks: list[tuple[Request, int, int]]) -> None:
-        """Engine hook after a prefill pass: queue each PD request's new rows for decode."""
+        """Engine hook after a prefill pass: queue each PD request's new rows for decode. With prefix caching a
+        prompt's first chunk starts after its cached prefix, whose rows decode needs too: they go with it."""
         if self.sender is None:  # another rank of a tensor-parallel group: rank 0 sends the same rows
             return
         for req, start, n in chunks:
             entry = self._by_rid.get(req.rid)
             if entry is not None:
-                self.sender.send_rows(entry.room, prefill_rows(self.engine.kv, req.row, start, n), start)
+                first = min(entry.rows_queued, start)
+                self.sender.send_rows(entry.room, prefill_rows(self.engine.kv, req.row, first, start + n - first),
+                                      first)
+                entry.rows_queued = start + n
 
     def _on_first_token(self, entry: _PrefillRoom, delta: RequestDelta) -> None:
         if not delta.new_token_ids:  # ended without a token (failed or aborted): handled where it ended

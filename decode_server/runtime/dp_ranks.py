@@ -34,12 +34,21 @@ import torch.distributed as dist
 import zmq
 
 from decode_server.config import EngineConfig
-from decode_server.engine.types import DisaggStats, DPRankStats, EngineStats, HiSparseLayerStats, PoolUsage
+from decode_server.engine.types import (
+    DisaggStats,
+    DPRankStats,
+    EngineStats,
+    HiSparseLayerStats,
+    PoolUsage,
+    PrefixCacheStats,
+)
 from decode_server.errors import InvalidRequestError
 from decode_server.parallel.state import ParallelState
 from decode_server.runtime.loop import EngineLoop
 from decode_server.runtime.messages import (
     AbortMsg,
+    FlushCacheMsg,
+    FlushedMsg,
     GenerateMsg,
     RejectedMsg,
     StatsMsg,
@@ -103,6 +112,11 @@ class DPRankLoop(EngineLoop):
             stats = self._stats()  # a collective: every rank takes part
             if stats is not None:
                 self.push.send(encode(StatsMsg(msg.query_id, stats)))
+            return
+        if isinstance(msg, FlushCacheMsg):  # every rank flushes its own cache; rank 0 reports the sum
+            dropped = self._gather(self.engine.flush_prefix_cache())
+            if dropped is not None:
+                self.push.send(encode(FlushedMsg(msg.query_id, sum(dropped))))
             return
         super()._handle(msg)
 
@@ -264,6 +278,7 @@ def merge_rank_stats(gathered: list[tuple[int, EngineStats]]) -> EngineStats:
         quantization=first.quantization, weights_bytes=first.weights_bytes,
         weights_bytes_by_kind=first.weights_bytes_by_kind,
         disagg=_merge_disagg(disaggs) if disaggs else None,
+        prefix_cache=_sum_prefix_caches([s.prefix_cache for s in stats if s.prefix_cache is not None]),
         dp_ranks=[
             DPRankStats(
                 dp_rank=rank, pid=pid, num_running_reqs=s.num_running_reqs, num_queue_reqs=s.num_queue_reqs,
@@ -276,6 +291,13 @@ def merge_rank_stats(gathered: list[tuple[int, EngineStats]]) -> EngineStats:
             for rank, (pid, s) in enumerate(gathered)
         ],
     )  # fmt: skip
+
+
+def _sum_prefix_caches(caches: list[PrefixCacheStats]) -> PrefixCacheStats | None:
+    """Each DP rank has its own prefix cache: the group's is their sum (the hit rate follows from the sums)."""
+    if not caches:
+        return None
+    return PrefixCacheStats(**{name: sum(getattr(c, name) for c in caches) for name in PrefixCacheStats.model_fields})
 
 
 # `__name__` is "__main__" in ranks 1..N-1, so the module is named here.

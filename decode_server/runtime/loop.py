@@ -25,6 +25,8 @@ from decode_server.runtime.messages import (
     AbortMsg,
     AcceptedMsg,
     DeltasMsg,
+    FlushCacheMsg,
+    FlushedMsg,
     GenerateMsg,
     RejectedMsg,
     ShutdownMsg,
@@ -128,6 +130,8 @@ class EngineLoop:
                 self.active.discard(rid)
         elif isinstance(msg, StatsQueryMsg):
             self.push.send(encode(StatsMsg(msg.query_id, self._stats())))
+        elif isinstance(msg, FlushCacheMsg):
+            self.push.send(encode(FlushedMsg(msg.query_id, self.engine.flush_prefix_cache())))
         elif isinstance(msg, ShutdownMsg):
             logger.info("engine shutting down (%s); aborting %d request(s)", msg.reason, len(self.active))
             for rid in list(self.active):

@@ -2,9 +2,9 @@
 
 The api's `EngineClient` and the runtime's engine loop both import this module, which needs no torch.
 
-api → engine (`ToEngine`): `GenerateMsg`, `AbortMsg`, `StatsQueryMsg`, `ShutdownMsg`.
-engine → api (`FromEngine`): `ReadyMsg`, `AcceptedMsg`, `RejectedMsg`, `DeltasMsg`, `StatsMsg`, `FatalMsg`,
-`HeartbeatMsg`.
+api → engine (`ToEngine`): `GenerateMsg`, `AbortMsg`, `StatsQueryMsg`, `FlushCacheMsg`, `ShutdownMsg`.
+engine → api (`FromEngine`): `ReadyMsg`, `AcceptedMsg`, `RejectedMsg`, `DeltasMsg`, `StatsMsg`, `FlushedMsg`,
+`FatalMsg`, `HeartbeatMsg`.
 
 The codec is pickle of these small dataclasses: both ends run the same code from the same installation, the
 sockets are local ipc paths inside a private temporary directory, and pickling keeps `SamplingParams`,
@@ -48,11 +48,18 @@ class StatsQueryMsg:
 
 
 @dataclass(frozen=True)
+class FlushCacheMsg:
+    """Drop the prefix cache's unused pages (/flush_cache); answered by a `FlushedMsg` of the same id."""
+
+    query_id: int
+
+
+@dataclass(frozen=True)
 class ShutdownMsg:
     reason: str = "server shutting down"
 
 
-ToEngine = GenerateMsg | AbortMsg | StatsQueryMsg | ShutdownMsg
+ToEngine = GenerateMsg | AbortMsg | StatsQueryMsg | FlushCacheMsg | ShutdownMsg
 
 # ------------------------------------------------------------------------------------------ engine → api
 
@@ -104,6 +111,14 @@ class StatsMsg:
 
 
 @dataclass(frozen=True)
+class FlushedMsg:
+    """The answer to `FlushCacheMsg`: tokens of cached KV dropped (summed over DP ranks)."""
+
+    query_id: int
+    dropped_tokens: int
+
+
+@dataclass(frozen=True)
 class FatalMsg:
     """The engine loop raised; the process exits after sending this."""
 
@@ -122,10 +137,10 @@ class HeartbeatMsg:
     step_running_s: float
 
 
-FromEngine = ReadyMsg | AcceptedMsg | RejectedMsg | DeltasMsg | StatsMsg | FatalMsg | HeartbeatMsg
+FromEngine = ReadyMsg | AcceptedMsg | RejectedMsg | DeltasMsg | StatsMsg | FlushedMsg | FatalMsg | HeartbeatMsg
 
-_TO_ENGINE = (GenerateMsg, AbortMsg, StatsQueryMsg, ShutdownMsg)
-_FROM_ENGINE = (ReadyMsg, AcceptedMsg, RejectedMsg, DeltasMsg, StatsMsg, FatalMsg, HeartbeatMsg)
+_TO_ENGINE = (GenerateMsg, AbortMsg, StatsQueryMsg, FlushCacheMsg, ShutdownMsg)
+_FROM_ENGINE = (ReadyMsg, AcceptedMsg, RejectedMsg, DeltasMsg, StatsMsg, FlushedMsg, FatalMsg, HeartbeatMsg)
 
 # Every typed error in decode_server.errors keeps its class (and so its HTTP status) across the boundary.
 _ERRORS_BY_NAME: dict[str, type[DecodeServerError]] = {

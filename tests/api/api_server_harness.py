@@ -161,16 +161,47 @@ class ServerProcess:
 
 
 def wait_until_idle(server: ServerProcess, timeout: float = 30.0) -> dict:
-    """Poll engine stats until no request runs or waits and every KV pool is empty; returns the last stats."""
+    """Poll engine stats until no request runs or waits and every KV pool is empty (with prefix caching: holds
+    nothing but cached pages that no request maps, see `_idle`); returns the last stats."""
     deadline = time.monotonic() + timeout
     stats: dict = {}
     while time.monotonic() < deadline:
         stats = server.stats()
-        pools = [stats[k]["used"] for k in ("host_pages", "device_slots", "indexer_slots", "dense_kv_slots")]
-        if stats["num_running_reqs"] == 0 and stats["num_queue_reqs"] == 0 and not any(pools):
+        if _idle(stats):
             return stats
         time.sleep(0.1)
     raise AssertionError(f"engine not idle after {timeout} s: {stats}")
+
+
+def _idle(stats: dict) -> bool:
+    if stats["num_running_reqs"] or stats["num_queue_reqs"]:
+        return False
+    pools = {k: stats[k]["used"] for k in ("host_pages", "device_slots", "indexer_slots", "dense_kv_slots")}
+    cache = stats.get("prefix_cache")
+    if cache is None:
+        return not any(pools.values())
+    # --enable-prefix-caching: finished requests' full pages stay allocated, owned by the cache. Idle = no request
+    # maps any of them (all evictable), and the pools hold nothing else: the dense pool's or the indexer keys' used
+    # tokens (HiSparse) are the cached ones, and token usage, which counts unmapped cached pages as free, is 0
+    # (that covers the host pool, counted in pages).
+    return (cache["evictable_tokens"] == cache["cached_tokens"] and pools["device_slots"] == 0
+            and pools["dense_kv_slots"] + pools["indexer_slots"] == cache["cached_tokens"]
+            and stats["token_usage"] == 0)
+
+
+def flush_cache(server: ServerProcess) -> dict:
+    """POST /flush_cache (drops the prefix cache's unmapped pages); its JSON answer."""
+    r = httpx.post(server.url + "/flush_cache", headers=server.headers, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def metric_values(server: ServerProcess) -> dict[str, float]:
+    """/metrics as {sample name: value} (labelled samples: the last one of each name; use for unlabelled ones)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=10).text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def post_and_disconnect(

@@ -4,6 +4,8 @@ servers, the openai client.
 - greedy outputs of concurrent requests, spread over both ranks by the api, equal the single-rank engine's: dense
   (`--ep-size 2`), HiSparse (with swap-ins from each rank's own host pool) and tiny-glm5;
 - one request alone: the other rank runs idle passes (its MLP collectives) and nothing hangs;
+- prefix caching (the tiny-glm5 server runs with `--enable-prefix-caching`): each rank has its own cache, a prompt
+  sent again to the same rank reuses it, /flush_cache empties every rank's (the sum of what they dropped);
 - capacity: with the same per-rank KV budgets, DP attention runs at least 1.9x the concurrent long requests of
   `--tp-size 2` (read from /metrics while requests wait), dense and HiSparse;
 - aborted / disconnected requests free every rank's pools; a clean stop leaves no rank; killing rank 1 mid-stream
@@ -23,7 +25,14 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from api_server_harness import CONTEXT_LENGTH, ServerProcess, assert_clean_exit, pid_alive, wait_until_idle
+from api_server_harness import (
+    CONTEXT_LENGTH,
+    ServerProcess,
+    assert_clean_exit,
+    flush_cache,
+    pid_alive,
+    wait_until_idle,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from decode_server.engine.llm import LLM
@@ -67,7 +76,7 @@ def servers() -> Iterator[dict[str, ServerProcess]]:
         "hisparse_dp": _start(*DP2, *HISPARSE_ARGS),
         "dense_tp": _start("--tp-size", "2", "--ep-size", "2", *DENSE_ARGS),
         "hisparse_tp": _start("--tp-size", "2", *HISPARSE_ARGS),
-        "glm5_dp": _start("--model-path", "tiny-glm5", *DP2, "--ep-size", "2"),
+        "glm5_dp": _start("--model-path", "tiny-glm5", *DP2, "--ep-size", "2", "--enable-prefix-caching"),
     }
     try:
         for server in started.values():
@@ -108,8 +117,11 @@ def _greedy(server: ServerProcess, prompts: list, model: str = MODEL) -> list[st
 
 
 def _wait_idle_everywhere(server: ServerProcess) -> dict:
-    """No request anywhere and every pool of every rank empty."""
+    """No request anywhere and every pool of every rank empty (a prefix cache's pages dropped first: they stay
+    allocated)."""
     deadline = time.monotonic() + 30
+    if wait_until_idle(server)["prefix_cache"] is not None:
+        flush_cache(server)
     while True:
         stats = wait_until_idle(server)
         ranks = stats["dp_ranks"]
@@ -197,6 +209,29 @@ def test_glm5_dp_greedy_equals_tp1(servers) -> None:
     assert _greedy(servers["glm5_dp"], PROMPTS, "tiny-glm5") == expected
     stats = _wait_idle_everywhere(servers["glm5_dp"])
     assert all(r["num_generated_tokens"] > 0 for r in stats["dp_ranks"])
+
+
+def test_glm5_dp_prefix_caching_per_rank(servers) -> None:
+    """One request at a time goes to rank 0 (the least loaded, ties to the lower rank): the same prompt again finds
+    its pages there. /flush_cache is a collective over the ranks: it answers with the sum of their dropped tokens,
+    and every rank's pools are empty after it."""
+    server = servers["glm5_dp"]
+    prompt = [(7 * i) % 1000 + 5 for i in range(140)]
+    outs = [_completions(server, [prompt], "tiny-glm5", max_tokens=MAX_TOKENS, temperature=0,
+                         extra_body={"ignore_eos": True})[0] for _ in range(2)]  # fmt: skip
+    assert [o.usage.prompt_tokens_details.cached_tokens for o in outs] == [0, 128]
+    assert outs[0].choices[0].text == outs[1].choices[0].text
+    # concurrent prompts of their own spread over both ranks: each rank caches theirs
+    _completions(server, [[(11 * i + 97 * k) % 1000 + 5 for i in range(130)] for k in range(4)], "tiny-glm5",
+                 max_tokens=2, temperature=0)
+    stats = wait_until_idle(server)
+    cache = stats["prefix_cache"]
+    assert cache["hit_tokens"] >= 128 and cache["cached_tokens"] == cache["evictable_tokens"] >= 128 + 4 * 128
+    assert all(r["dense_kv_slots"]["used"] >= 128 for r in stats["dp_ranks"]), stats["dp_ranks"]
+    assert flush_cache(server) == {"prefix_caching": True, "dropped_tokens": cache["cached_tokens"]}
+    stats = _wait_idle_everywhere(server)
+    assert stats["prefix_cache"]["cached_tokens"] == 0
+    assert stats["prefix_cache"]["evicted_tokens"] == cache["evicted_tokens"] + cache["cached_tokens"]
 
 
 def _gauges(server: ServerProcess) -> dict[str, float]:

@@ -1,6 +1,8 @@
 """`decode-server serve --tp-size 2` on CPU (gloo, tiny-dsa): real servers, the openai client.
 
 - greedy outputs of a batch equal the single-rank engine's, dense (with `--ep-size 2`) and HiSparse (`--ep-size 1`);
+- prefix caching (the dense server runs with `--enable-prefix-caching`): a prompt sharing a prefix with an earlier
+  one reuses its pages on every rank alike (same pool usage and tokens), with the single-rank engine's text;
 - sampled requests without a seed complete, and every rank produced the same tokens (per-rank digests);
 - aborted / disconnected requests free the pools of every rank; retractions (a host pool of 8 pages) happen in step
   on every rank (slow);
@@ -22,7 +24,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from api_server_harness import ServerProcess, assert_clean_exit, pid_alive, wait_until_idle
+from api_server_harness import ServerProcess, assert_clean_exit, flush_cache, pid_alive, wait_until_idle
 
 from decode_server.engine.llm import LLM
 from decode_server.engine.sampling_params import SamplingParams
@@ -54,7 +56,10 @@ def _ranks_agree(server: ServerProcess) -> dict:
 
 
 def _wait_idle_everywhere(server: ServerProcess) -> None:
-    wait_until_idle(server)
+    """No request and every pool of every rank empty (a prefix cache's pages dropped first: they stay allocated)."""
+    if wait_until_idle(server)["prefix_cache"] is not None:
+        _ranks_agree(server)  # the same pages cached on every rank
+        flush_cache(server)
     deadline = time.monotonic() + 10
     while True:
         ranks = _ranks_agree(server)["tp_ranks"]
@@ -98,7 +103,8 @@ def tp1_outputs(offline_llm: LLM) -> list[str]:
 
 @pytest.fixture(scope="module")
 def dense_tp2() -> Iterator[ServerProcess]:
-    server = ServerProcess("--tp-size", "2", "--ep-size", "2").wait_ready()  # experts split across the ranks
+    # experts split across the ranks; prefix caching on (the other tests send no shared prefix: no hit changes them)
+    server = ServerProcess("--tp-size", "2", "--ep-size", "2", "--enable-prefix-caching").wait_ready()
     pids = _rank_pids(server)
     try:
         yield server
@@ -132,6 +138,24 @@ def test_dense_tp2_greedy_equals_tp1(dense_tp2: ServerProcess, tp1_outputs: list
     _wait_idle_everywhere(dense_tp2)
     info = httpx.get(dense_tp2.url + "/server_info", timeout=10).json()["engine"]
     assert info["tp_size"] == 2 and info["ep_size"] == 2 and info["mode"] == "dense"
+
+
+def test_dense_tp2_prefix_caching_agrees_across_ranks(dense_tp2: ServerProcess, offline_llm: LLM) -> None:
+    """Every rank maps the same cached prefix (the ranks' schedulers and caches stay identical): the usage says 192
+    tokens (3 pages of 64) came from the cache, the text is the single-rank engine's, every rank reports the same
+    pool usage and token digest, and /flush_cache drops the same pages everywhere."""
+    shared = [(7 * i) % 1000 + 5 for i in range(200)]
+    prompts = [shared + [11, 12], shared + [13, 14, 15]]
+    outs = [_completions(dense_tp2, [p], max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})[0]
+            for p in prompts]  # one after the other: the second finds the first's pages
+    assert [o.usage.prompt_tokens_details.cached_tokens for o in outs] == [0, 192]
+    expected = offline_llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    assert [o.choices[0].text for o in outs] == [e.text for e in expected]
+    stats = wait_until_idle(dense_tp2)
+    ranks = _ranks_agree(dense_tp2)["tp_ranks"]
+    assert ranks[0]["dense_kv_slots_used"] == stats["prefix_cache"]["cached_tokens"] >= 192  # all cached pages
+    assert flush_cache(dense_tp2) == {"prefix_caching": True, "dropped_tokens": stats["prefix_cache"]["cached_tokens"]}
+    _wait_idle_everywhere(dense_tp2)  # every rank's pool empty after the flush
 
 
 def test_unseeded_sampling_agrees_across_ranks(dense_tp2: ServerProcess) -> None:

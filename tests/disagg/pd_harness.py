@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
 
 from api_server_harness import ServerProcess, free_port, wait_until_idle  # noqa: E402
+from api_server_harness import flush_cache as flush_cache  # noqa: E402  (re-exported for the PD tests)
 
 MODEL = "tiny-dsa"
 # D = the model's index_topk (64): prompts longer than that swap rows in from the host pool during decode.

@@ -18,6 +18,11 @@ def test_defaults_are_colocated():
     assert cfg.bootstrap_timeout_s == 300 and cfg.waiting_timeout_s == 300
 
 
+def test_prefix_caching_is_a_prefill_and_colocated_flag():
+    assert _config("--disaggregation-mode", "prefill", "--enable-prefix-caching").enable_prefix_caching
+    assert not _config("--disaggregation-mode", "decode", "--disable-radix-cache").enable_prefix_caching
+
+
 def test_flags_map_to_the_config():
     cfg = _config("--host", "10.0.0.7", "--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", "9001",
                   "--disaggregation-ib-device", "mlx5_0", "--disaggregation-bootstrap-timeout", "12",
@@ -33,6 +38,8 @@ def test_flags_map_to_the_config():
     (["--disaggregation-mode", "prefill", "--enable-hisparse"], "drop --enable-hisparse"),
     (["--disaggregation-mode", "decode", "--disaggregation-transfer-timeout", "1"], "transfer_timeout_s"),
     (["--disaggregation-mode", "decode", "--disaggregation-waiting-timeout", "0"], "waiting_timeout_s"),
+    (["--disaggregation-mode", "decode", "--enable-prefix-caching"],
+     "--enable-prefix-caching on a --disaggregation-mode decode server"),
 ])
 def test_refused_combinations_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

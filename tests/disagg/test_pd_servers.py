@@ -23,6 +23,7 @@ from pd_harness import (
     PrefillServer,
     decode_server,
     disagg_stats,
+    flush_cache,
     refused_completion,
     start_all,
     wait_for,
@@ -42,7 +43,9 @@ _rooms = itertools.count(1_000)
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict]:
-    prefill = PrefillServer()
+    # Prefix caching on: the tests that send a prompt again (the greedy one, once per decode mode) take its prefix
+    # from the cache, and the decode side must still receive every row (test_pd_prefill_reuses_a_cached_prefix).
+    prefill = PrefillServer("--enable-prefix-caching")
     # The dense decode has a short waiting timeout (its test); its other requests go one at a time.
     decodes = {"hisparse": decode_server(hisparse=True), "dense": decode_server(hisparse=False, waiting_timeout_s=10)}
     mismatched = decode_server("--kv-cache-dtype", "bfloat16", hisparse=True)
@@ -75,10 +78,10 @@ async def _pd_request(prefill, decode, prompt, **extra):
     return p, d
 
 
-def _colocated(hisparse: bool) -> LLM:
+def _colocated(hisparse: bool, **extra) -> LLM:
     kwargs = {"enable_hisparse": True, "hisparse": {"device_buffer_size": 64, "num_recent_slots": 4}} if hisparse \
         else {}
-    return LLM(MODEL, device="cpu", context_length=CONTEXT_LENGTH, **kwargs)
+    return LLM(MODEL, device="cpu", context_length=CONTEXT_LENGTH, **kwargs, **extra)
 
 
 @pytest.mark.parametrize("mode", ["hisparse", "dense"])
@@ -87,6 +90,10 @@ def test_pd_greedy_equals_colocated(servers, mode):
     prefill, decode = servers["prefill"], servers[mode]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
     llm = _colocated(hisparse=mode == "hisparse")
+    # Prefill computes every prompt whole, as colocated does (a prompt sent before would start after its cached
+    # prefix: the same tokens, but not the same bits; test_pd_prefill_reuses_a_cached_prefix).
+    wait_pd_idle(prefill)
+    flush_cache(prefill)
     for prompt in PROMPTS:
         (expected,) = llm.generate([prompt], params)
         p, d = asyncio.run(_pd_request(prefill, decode, prompt))
@@ -102,6 +109,36 @@ def test_pd_greedy_equals_colocated(servers, mode):
         d = wait_pd_idle(server)
         assert d["rooms_finished"].get("SUCCESS", 0) >= len(PROMPTS) and not d["failures_by_cause"]
     assert disagg_stats(decode)["transfer_bytes"] > 0
+
+
+@pytest.mark.parametrize("mode", ["hisparse", "dense"])
+def test_pd_prefill_reuses_a_cached_prefix(servers, mode):
+    """A prompt sharing 150 tokens with an earlier one: prefill maps the 9 cached pages of 16 and computes the rest
+    only, and the cached rows go to decode with that first chunk. Decode's greedy tokens and logprobs equal colocated
+    serving's with prefix caching bit for bit (it computes the same chunks; a missing row would change them), and
+    its tokens equal those of colocated serving without a cache."""
+    prefill, decode = servers["prefill"], servers[mode]
+    shared = [(11 * i + (mode == "dense") * 400) % 900 + 5 for i in range(150)]  # a prefix of its own per mode
+    prompts = [shared + [7, 8, 9], shared + [10, 11, 12, 13]]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
+    caching = _colocated(hisparse=mode == "hisparse", enable_prefix_caching=True, page_size=16)
+    uncached = _colocated(hisparse=mode == "hisparse")
+    cached = []
+    for prompt in prompts:
+        (want,) = caching.generate([prompt], params)  # one at a time, as the servers get them
+        p, d = asyncio.run(_pd_request(prefill, decode, prompt))
+        cached.append(p.usage.prompt_tokens_details.cached_tokens)
+        assert d.usage.prompt_tokens_details is None  # decode runs without prefix caching
+        assert d.choices[0].text == want.text and d.usage.prompt_tokens == len(prompt)
+        assert d.choices[0].logprobs.token_logprobs == [x.logprob for x in want.logprobs]  # bit for bit
+        assert d.choices[0].text == uncached.generate([prompt], params)[0].text
+    assert cached == [0, 9 * 16]
+    assert caching.engine.stats().prefix_cache.hit_tokens == 9 * 16  # the reference did reuse the prefix too
+    for server in (prefill, decode):
+        d = wait_pd_idle(server)
+        assert not d["failures_by_cause"]
+    cache = prefill.stats()["prefix_cache"]
+    assert cache["hit_tokens"] >= 9 * 16 and cache["cached_tokens"] == cache["evictable_tokens"] > 0
 
 
 def test_pd_seeded_sampling_equals_colocated(servers):
