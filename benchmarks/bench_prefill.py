@@ -12,6 +12,11 @@ Modes:
 Reports the median prefill time, tokens/s, the ratio to dense and the PCIe bytes per prefill; prints a table
 last and writes JSON to benchmarks/results/.
 
+`--cached-prefix-fractions F ...`: each mode again with prefix caching on (`--enable-prefix-caching`), where every
+timed prompt shares its first F × length tokens with a prompt prefilled before it (a system prompt, a chat's
+history) and ends in fresh tokens: the time to first token when that prefix is found in the cache (the rows
+report `cached_prefix` F and the tokens reused).
+
 GPU:   python benchmarks/bench_prefill.py                      (dsv32-bench, 8K and 32K prompts)
        python benchmarks/bench_prefill.py --quantization fp8   (FP8 weights; HISPARSE_FP8_GEMM=triton: no cuBLAS)
 CPU:   python benchmarks/bench_prefill.py --smoke              (tiny-dsa, short prompts; checks the script)
@@ -63,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON results (default benchmarks/results/bench_prefill[_smoke].json)")
+    p.add_argument("--cached-prefix-fractions", type=float, nargs="*", default=[],
+                   help="also time prompts whose first F x length tokens are in the prefix cache, per fraction F")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU: tiny-dsa, 2 short prompts")
     args = p.parse_args(argv)
     if args.smoke:
@@ -80,8 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_engine(args, model, model_config, mode: str) -> Engine:
+def build_engine(args, model, model_config, mode: str, prefix_caching: bool = False) -> Engine:
     cfg = EngineConfig(
+        enable_prefix_caching=prefix_caching,
         device=args.device, enable_hisparse=mode != "dense", page_size=args.page_size,
         context_length=max(args.prompt_lens) + args.page_size, kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend, device_kv_budget_bytes=int(args.device_kv_budget_gib * GIB),
@@ -145,6 +153,43 @@ def run_mode(args, model, model_config, mode: str, prompts: dict[int, list[int]]
     return results
 
 
+def run_cached(args, model, model_config, mode: str, fraction: float, prompts: dict[int, list[int]],
+               gen: torch.Generator) -> list[dict]:
+    """Prefill times of prompts whose first `fraction` of tokens are cached: a prompt with the shared prefix and
+    its own tail is prefilled first (untimed), then each timed prompt is the prefix + fresh tokens."""
+    engine = build_engine(args, model, model_config, mode, prefix_caching=True)
+    vocab = int(model_config.vocab_size)
+    results = []
+    try:
+        for length, prompt in prompts.items():
+            shared = prompt[: int(fraction * length)]
+
+            def fresh(shared: list[int] = shared, length: int = length) -> list[int]:
+                return shared + torch.randint(2, vocab, (length - len(shared),), generator=gen).tolist()
+
+            for i in range(max(1, args.warmup)):
+                prefill_once(engine, f"warm{length}-{i}", fresh())
+            hits0 = engine.stats().prefix_cache.hit_tokens
+            times = [prefill_once(engine, f"p{length}-{i}", fresh()) for i in range(args.repeats)]
+            cached = (engine.stats().prefix_cache.hit_tokens - hits0) // args.repeats
+            engine.flush_prefix_cache()
+            if not engine.is_idle_and_empty() or any(pool.used for pool in engine.kv.usage().values()):
+                raise RuntimeError(f"{mode}: pools not empty after the prefills and a cache flush")
+            ms = 1000 * statistics.median(times)
+            results.append({
+                "mode": mode, "cached_prefix": fraction, "cached_tokens": cached, "prompt_len": length,
+                "chunk": args.chunked_prefill_size, "repeats": args.repeats, "ms": ms,
+                "ms_all": [1000 * t for t in times], "tokens_per_s": length / (ms / 1000),
+            })
+    finally:
+        device = engine.device
+        del engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
@@ -157,12 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {n: torch.randint(2, vocab, (n,), generator=gen).tolist() for n in args.prompt_lens}
     results: list[dict] = []
     for mode in args.modes:
-        try:
-            results += run_mode(args, model, model_config, mode, prompts)
-        except (ValueError, RuntimeError, torch.OutOfMemoryError) as exc:
-            logger.warning("skipped %s: %s", mode, exc)
-            results.append({"mode": mode, "error": str(exc)})
-    dense = {r["prompt_len"]: r["ms"] for r in results if r["mode"] == "dense" and "error" not in r}
+        for fraction in [None, *args.cached_prefix_fractions]:
+            try:
+                results += (run_mode(args, model, model_config, mode, prompts) if fraction is None
+                            else run_cached(args, model, model_config, mode, fraction, prompts, gen))
+            except (ValueError, RuntimeError, torch.OutOfMemoryError) as exc:
+                logger.warning("skipped %s (cached prefix %s): %s", mode, fraction, exc)
+                results.append({"mode": mode, "cached_prefix": fraction, "error": str(exc)})
+    dense = {r["prompt_len"]: r["ms"] for r in results
+             if r["mode"] == "dense" and "error" not in r and "cached_prefix" not in r}
     for r in results:
         if "error" not in r and r["prompt_len"] in dense:
             r["time_vs_dense"] = r["ms"] / dense[r["prompt_len"]]
@@ -179,14 +227,18 @@ def main(argv: list[str] | None = None) -> int:
     weights = "fp8 (FP8 GEMMs: " + fp8_backend + ")" if fp8_backend else "model dtype"
     print(f"device: {device_name}; config: {args.config}; weights {weights}; KV {args.kv_cache_dtype}; attention "
           f"{kernel}; chunk {args.chunked_prefill_size}; median of {args.repeats}")
-    print(f"{'mode':<17}{'prompt':>8}{'ms':>11}{'tok/s':>12}{'vs dense':>10}{'H2D MB':>10}{'D2H MB':>10}")
+    print(f"{'mode':<17}{'cached':>8}{'prompt':>8}{'ms':>11}{'tok/s':>12}{'vs dense':>10}{'H2D MB':>10}"
+          f"{'D2H MB':>10}")
     for r in results:
         if "error" in r:
             print(f"{r['mode']:<17}  error: {r['error']}")
             continue
         ratio = f"{r['time_vs_dense']:.3f}" if "time_vs_dense" in r else "-"
-        print(f"{r['mode']:<17}{r['prompt_len']:>8}{r['ms']:>11.1f}{r['tokens_per_s']:>12.0f}{ratio:>10}"
-              f"{r['h2d_bytes'] / 1e6:>10.1f}{r['d2h_bytes'] / 1e6:>10.1f}")
+        cached = str(r["cached_tokens"]) if "cached_tokens" in r else "-"
+        pcie = (f"{r['h2d_bytes'] / 1e6:>10.1f}{r['d2h_bytes'] / 1e6:>10.1f}" if "h2d_bytes" in r
+                else f"{'-':>10}{'-':>10}")
+        print(f"{r['mode']:<17}{cached:>8}{r['prompt_len']:>8}{r['ms']:>11.1f}{r['tokens_per_s']:>12.0f}"
+              f"{ratio:>10}{pcie}")
     return 0 if all("error" not in r for r in results) else 1
 
 

@@ -43,3 +43,21 @@ def test_bench_prefill_smoke_with_fp8_weights(tmp_path, capsys, monkeypatch):
     assert {r["mode"] for r in data["results"]} == {"dense", "hisparse"}
     assert all(r["ms"] > 0 for r in data["results"])
     assert "weights fp8 (FP8 GEMMs: triton)" in capsys.readouterr().out
+
+
+def test_bench_prefill_smoke_with_cached_prefixes(tmp_path, capsys):
+    """`--cached-prefix-fractions`: each mode again with prefix caching, every timed prompt sharing its first half
+    with one prefilled before it; the rows say how many tokens were reused (whole pages of 16 here)."""
+    spec = importlib.util.spec_from_file_location("bench_prefill", ROOT / "benchmarks" / "bench_prefill.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    assert bench.main(["--smoke", "--modes", "dense", "hisparse", "--cached-prefix-fractions", "0.5",
+                       "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    cached = {(r["mode"], r["prompt_len"]): r for r in results if "cached_prefix" in r}
+    assert set(cached) == {(m, n) for m in ("dense", "hisparse") for n in (96, 200)}
+    for (_, length), r in cached.items():
+        assert r["cached_prefix"] == 0.5 and r["cached_tokens"] == (length // 2) // 16 * 16 > 0
+        assert r["ms"] > 0 and r["time_vs_dense"] > 0
+    assert "cached" in capsys.readouterr().out
