@@ -179,15 +179,21 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/load", responses={503: _ERRORS[503]})
     async def load() -> dict[str, Any]:
-        """What a router's least_load policy needs, as JSON: requests running and waiting, free host pages."""
+        """What a router's least_load policy needs, as JSON: requests running and waiting, free host pages (prefix-
+        cache pages no request uses count as free: they are given back as soon as a pool runs short)."""
         stats = await ctx.client.get_stats(STATS_TIMEOUT_S)
+        cache = stats.prefix_cache
+        evictable = cache.evictable_tokens if cache is not None else 0
+        evictable_pages = evictable // cache.page_size if cache is not None and cache.page_size else 0
         return {
             "num_running_reqs": stats.num_running_reqs,
             "num_waiting_reqs": stats.num_queue_reqs,
             "num_inflight_requests": ctx.client.num_inflight,
-            "host_pages_free": stats.host_pages.total - stats.host_pages.used,
+            "host_pages_free": stats.host_pages.total - stats.host_pages.used + (
+                evictable_pages if stats.host_pages.total else 0),
             "host_pages_total": stats.host_pages.total,
-            "dense_kv_slots_free": stats.dense_kv_slots.total - stats.dense_kv_slots.used,
+            "dense_kv_slots_free": stats.dense_kv_slots.total - stats.dense_kv_slots.used + (
+                evictable if stats.dense_kv_slots.total else 0),
             "dense_kv_slots_total": stats.dense_kv_slots.total,
             "token_usage": stats.token_usage,
         }

@@ -63,7 +63,7 @@ class KVManager(ABC):
         return PrefixCacheStats(
             cached_tokens=cache.num_cached_tokens, evictable_tokens=cache.num_evictable_pages * self.page_size,
             queried_tokens=cache.num_queried_tokens, hit_tokens=cache.num_hit_tokens,
-            evicted_tokens=cache.num_evicted_pages * self.page_size)
+            evicted_tokens=cache.num_evicted_pages * self.page_size, page_size=self.page_size)
 
     def _evictable_pages(self) -> int:
         return self.prefix.num_evictable_pages if self.prefix is not None else 0

@@ -83,6 +83,7 @@ class PrefixCacheStats(BaseModel):
     queried_tokens: int = Field(default=0, description="prompt tokens of requests admitted so far (monotonic)")
     hit_tokens: int = Field(default=0, description="of those, tokens found cached and not recomputed (monotonic)")
     evicted_tokens: int = Field(default=0, description="tokens evicted to make room or flushed (monotonic)")
+    page_size: int = Field(default=0, description="tokens per cached page")
 
     @property
     def hit_rate(self) -> float:

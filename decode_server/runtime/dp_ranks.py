@@ -297,7 +297,9 @@ def _sum_prefix_caches(caches: list[PrefixCacheStats]) -> PrefixCacheStats | Non
     """Each DP rank has its own prefix cache: the group's is their sum (the hit rate follows from the sums)."""
     if not caches:
         return None
-    return PrefixCacheStats(**{name: sum(getattr(c, name) for c in caches) for name in PrefixCacheStats.model_fields})
+    summed = {name: sum(getattr(c, name) for c in caches) for name in PrefixCacheStats.model_fields
+              if name != "page_size"}
+    return PrefixCacheStats(**summed, page_size=caches[0].page_size)
 
 
 # `__name__` is "__main__" in ranks 1..N-1, so the module is named here.

@@ -154,6 +154,10 @@ def test_metrics_flush_and_recompute(server: ServerProcess) -> None:
     assert metrics["hisparse:prefix_cache_tokens"] == cache["cached_tokens"] > 0
     assert metrics["hisparse:prefix_cache_evictable_tokens"] == cache["evictable_tokens"] == cache["cached_tokens"]
     assert metrics["hisparse:prefix_cache_evicted_tokens_total"] == cache["evicted_tokens"]
+    # A router's /load counts the cache's unused pages as free (they are given back when a pool runs short).
+    load = httpx.get(server.url + "/load", timeout=10).json()
+    for pool in ("host_pages", "dense_kv_slots"):
+        assert load[f"{pool}_free"] == load[f"{pool}_total"], load
 
     # the key is needed, as on every path but the open ones
     assert httpx.post(server.url + "/flush_cache", timeout=10).status_code == 401

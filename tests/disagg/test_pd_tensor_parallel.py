@@ -26,6 +26,7 @@ from pd_harness import (
     PrefillServer,
     decode_server,
     disagg_stats,
+    flush_cache,
     refused_completion,
     start_all,
     wait_for,
@@ -47,7 +48,9 @@ _rooms = itertools.count(7_000)
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict]:
-    prefills = {"prefill_tp1": PrefillServer(), "prefill_tp2": PrefillServer("--tp-size", "2")}
+    # The TP prefill server caches prefixes (both ranks must decide alike: test_tp_prefill_reuses_a_cached_prefix).
+    prefills = {"prefill_tp1": PrefillServer(),
+                "prefill_tp2": PrefillServer("--tp-size", "2", "--enable-prefix-caching")}
     decodes = {"hisparse": decode_server("--tp-size", "2", hisparse=True),
                "dense": decode_server("--tp-size", "2", "--ep-size", "2", hisparse=False)}  # fmt: skip
     everyone = [*prefills.values(), *decodes.values()]
@@ -81,8 +84,11 @@ def _ranks_agree(server) -> list[dict]:
 
 
 def _wait_free_everywhere(server) -> list[dict]:
-    """Nothing of PD in flight (rank 0's receiver) and every rank's pools and staging rows empty."""
+    """Nothing of PD in flight (rank 0's receiver) and every rank's pools and staging rows empty (a server with a
+    prefix cache drops its pages first: only pages no request holds go)."""
     wait_pd_idle(server)
+    if server.stats().get("prefix_cache") is not None:
+        flush_cache(server)
     deadline = time.monotonic() + 10
     while True:
         ranks = _ranks_agree(server)
@@ -128,6 +134,37 @@ def test_tp_greedy_equals_colocated(servers, mode, prefill_name):
         assert all(r["num_generated_tokens"] >= len(PROMPTS) for r in ranks)
     else:
         wait_pd_idle(prefill)
+
+
+def test_tp_prefill_reuses_a_cached_prefix(servers):
+    """A TP prefill server with prefix caching: both ranks make the same caching decisions (their pools agree while
+    pages are cached), rank 0 sends the cached prefix's rows with the first chunk, and decode's greedy text equals
+    colocated serving's."""
+    prefill, decode = servers["prefill_tp2"], servers["hisparse"]
+    _wait_free_everywhere(prefill)
+    shared = [(13 * i) % 900 + 5 for i in range(150)]
+    prompts = [shared + [7, 8, 9], shared + [10, 11, 12, 13]]
+    llm = LLM(MODEL, device="cpu", context_length=CONTEXT_LENGTH, enable_hisparse=True,
+              hisparse={"device_buffer_size": 64, "num_recent_slots": 4})
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    cached = []
+    for prompt in prompts:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                "extra_body": {"ignore_eos": True, **prefill.route(next(_rooms))}}
+
+        async def both(body=body):
+            async with _client(prefill) as pc, _client(decode) as dc:
+                return await asyncio.gather(pc.completions.create(**body), dc.completions.create(**body))
+
+        p, d = asyncio.run(both())
+        cached.append(p.usage.prompt_tokens_details.cached_tokens)
+        assert d.choices[0].text == llm.generate([prompt], params)[0].text
+    assert cached == [0, 144]  # 9 pages of 16: never the prompt's last token
+    wait_pd_idle(prefill)
+    ranks = _ranks_agree(prefill)
+    assert ranks[0]["dense_kv_slots_used"] > 0  # the cache's pages, alike on both ranks
+    _wait_free_everywhere(prefill)
+    _wait_free_everywhere(decode)
 
 
 @pytest.mark.parametrize(("mode", "regions"), [("hisparse", 3), ("dense", 3)])
