@@ -20,7 +20,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import ValidationError
 
@@ -465,7 +465,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:
-    from decode_server.router.config import DEFAULT_BOOTSTRAP_PORT, RouterConfig
+    from decode_server.router.config import DEFAULT_BOOTSTRAP_PORT, Policy, RouterConfig
 
     d = RouterConfig.model_construct()
     g = p.add_argument_group("workers")
@@ -473,7 +473,21 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help=f"a prefill server and its bootstrap port (default {DEFAULT_BOOTSTRAP_PORT}); repeatable")  # fmt: skip
     g.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode server; repeatable")
     g = p.add_argument_group("routing")
-    g.add_argument("--policy", choices=["round_robin", "random", "least_load"], default=d.policy)
+    policies = list(get_args(Policy))
+    g.add_argument("--policy", choices=policies, default=d.policy,
+                   help="both roles' policy; cache_aware: prefill by prompt-prefix affinity (for prefill servers with "
+                   "--enable-prefix-caching), decode round_robin")
+    g.add_argument("--prefill-policy", choices=policies, default=None, help="prefill's policy (default: --policy)")
+    g.add_argument("--decode-policy", choices=[p for p in policies if p != "cache_aware"], default=None,
+                   help="decode's policy (default: --policy; round_robin when that is cache_aware)")
+    g.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
+                   help="cache_aware: share of a prompt a worker must have seen the start of to get it")
+    g.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
+                   help="cache_aware: in-flight gap above which the idlest worker gets every request ...")
+    g.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
+                   help="... when the busiest also has more than this times the idlest's count")
+    g.add_argument("--max-tree-size", type=int, default=d.max_tree_size,
+                   help="cache_aware: characters of prompt starts each router process remembers")
     g.add_argument("--host", default=d.host)
     g.add_argument("--port", type=int, default=d.port)
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' (not on /health, /metrics)")
@@ -523,6 +537,12 @@ def router_config_from_args(args: argparse.Namespace) -> Any:
         prefill=prefill,
         decode=[{"url": u} for u in args.decode],
         policy=args.policy,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
+        max_tree_size=args.max_tree_size,
         host=args.host,
         port=args.port,
         api_key=args.api_key,

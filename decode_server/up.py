@@ -32,10 +32,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import get_args
 
 import httpx
 
 from decode_server import config as server_config
+from decode_server.router.config import Policy
 
 STOP_GRACE_S = 20.0
 POLL_S = 0.25
@@ -62,7 +64,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-port", type=int, default=0, help="0: a free port")
     g.add_argument("--decode-port", type=int, default=0, help="0: a free port")
     g.add_argument("--bootstrap-port", type=int, default=0, help="prefill's bootstrap server; 0: a free port")
-    g.add_argument("--policy", choices=["round_robin", "random", "least_load"], default="round_robin")
+    g.add_argument("--policy", choices=list(get_args(Policy)), default="round_robin")
     g.add_argument("--api-key", default=None, help="required by the router and both servers")
     g.add_argument("--disaggregation-auth-secret-file", default=None, metavar="PATH",
                    help="the PD secret shared by the three processes; default: a fresh one in a 0600 temporary "

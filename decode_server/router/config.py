@@ -13,7 +13,7 @@ DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's default `--disaggregation-bootstrap-po
 GRACEFUL_SHUTDOWN_S = 5
 ABORT_DRAIN_S = 3.0
 
-Policy = Literal["round_robin", "random", "least_load"]
+Policy = Literal["round_robin", "random", "least_load", "cache_aware"]
 
 MAX_DEFAULT_ROUTER_PROCESSES = 4
 
@@ -84,6 +84,17 @@ class RouterConfig(BaseModel):
     prefill: list[PrefillWorkerSpec] = Field(min_length=1)
     decode: list[DecodeWorkerSpec] = Field(min_length=1)
     policy: Policy = "round_robin"
+    # SGLang's PD router flags: each role's policy, default `policy` (with cache_aware, decode takes round_robin:
+    # decode servers receive every prompt's KV, so prefix affinity means nothing there).
+    prefill_policy: Policy | None = None
+    decode_policy: Policy | None = None
+    # cache_aware (SGLang's names and defaults): the share of a prompt whose start a worker must have seen for the
+    # prompt to follow it; the load gap (absolute and relative) beyond which the idlest worker is taken instead;
+    # how many characters of prompt starts each router process remembers.
+    cache_threshold: float = Field(default=0.5, ge=0, le=1)
+    balance_abs_threshold: int = Field(default=32, ge=0)
+    balance_rel_threshold: float = Field(default=1.0001, ge=1)
+    max_tree_size: int = Field(default=2**24, ge=1)
     host: str = "127.0.0.1"
     port: int = Field(default=30000, ge=0, le=65535)
     api_key: str | None = None
@@ -115,6 +126,23 @@ class RouterConfig(BaseModel):
         check_tls_files(self.ssl_keyfile, self.ssl_certfile)
         if self.ca_cert_path and not os.access(self.ca_cert_path, os.R_OK):
             raise ValueError(f"--ca-cert-path {self.ca_cert_path!r} is not a readable file")
+        return self
+
+    @property
+    def resolved_prefill_policy(self) -> str:
+        return self.prefill_policy or self.policy
+
+    @property
+    def resolved_decode_policy(self) -> str:
+        if self.decode_policy is not None:
+            return self.decode_policy
+        return "round_robin" if self.policy == "cache_aware" else self.policy
+
+    @model_validator(mode="after")
+    def _decode_not_cache_aware(self) -> RouterConfig:
+        if self.decode_policy == "cache_aware":
+            raise ValueError("--decode-policy cache_aware: decode servers receive every prompt's KV from prefill, so "
+                             "prefix affinity does not apply there (use it for --prefill-policy or --policy)")
         return self
 
     @model_validator(mode="after")

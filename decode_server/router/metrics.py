@@ -59,6 +59,11 @@ class RouterMetrics:
             "hisparse_router:time_to_first_byte_seconds", "client request arrival to decode's first byte",
             ["route"], buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.cache_aware = Counter(
+            "hisparse_router:cache_aware_decisions",
+            "cache_aware prefill choices: hit (the worker that saw the prompt's start), miss (the idlest), "
+            "imbalanced (the idlest, load out of balance)", ["outcome"], registry=r,
+        )  # fmt: skip
         self.dispatch = Histogram(
             "hisparse_router:dispatch_overhead_seconds",
             "router work before the worker requests go out (parse, validate, pick)",
@@ -88,6 +93,9 @@ class RouterMetrics:
 
     def count_request(self, role: str, url: str, outcome: str) -> None:
         self._child(self.requests, role, url, outcome).inc()
+
+    def count_cache_aware(self, outcome: str) -> None:
+        self._child(self.cache_aware, outcome).inc()
 
     def set_inflight(self, role: str, url: str, inflight: int) -> None:
         self._child(self.inflight, role, url).set(inflight)

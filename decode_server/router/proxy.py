@@ -43,6 +43,7 @@ from decode_server.api.protocol import ChatCompletionRequest, CompletionRequest
 from decode_server.router.config import RouterConfig
 from decode_server.router.metrics import RouterMetrics
 from decode_server.router.policy import make_policy
+from decode_server.router.prefix_affinity import affinity_text
 from decode_server.router.workers import WORKER_ERRORS, Worker, WorkerPool
 from transfer.auth import PDAuth
 
@@ -95,8 +96,8 @@ class Dispatcher:
         self.pool = pool
         self.client = client
         self.metrics = metrics
-        self.prefill_policy = make_policy(config.policy)
-        self.decode_policy = make_policy(config.policy)
+        self.prefill_policy = make_policy(config.resolved_prefill_policy, config, self.metrics.count_cache_aware)
+        self.decode_policy = make_policy(config.resolved_decode_policy, config)
         self.auth = PDAuth.from_file(config.disaggregation_auth_secret_file)
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -202,8 +203,9 @@ class Dispatcher:
         headers = self._forwarded(scope)
         tried: set[Worker] = set()
         last_reason = "no attempt made"
+        text = affinity_text(body) if self.prefill_policy.uses_text else ""
         for attempt in range(self.config.retry_max_retries + 1):
-            prefill = self.prefill_policy.pick(self.pool.prefill, tried)
+            prefill = self.prefill_policy.pick(self.pool.prefill, tried, text)
             decode = self.decode_policy.pick(self.pool.decode, tried)
             if prefill is None or decode is None:
                 missing = "prefill" if prefill is None else "decode"

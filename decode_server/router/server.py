@@ -119,10 +119,11 @@ async def serve(config: RouterConfig, child: ChildContext | None = None) -> int:
             server.stop_signals = (signal.SIGTERM,)
         if index == 0:
             logger.info(
-                "PD router: policy %s, prefill %s, decode %s (event loop %s, HTTP %s, %d process%s)",
-                config.policy,
+                "PD router: prefill %s (policy %s), decode %s (policy %s) (event loop %s, HTTP %s, %d process%s)",
                 ", ".join(f"{w.url} (bootstrap port {w.bootstrap_port})" for w in config.prefill),
+                config.resolved_prefill_policy,
                 ", ".join(w.url for w in config.decode),
+                config.resolved_decode_policy,
                 type(asyncio.get_running_loop()).__module__.split(".")[0], HTTP_IMPL,
                 config.router_processes, "" if config.router_processes == 1 else "es",
             )  # fmt: skip

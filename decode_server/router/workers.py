@@ -89,7 +89,7 @@ class WorkerPool:
 
     def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._health_loop(), name="router-health"))
-        if self.config.policy == "least_load":
+        if "least_load" in (self.config.resolved_prefill_policy, self.config.resolved_decode_policy):
             self._tasks.append(asyncio.create_task(self._load_loop(), name="router-load"))
 
     async def wait_first_check(self) -> None:

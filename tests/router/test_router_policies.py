@@ -118,3 +118,27 @@ def test_api_key_required_by_the_router(workers: tuple) -> None:
         assert httpx.get(r.url + "/health", timeout=10).status_code == 200  # probes need no key
     finally:
         _stopped(r)
+
+
+def test_cache_aware_keeps_each_prompt_start_on_one_prefill_worker(workers: tuple) -> None:
+    """Two system prompts, three questions each, alternating: each system prompt's requests all go to one prefill
+    worker (its prefix cache would hold that start), the two to different workers; decode takes turns."""
+    prefill, decode = workers
+    wait_all_idle(prefill + decode)
+    r = RouterProcess(prefill, decode, "--policy", "cache_aware").wait_ready()
+    try:
+        systems = ["You are a careful assistant who answers in French. " * 5,
+                   "You are a terse assistant who answers in haiku only. " * 5]
+        before = _counts(r, prefill)
+        decode_before = _counts(r, decode)
+        for i in range(3):
+            for system in systems:
+                body = {"model": MODEL, "prompt": system + f"Question {i}?", "max_tokens": 2, "temperature": 0}
+                assert r.http.post("/v1/completions", json=body).status_code == 200
+        _wait_counts(r, prefill, [c + 3 for c in before])  # 3 and 3: one system prompt each
+        assert [b - a for a, b in zip(decode_before, _counts(r, decode), strict=True)] == [3, 3]
+        assert r.metric("hisparse_router:cache_aware_decisions_total", outcome="hit") == 4
+        assert r.metric("hisparse_router:cache_aware_decisions_total", outcome="miss") == 2
+    finally:
+        _stopped(r)
+    wait_all_idle(prefill + decode)
