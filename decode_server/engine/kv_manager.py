@@ -42,6 +42,12 @@ class KVManager(ABC):
         """Tokens of this prompt that admission would find cached now (0 without prefix caching)."""
         return self.prefix.lookup(prompt_ids).num_tokens if self.prefix is not None else 0
 
+    @property
+    def prefix_cache_version(self) -> int:
+        """Changes whenever the prefix cache gains or loses a page: `cached_prefix_tokens` of a prompt stays valid
+        while it does not."""
+        return self.prefix.cache.version if self.prefix is not None else 0
+
     def cached_tokens(self, req_row: int) -> int:
         """Tokens at the head of `req_row` whose pages the prefix cache holds; read right after `try_admit`, the
         prompt's reused prefix (its prefill starts after them)."""

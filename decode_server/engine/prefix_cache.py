@@ -70,6 +70,9 @@ class PrefixCache:
         self._evictable: OrderedDict[PrefixNode, None] = OrderedDict()
         self.num_nodes = 0
         self._num_locked = 0  # nodes with lock_ref > 0
+        # Bumped whenever a node is added or evicted: a match made at the same version is still the match (callers
+        # may keep one per waiting request instead of walking the tree again at every scheduling pass).
+        self.version = 0
         # Counters (monotonic): prompt tokens looked up at admission and how many of them were found cached.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -136,6 +139,7 @@ class PrefixCache:
                 node.children[key] = child
                 self._evictable[child] = None
                 self.num_nodes += 1
+                self.version += 1
                 taken.append(True)
             else:
                 if stop_at_existing:
@@ -171,6 +175,8 @@ class PrefixCache:
             if freed:
                 self._free_pages(pool, [node.pages[pool] for node in freed])
         self.num_evicted_pages += len(freed)
+        if freed:
+            self.version += 1
         return len(freed)
 
     def flush(self) -> int:

@@ -36,6 +36,9 @@ class Request:
     row: int = -1  # row in the engine's request tables while it holds memory
     num_computed: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens whose KV was mapped from the prefix cache at admission
+    # While waiting: (prefix-cache version, tokens of the prompt cached then), so that admission does not walk the
+    # cache for every waiting request at every scheduling pass (a 32K prompt's walk takes ~0.7 ms).
+    cached_prefix_probe: tuple[int, int] | None = None
     num_bypassed: int = 0  # later requests admitted while this one waited for memory
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

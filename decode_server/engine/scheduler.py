@@ -233,13 +233,21 @@ class Scheduler:
             # found in the prefix cache are not needed.
             need = self.kv.pages_needed(self._free_rows[-1], self._expected_tokens(req, self.new_request_ratio))
             if self.kv.prefix is not None and not req.remote_prefill:
-                need -= self.kv.cached_prefix_tokens(req.prompt_ids) // self.kv.page_size
+                need -= self._cached_prefix_tokens(req) // self.kv.page_size
             if self.kv.free_pages() - reserved >= need and self.try_admit(req):
                 reserved += self.kv.pages_needed(req.row, self._expected_tokens(req, self.new_token_ratio))
                 if blocked is not None:
                     blocked.num_bypassed += 1
             elif blocked is None:
                 blocked = req
+
+    def _cached_prefix_tokens(self, req: Request) -> int:
+        """What admission would find cached of the request's prompt now, looked up again only once the cache
+        changed since the last look."""
+        version = self.kv.prefix_cache_version
+        if req.cached_prefix_probe is None or req.cached_prefix_probe[0] != version:
+            req.cached_prefix_probe = (version, self.kv.cached_prefix_tokens(req.prompt_ids))
+        return req.cached_prefix_probe[1]
 
     def try_admit(self, req: Request) -> bool:
         """Move a waiting request to prefill if a request row and the pages for its prompt are available now."""

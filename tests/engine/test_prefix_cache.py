@@ -170,3 +170,44 @@ def test_pools_of_different_page_sizes_are_refused():
                                                                                        "cpu")]
     with pytest.raises(ValueError, match="one page size"):
         PrefixSharing(mixed, align_tokens=4)
+
+
+def test_version_moves_when_the_tree_gains_or_loses_pages_only():
+    sharing = PrefixSharing(tables(), align_tokens=PS)
+    cache = sharing.cache
+    prompt = seq(0, 9)
+    run_request(sharing, 0, prompt, 9, share=False)
+    assert cache.version == 0
+    sharing.share_prompt(0, prompt)  # 2 pages join
+    v = cache.version
+    assert v > 0
+    run_request(sharing, 1, prompt, 9, share=False)  # a lookup and a lock: no change
+    sharing.release(1, None)
+    assert cache.version == v
+    sharing.release(0, prompt)  # nothing new to donate (its third page is partial)
+    assert cache.version == v
+    sharing.flush()
+    assert cache.version > v
+
+
+def test_admission_looks_a_waiting_prompt_up_again_only_after_the_cache_changed():
+    from decode_server.engine.request import Request
+    from decode_server.engine.sampling_params import SamplingParams
+    from decode_server.engine.scheduler import Scheduler
+
+    class Kv:
+        prefix = object()
+        page_size = PS
+        prefix_cache_version = 0
+        lookups = 0
+
+        def cached_prefix_tokens(self, prompt_ids):
+            self.lookups += 1
+            return 8
+
+    kv = Kv()
+    scheduler = Scheduler(kv, max_running_requests=2, chunked_prefill_size=64)  # type: ignore[arg-type]
+    req = Request("r", seq(0, 20), SamplingParams(max_tokens=2), arrival=0)
+    assert [scheduler._cached_prefix_tokens(req) for _ in range(3)] == [8, 8, 8] and kv.lookups == 1
+    kv.prefix_cache_version = 1
+    assert scheduler._cached_prefix_tokens(req) == 8 and kv.lookups == 2
