@@ -105,6 +105,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def free_device_memory(device: torch.device) -> None:
+    """After an engine was dropped: collect it and give its pools back, so that the next mode's budgets fit."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def prefill_once(engine: Engine, rid: str, prompt: list[int]) -> float:
     """Seconds from adding the request to its first token (it asks for one token, so it also finishes)."""
     sync(engine.device)
@@ -147,9 +154,7 @@ def run_mode(args, model, model_config, mode: str, prompts: dict[int, list[int]]
     finally:
         device = engine.device
         del engine
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(device)
     return results
 
 
@@ -184,9 +189,7 @@ def run_cached(args, model, model_config, mode: str, fraction: float, prompts: d
     finally:
         device = engine.device
         del engine
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(device)
     return results
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -36,6 +37,7 @@ from decode_server.errors import DecodeServerError, EngineBusyError, EngineDeadE
 BUSY_STEP_S = 1.0  # /health reports "busy" while one engine step has run this long
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 STATS_TIMEOUT_S = 5.0
@@ -161,11 +163,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
-        try:
-            stats = await ctx.client.get_stats(STATS_TIMEOUT_S)
-        except TimeoutError:
-            raise EngineBusyError(f"the engine sent no stats within {STATS_TIMEOUT_S:.0f} s (a long step); "
-                                  "retry") from None
+        stats = await _answer_or_busy(ctx.client.get_stats(STATS_TIMEOUT_S), "sent no stats")
         return {
             "served_model_name": ctx.model.served_model_name,
             "context_length": ctx.model.context_length,
@@ -201,11 +199,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.post("/flush_cache", responses={503: _ERRORS[503]})
     async def flush_cache() -> dict[str, Any]:
         """SGLang's /flush_cache: drop every prefix-cache page no request uses (requests in flight keep theirs)."""
-        try:
-            dropped = await ctx.client.flush_cache(STATS_TIMEOUT_S)
-        except TimeoutError:
-            raise EngineBusyError(f"the engine did not answer within {STATS_TIMEOUT_S:.0f} s (a long step); "
-                                  "retry") from None
+        dropped = await _answer_or_busy(ctx.client.flush_cache(STATS_TIMEOUT_S), "did not flush its prefix cache")
         return {"prefix_caching": ctx.model.prefix_caching, "dropped_tokens": dropped}
 
     @app.post("/abort_request", responses={400: _ERRORS[400]})
@@ -220,6 +214,15 @@ def create_app(ctx: ServerContext) -> FastAPI:
         return {"aborted": n}
 
     return app
+
+
+async def _answer_or_busy(query: Awaitable[T], what: str) -> T:
+    """The engine's answer to a query; a 503 `EngineBusyError` when it takes longer than STATS_TIMEOUT_S (the
+    engine is in a long step)."""
+    try:
+        return await query
+    except TimeoutError:
+        raise EngineBusyError(f"the engine {what} within {STATS_TIMEOUT_S:.0f} s (a long step); retry") from None
 
 
 def _auth_state(model: ModelInfo) -> str:
