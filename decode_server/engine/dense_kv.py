@@ -66,8 +66,9 @@ class DenseKVManager(KVManager):
 
     def try_admit(self, req_row: int, prompt_len: int, max_total_len: int,
                   prompt_ids: Sequence[int] | None = None) -> bool:
-        self._attach_prefix(req_row, prompt_ids, prompt_len)
+        self._attach_prefix(req_row, prompt_ids)
         if self.ensure_room(req_row, min(prompt_len + 1, max_total_len)):
+            self._admitted(req_row, prompt_ids)
             return True
         self._release_tables(req_row, None)  # gives the cached prefix back
         return False

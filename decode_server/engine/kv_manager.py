@@ -74,10 +74,15 @@ class KVManager(ABC):
     def _evictable_pages(self) -> int:
         return self.prefix.num_evictable_pages if self.prefix is not None else 0
 
-    def _attach_prefix(self, req_row: int, prompt_ids: Sequence[int] | None, prompt_len: int) -> None:
+    def _attach_prefix(self, req_row: int, prompt_ids: Sequence[int] | None) -> None:
         """Map the prompt's cached prefix into the empty row (nothing without prefix caching or prompt ids)."""
         if self.prefix is not None and prompt_ids is not None:
-            self.prefix.attach(req_row, self.prefix.lookup(prompt_ids), prompt_len)
+            self.prefix.attach(req_row, self.prefix.lookup(prompt_ids))
+
+    def _admitted(self, req_row: int, prompt_ids: Sequence[int] | None) -> None:
+        """`try_admit` succeeded: the prefix cache counts the prompt and what it reused."""
+        if self.prefix is not None and prompt_ids is not None:
+            self.prefix.count_admitted(req_row, len(prompt_ids))
 
     def _make_room(self, req_row: int, num_tokens: int) -> None:
         """Evict cached pages so that every table can grow `req_row` to `num_tokens` tokens, where they allow."""

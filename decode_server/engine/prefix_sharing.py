@@ -41,13 +41,17 @@ class PrefixSharing:
         usable = (match.num_tokens // self.align) * self.align // self.page_size
         return match if usable == len(match.nodes) else PrefixMatch(match.nodes[:usable], self.page_size)
 
-    def attach(self, req_row: int, match: PrefixMatch, prompt_len: int) -> None:
+    def attach(self, req_row: int, match: PrefixMatch) -> None:
         """Lock the prefix and map its pages first in every table of `req_row` (which holds nothing yet)."""
         self.cache.lock(match)
         for pool, table in enumerate(self.tables):
             table.adopt(req_row, match.pages(pool))
         self._matches[req_row] = match
-        self.cache.count_lookup(prompt_len, match.num_tokens)
+
+    def count_admitted(self, req_row: int, prompt_len: int) -> None:
+        """The request holding `req_row` was admitted (its prefix attached): count its prompt and what it reused
+        (not at `attach`: an admission that fails for memory is tried again later)."""
+        self.cache.count_lookup(prompt_len, self.cached_tokens(req_row))
 
     def share_prompt(self, req_row: int, prompt_ids: Sequence[int]) -> None:
         """The prompt's KV is complete (prefill done): its full pages join the cache now, lent back to the request,
@@ -74,10 +78,10 @@ class PrefixSharing:
 
     # -- memory --
     def make_room(self, needs: Sequence[int]) -> None:
-        """Evict unlocked cached pages until every pool has `needs[pool]` free pages (or nothing is left to
-        evict; the caller's allocation check then fails as without a cache)."""
+        """Evict unlocked cached pages until every pool has `needs[pool]` free pages; nothing when even evicting
+        all of them would not do (the caller's allocation then fails as without a cache, and the cache is kept)."""
         short = max(need - table.allocator.num_free_pages for need, table in zip(needs, self.tables, strict=True))
-        if short > 0:
+        if 0 < short <= self.cache.num_evictable_pages:
             self.cache.evict(short)
 
     @property

@@ -203,10 +203,11 @@ class HiSparseCoordinator(KVManager):
         first_tokens = min(prompt_len + 1, max_total_len)
         if not self.can_start_request():
             return False
-        self._attach_prefix(req_row, prompt_ids, prompt_len)
+        self._attach_prefix(req_row, prompt_ids)
         if not self._can_grow(req_row, first_tokens):
             self._release_tables(req_row, None)  # gives the cached prefix back
             return False
+        self._admitted(req_row, prompt_ids)
         self.host.rows.ensure(req_row, first_tokens)
         self.indexer.rows.ensure(req_row, first_tokens)
         self.buffers.allocate(req_row)

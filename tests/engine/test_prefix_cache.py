@@ -24,7 +24,8 @@ def seq(start: int, n: int) -> list[int]:
 def run_request(sharing: PrefixSharing, row: int, prompt: list[int], total: int, *, share: bool = True) -> int:
     """Admit `prompt` into `row`, grow it to `total` tokens, share the prompt at prefill's end; returns the cached
     tokens it started from."""
-    sharing.attach(row, sharing.lookup(prompt), len(prompt))
+    sharing.attach(row, sharing.lookup(prompt))
+    sharing.count_admitted(row, len(prompt))
     cached = sharing.cached_tokens(row)
     sharing.make_room([t.pages_needed(row, total) for t in sharing.tables])
     for t in sharing.tables:
@@ -79,7 +80,10 @@ def test_locked_prefixes_are_never_evicted_and_lru_goes_first():
     assert sharing.cache.num_evictable_pages == 4
     run_request(sharing, 2, new[:8] + [5], 9)  # locks `new`'s pages (touches them too)
     assert sharing.cache.num_evictable_pages == 2
-    sharing.make_room([8, 8])  # more than there is: evicts every unlocked page, the locked ones stay
+    assert used(sharing) == [5, 5]  # 4 cached + row 2's own third page
+    sharing.make_room([8, 8])  # 3 free + 2 evictable can never make 8: the cache is kept
+    assert sharing.cache.num_cached_tokens == 16
+    sharing.make_room([5, 5])  # evicts every unlocked page; the locked ones stay
     assert sharing.cache.num_cached_tokens == 8
     assert sharing.lookup(new).num_tokens == 8 and sharing.lookup(old).num_tokens == 0
     sharing.release(2, None)

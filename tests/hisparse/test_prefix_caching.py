@@ -224,3 +224,23 @@ def test_prefix_caching_on_cuda(tiny_cuda, kv_cache_dtype: str):
                                 kv_cache_dtype=kv_cache_dtype)
     assert_identical(plain, run_script(cached_engine, arrivals))
     assert cached_engine.stats().prefix_cache.hit_tokens > 0
+
+
+@pytest.mark.parametrize("hisparse", [False, True], ids=["dense", "hisparse"])
+def test_an_admission_that_fails_for_memory_counts_nothing_and_holds_nothing(tiny_cpu, hisparse: bool):
+    """The scheduler tries a waiting request again later: a failed `try_admit` must give its cached prefix back
+    and leave the hit counters alone (they count each admitted prompt once)."""
+    engine = make_engine(tiny_cpu, hisparse=hisparse, prefix_caching=True)
+    gen = torch.Generator().manual_seed(8)
+    system = random_prompt(gen, 100)
+    drive(engine, [Job(0, "warm", system + [5], SamplingParams(max_tokens=1, temperature=0.0))])
+    kv, before = engine.kv, engine.stats().prefix_cache
+    too_long = system + random_prompt(gen, kv.max_request_tokens)  # more pages than the pools have
+    assert not kv.try_admit(0, len(too_long), len(too_long) + 1, too_long)
+    assert engine.stats().prefix_cache == before and engine.is_idle_and_empty()
+    fits = system + [6, 7]
+    assert kv.try_admit(0, len(fits), len(fits) + 1, fits)
+    after = engine.stats().prefix_cache
+    assert (after.queried_tokens - before.queried_tokens, after.hit_tokens - before.hit_tokens) == (len(fits), 96)
+    kv.free(0)
+    assert engine.is_idle_and_empty()
