@@ -184,6 +184,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cuda-graph-all-buckets", action="store_true",
                    help="capture every default bucket (the server's capture cost), not only the one a run needs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sampling", default="greedy", choices=["greedy", "penalized"],
+                   help="penalized: every request also has frequency 0.5, presence 0.3 and repetition 1.1 penalties "
+                        "and a logit bias of 16 ids (engine/logits_processor.py), to measure what they add a step")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="batch-invariant mode (docs/models.md): measure its cost against a run without it")
     p.add_argument("--disable-overlap-schedule", action="store_true",
@@ -515,8 +518,15 @@ def request_contexts(context: int, count: int, mixed: bool, seed: int) -> list[i
     return torch.randint(max(1, context // 8), context + 1, (count,), generator=gen).tolist()
 
 
+def penalized_sampling(vocab: int, seed: int) -> dict:
+    """`--sampling penalized`: every edit that keeps counts, and a bias, on every request."""
+    gen = torch.Generator().manual_seed(seed)
+    bias = {int(t): 1.0 for t in torch.randperm(vocab, generator=gen)[:16]}
+    return {"frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.1, "logit_bias": bias}
+
+
 def fill(engine: Engine, synthetic: SyntheticKV, context: int, max_len: int, limit: int, seed: int,
-         mixed: bool = False) -> list[int]:
+         mixed: bool = False, sampling: str = "greedy") -> list[int]:
     """Admit requests with injected KV until the budget (or `limit`) is reached; returns the contexts of the
     admitted requests (the batch size is their count). `mixed`: each request's context from `request_contexts`
     (every request still reserves `max_len`, so the batch is the one equal contexts get).
@@ -530,11 +540,12 @@ def fill(engine: Engine, synthetic: SyntheticKV, context: int, max_len: int, lim
     prompt = torch.randint(2, vocab, (context,), generator=gen).tolist()
     first_tokens = torch.randint(2, vocab, (max(limit, 1),), generator=gen).tolist()
     contexts = request_contexts(context, max(limit, 1), mixed, seed)
+    edits = penalized_sampling(vocab, seed) if sampling == "penalized" else {}
     sched = engine.scheduler
     n = 0
     while n < limit:
         rid, length = f"b{n}", contexts[n]
-        params = SamplingParams(max_tokens=max_len - length, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_len - length, temperature=0.0, ignore_eos=True, **edits)
         engine.add_request(rid, prompt[:length], params)
         req = engine._requests[rid]
         if not sched.try_admit(req) or not engine.kv.ensure_room(req.row, max_len):
@@ -844,7 +855,8 @@ def _timed_run(args, model, model_config, mode: str, context: int, miss_rate: fl
     name = run_name(mode, miss_rate)
     synthetic = SyntheticKV(context, kv_dtype, device, args.seed)
     t_fill = time.perf_counter()
-    contexts = fill(engine, synthetic, context, max_len, cap, args.seed, getattr(args, "mixed_contexts", False))
+    contexts = fill(engine, synthetic, context, max_len, cap, args.seed, getattr(args, "mixed_contexts", False),
+                    getattr(args, "sampling", "greedy"))
     batch = len(contexts)
     mean_context = round(sum(contexts) / batch) if batch else context
     sync(device)

@@ -29,6 +29,7 @@ from pydantic import (
 MAX_N = 16  # choices per prompt: each choice is a separate engine request
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 1024  # each entry is edited into the logits at every step of the request
 
 
 def random_id(prefix: str) -> str:
@@ -109,9 +110,19 @@ class _SamplingFields(_Strict):
     n: int = Field(default=1, ge=1, le=MAX_N, description=f"choices per prompt, 1..{MAX_N}")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="only 0 is supported")
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(default=None, description="not supported")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0,
+                                    description="subtracted once from the logit of every token in the output")
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0,
+                                     description="subtracted per occurrence from the logit of output tokens")
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0,
+                                      description="vLLM's / SGLang's: divides positive logits (multiplies negative "
+                                      "ones) of tokens in the prompt or output; 1 disables")
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description=f"token id (as a string) -> bias in [-100, 100] added to its logit; at most "
+        f"{MAX_LOGIT_BIAS_ENTRIES} entries",
+    )
+    min_tokens: int = Field(default=0, ge=0, description="EOS, stop token ids and stop strings wait for this many "
+                            "generated tokens (vLLM's / SGLang's)")
     user: str | None = None
     rid: str | None = Field(
         default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",

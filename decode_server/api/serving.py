@@ -24,6 +24,7 @@ from decode_server.api.errors import error_body
 from decode_server.api.generation import ChoiceSpec, ChoiceState, GenerationGroup
 from decode_server.api.metrics import ServerMetrics
 from decode_server.api.protocol import (
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_SEQUENCES,
     ChatChoice,
     ChatCompletionChunk,
@@ -46,7 +47,7 @@ from decode_server.api.protocol import (
 from decode_server.api.sse import DONE_FRAME, SSE_HEADERS, sse_frame
 from decode_server.api.tokenization import TokenizerPool
 from decode_server.disagg.bootstrap_info import MAX_ROOM, BootstrapInfo
-from decode_server.engine.sampling_params import SamplingParams
+from decode_server.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from decode_server.engine.types import TokenLogprob
 from decode_server.errors import (
     CapacityError,
@@ -123,12 +124,6 @@ class OpenAIServing:
         def reject(param: str, what: str) -> None:
             raise InvalidRequestError(f"'{param}' is not supported by this server ({what})", param=param)
 
-        if req.presence_penalty != 0.0:
-            reject("presence_penalty", "only 0 is accepted")
-        if req.frequency_penalty != 0.0:
-            reject("frequency_penalty", "only 0 is accepted")
-        if req.logit_bias:
-            reject("logit_bias", "leave it unset")
         if isinstance(req, CompletionRequest):
             if req.echo:
                 reject("echo", "only false is accepted")
@@ -154,6 +149,27 @@ class OpenAIServing:
         if any(s == "" for s in stops):
             raise InvalidRequestError("stop sequences must not be empty strings", param="stop")
         return stops
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float]:
+        """OpenAI's `logit_bias` (token ids as JSON object keys) → {token id: bias}, every id in the vocabulary."""
+        if not bias:
+            return {}
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are "
+                                      "accepted", param="logit_bias")
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            token = int(key) if len(key) <= 10 and key.isdecimal() else -1
+            if not 0 <= token < self.model.vocab_size:
+                raise InvalidRequestError(f"'logit_bias' keys must be token ids in [0, {self.model.vocab_size}) "
+                                          f"(got {key!r})", param="logit_bias")
+            if token in out:
+                raise InvalidRequestError(f"'logit_bias' names token {token} twice", param="logit_bias")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError(f"'logit_bias' values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                          f"{MAX_LOGIT_BIAS:g}] (got {value} for {key!r})", param="logit_bias")
+            out[token] = value
+        return out
 
     def _check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -201,6 +217,9 @@ class OpenAIServing:
         # below float32's reach would round to 0 and drop every token; any value that small keeps only the top one.
         temperature = 0.0 if req.temperature < MIN_TEMPERATURE else req.temperature
         top_p = max(req.top_p, MIN_TOP_P)
+        if req.min_tokens > max_tokens:
+            raise InvalidRequestError(f"'min_tokens' ({req.min_tokens}) is more than max_tokens ({max_tokens})",
+                                      param="min_tokens")
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -212,6 +231,11 @@ class OpenAIServing:
                 stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
+                min_tokens=req.min_tokens,
+                logit_bias=self._logit_bias(req.logit_bias),
+                repetition_penalty=req.repetition_penalty,
+                frequency_penalty=req.frequency_penalty,
+                presence_penalty=req.presence_penalty,
             )
         except ValidationError as exc:
             first = exc.errors()[0]

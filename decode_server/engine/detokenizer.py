@@ -62,20 +62,31 @@ class StopStringChecker:
         self.text = ""
         self.emitted = 0
         self.matched: str | None = None
+        # A match must end past this much text: what was added while not `armed` (min_tokens) cannot stop alone.
+        self._armed_at = 0
 
-    def add(self, new_text: str) -> str:
-        """Append text; return what can be shown now. After a match, the text is cut before the stop string."""
+    def add(self, new_text: str, armed: bool = True) -> str:
+        """Append text; return what can be shown now. After a match, the text is cut before the stop string.
+        `armed=False` (the request has fewer than min_tokens tokens) looks for no match yet; a stop string that
+        ends in text added later still stops, as vLLM's and SGLang's do."""
         if self.matched is not None:
             return ""
         search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
         self.text += new_text
-        if self.stop:
-            hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        if not armed:
+            self._armed_at = len(self.text)
+        elif self.stop:
+            hits = [(i, s) for s in self.stop if (i := self._find(s, search_from)) >= 0]
             if hits:
                 cut, self.matched = min(hits)
                 self.text = self.text[:cut]
                 return self._emit(len(self.text))
         return self._emit(len(self.text) - self._held_back())
+
+    def _find(self, stop: str, start: int) -> int:
+        """The first occurrence of `stop` from `start` that ends past `_armed_at` (-1: none)."""
+        start = max(start, self._armed_at - len(stop) + 1)
+        return self.text.find(stop, start)
 
     def finish(self) -> str:
         """The request ended for another reason: release held-back text."""

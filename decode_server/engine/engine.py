@@ -32,6 +32,7 @@ from decode_server.engine.kv_sizing import (
     hisparse_layout,
     resolve_context_length,
 )
+from decode_server.engine.logits_processor import LogitsProcessor
 from decode_server.engine.memory import (
     device_kv_budget,
     host_kv_budget,
@@ -170,6 +171,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_running_requests, config.chunked_prefill_size,
                                    fixed_prefill_chunks=config.enable_deterministic_inference)
         self.sampler = Sampler()
+        self.logits_processor = LogitsProcessor(self.device)
         self.eos_token_ids = _eos_ids(model_config, tokenizer)
         self.logits_hook: LogitsHook | None = None
         # PD prefill (decode_server/disagg/): sees each prompt chunk once its KV is complete (device synced).
@@ -312,6 +314,10 @@ class Engine:
         vocab = int(getattr(self.model_config, "vocab_size", 0) or 0)
         if vocab and any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        bad_bias = next((t for t in params.logit_bias if vocab and t >= vocab), None)
+        if bad_bias is not None:
+            raise InvalidRequestError(f"logit_bias token id {bad_bias} is outside the vocabulary (size {vocab})",
+                                      param="logit_bias")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.context_length:
             raise ContextLengthExceededError(
@@ -337,6 +343,7 @@ class Engine:
         if req is None:
             return False
         self.scheduler.remove(req, hold=hold_kv)
+        self.logits_processor.release(req)
         req.finish_reason = "abort"
         delta = self._delta(req, [], "", finished=True)
         delta.error, delta.error_class = message, error_class
@@ -493,8 +500,10 @@ class Engine:
         for req in sampled:
             if req.generator is not None and req.sampling_seed is not None:  # seeded by output index
                 req.generator.manual_seed(token_seed(req.sampling_seed, req.num_output_tokens))
-        step.tokens = self.sampler.sample_on_device(logits, [r.params for r in sampled],
-                                                    [r.generator for r in sampled])
+        processed = self.logits_processor.apply(logits, sampled)
+        step.tokens = self.sampler.sample_on_device(processed, [r.params for r in sampled],
+                                                    [r.generator for r in sampled], model_logits=logits)
+        self.logits_processor.record(step.tokens.tokens)
         if self.overlap:
             step.tokens.start_copy()
         for i, req in enumerate(sampled):
@@ -581,7 +590,8 @@ class Engine:
         finished = req.check_token_stop(token)
         text = ""
         if req.detokenizer is not None and req.stop_checker is not None:
-            text = req.stop_checker.add(req.detokenizer.add([token]))
+            armed = len(req.output_ids) >= req.params.min_tokens
+            text = req.stop_checker.add(req.detokenizer.add([token]), armed=armed)
             if req.stop_checker.matched is not None and not finished:
                 finished = True
                 req.finish_reason, req.stop_reason = "stop", req.stop_checker.matched
@@ -590,6 +600,7 @@ class Engine:
         if finished:
             self._requests.pop(req.rid, None)
             self.scheduler.remove(req, hold=req.hold_kv)
+            self.logits_processor.release(req)
         return self._delta(req, [token], text, finished, [logprob] if logprob is not None else None)
 
     def _delta(self, req: Request, tokens: list[int], text: str, finished: bool,
@@ -629,7 +640,7 @@ class Engine:
     def is_idle_and_empty(self) -> bool:
         """No request anywhere and every pool back to zero (tests assert it)."""
         return (not self._requests and self._inflight is None and not self.scheduler.has_work()
-                and self.kv.is_empty())
+                and self.kv.is_empty() and self.logits_processor.is_empty())
 
 
 def resolve_overlap_schedule(config: EngineConfig, device: torch.device, tp_size: int) -> bool:

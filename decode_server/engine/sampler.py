@@ -168,9 +168,13 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        model_logits: torch.Tensor | None = None,
     ) -> SampledTokens:
-        """Sample without waiting for the device: the tokens (and logprobs) stay device tensors."""
+        """Sample without waiting for the device: the tokens (and logprobs) stay device tensors. `logits` are what
+        to sample from (after engine/logits_processor.py); the logprobs are taken from `model_logits`, the
+        model's own distribution, when given (vLLM's default: raw logprobs)."""
         logits = logits.float()
+        model_logits = logits if model_logits is None else model_logits.float()
         greedy = [i for i, p in enumerate(params) if is_greedy(p)]
         if len(greedy) == len(params):
             tokens = torch.argmax(logits, dim=-1)
@@ -186,7 +190,7 @@ class Sampler:
         values, ids = [], []
         for i, p in enumerate(params):
             if p.logprobs is not None:
-                v, t = _row_logprobs(logits[i], tokens[i : i + 1], p.logprobs)
+                v, t = _row_logprobs(model_logits[i], tokens[i : i + 1], p.logprobs)
                 values.append(v)
                 ids.append(t)
         if values:

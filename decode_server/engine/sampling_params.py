@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# OpenAI's range for a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingParams(BaseModel):
@@ -19,6 +22,13 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20, description="top logprobs per generated token")
+    # Logits processing (engine/logits_processor.py), applied before temperature, top-k and top-p; logprobs stay
+    # those of the model's own distribution.
+    min_tokens: int = Field(default=0, ge=0, description="EOS, stop token ids and stop strings wait for this many")
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> added to its logit")
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0, description="1 disables (prompt + output)")
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="times the output's count")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="once a token is in the output")
 
     @field_validator("top_k")
     @classmethod
@@ -35,6 +45,27 @@ class SamplingParams(BaseModel):
         if isinstance(v, str):
             return [v]
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[int, float]) -> dict[int, float]:
+        for token, bias in v.items():
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be non-negative (got {token})")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] (got {bias})")
+        return v
+
+    @model_validator(mode="after")
+    def _check_min_tokens(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    @property
+    def uses_token_counts(self) -> bool:
+        """Whether sampling needs the counts of the tokens generated so far (and of the prompt's, for repetition)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
     def is_greedy(self) -> bool:

@@ -183,3 +183,41 @@ def test_streaming_n_choices_and_prompt_list(client: openai.OpenAI) -> None:
     assert texts == {c.index: c.text for c in full.choices}
     assert finishes == {0: "length", 1: "length", 2: "length", 3: "length"}
     assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: the n copies agree
+
+
+def test_penalties_logit_bias_and_min_tokens(client: openai.OpenAI, offline: LLM) -> None:
+    """OpenAI's `frequency_penalty`, `presence_penalty` and `logit_bias`, and vLLM's / SGLang's `repetition_penalty`
+    and `min_tokens` (the openai client's `extra_body`): each greedy answer equals the offline engine's with the same
+    parameters (which the engine tests check token by token against the definitions), and changes the answer."""
+    prompt = "The quick brown fox"
+    plain = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
+    favoured = sorted(set(plain.token_ids))[:3]
+    bias = {str(t): 8.0 for t in favoured}
+    cases = [
+        ({"logit_bias": bias}, {"logit_bias": {t: 8.0 for t in favoured}}, {}),
+        ({"logit_bias": bias, "frequency_penalty": 1.5, "presence_penalty": 0.5},
+         {"logit_bias": {t: 8.0 for t in favoured}, "frequency_penalty": 1.5, "presence_penalty": 0.5}, {}),
+        ({"logit_bias": bias}, {"logit_bias": {t: 8.0 for t in favoured}, "repetition_penalty": 1.8},
+         {"repetition_penalty": 1.8}),
+    ]
+    answers = set()
+    for openai_args, engine_args, extra in cases:
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra,
+                                        **openai_args)
+        want = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0, **engine_args))[0]
+        assert out.choices[0].text == want.text, (openai_args, extra)
+        answers.add(want.text)
+    assert plain.text not in answers and len(answers) == len(cases), "each edit should change the greedy answer"
+    eos = sorted(offline.engine.eos_token_ids)[0]
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10, temperature=0,
+        logit_bias={str(eos): 100}, extra_body={"min_tokens": 4},
+    )  # fmt: skip
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 5
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10, temperature=0, stream=True,
+        logit_bias={str(eos): 100}, extra_body={"min_tokens": 2}, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 3
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"

@@ -165,6 +165,20 @@ def test_unseeded_sampling_agrees_across_ranks(dense_tp2: ServerProcess) -> None
     _wait_idle_everywhere(dense_tp2)  # a divergent sample would show as different digests or a hang
 
 
+def test_penalties_agree_across_ranks(dense_tp2: ServerProcess, offline_llm: LLM) -> None:
+    """Every rank keeps the same counts: a penalized greedy batch equals the single-rank engine's, and penalized
+    sampling without a seed leaves every rank with the same tokens (digests)."""
+    edits = {"frequency_penalty": 1.2, "presence_penalty": 0.4, "logit_bias": {"7": 5.0, "11": 5.0}}
+    extra = {"ignore_eos": True, "repetition_penalty": 1.4, "min_tokens": 2}
+    outs = _completions(dense_tp2, PROMPTS[:3], max_tokens=MAX_TOKENS, temperature=0, extra_body=extra, **edits)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, frequency_penalty=1.2,
+                            presence_penalty=0.4, logit_bias={7: 5.0, 11: 5.0}, repetition_penalty=1.4, min_tokens=2)
+    assert [o.choices[0].text for o in outs] == [e.text for e in offline_llm.generate(PROMPTS[:3], params)]
+    outs = _completions(dense_tp2, PROMPTS[:4], max_tokens=MAX_TOKENS, temperature=0.9, extra_body=extra, **edits)
+    assert all(o.usage.completion_tokens == MAX_TOKENS for o in outs)
+    _wait_idle_everywhere(dense_tp2)
+
+
 def test_disconnects_free_every_rank(dense_tp2: ServerProcess) -> None:
     body = {"model": MODEL, "prompt": "Go on:", "max_tokens": 200, "ignore_eos": True, "temperature": 0.7,
             "stream": True}  # fmt: skip

@@ -159,6 +159,38 @@ def test_pd_seeded_sampling_equals_colocated(servers):
         wait_pd_idle(server)
 
 
+def test_pd_penalties_and_min_tokens_equal_colocated(servers):
+    """Penalties count the output so far: the decode server, whose first token came from the prefill server, counts
+    it too (its counts start from the tokens it knows), and min_tokens holds EOS back on both sides alike."""
+    prefill, decode = servers["prefill"], servers["hisparse"]
+    llm = _colocated(hisparse=True)
+    eos = min(llm.engine.eos_token_ids)
+    wait_pd_idle(prefill)
+    flush_cache(prefill)
+    for prompt in PROMPTS:
+        favoured = sorted(set(llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].token_ids))[:3]
+        edits = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "logit_bias": {t: 6.0 for t in favoured}}
+        extra = {"repetition_penalty": 1.5, "min_tokens": 6}
+        params = SamplingParams(max_tokens=10, temperature=0, **edits, **extra)
+        params_eos = params.model_copy(update={"logit_bias": {**edits["logit_bias"], eos: 100.0}})
+        for p in (params, params_eos):
+            (expected,) = llm.generate([prompt], p)
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0, **edits,
+                    "logit_bias": {str(t): v for t, v in p.logit_bias.items()},
+                    "extra_body": {**extra, **prefill.route(next(_rooms))}}
+
+            async def both(body=body):
+                async with _client(prefill) as pc, _client(decode) as dc:
+                    return await asyncio.gather(pc.completions.create(**body), dc.completions.create(**body))
+
+            _, d = asyncio.run(both())
+            assert d.choices[0].text == expected.text, (prompt[:3], p.logit_bias)
+            assert d.usage.completion_tokens == len(expected.token_ids)
+        assert len(expected.token_ids) == 7 and expected.finish_reason == "stop"  # EOS as token 6, not before
+    for server in (prefill, decode):
+        wait_pd_idle(server)
+
+
 def test_pd_streaming_chat_and_16_concurrent(servers):
     prefill, decode = servers["prefill"], servers["hisparse"]
     llm = _colocated(hisparse=True)

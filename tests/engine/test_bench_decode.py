@@ -425,3 +425,26 @@ def test_mixed_contexts_and_indexer_split(tmp_path, monkeypatch):
     for refused in (["--cross-layer-overlap", "0", "0.5"], ["--sweep-kv-gib-per-layer", "0.5"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--mixed-contexts", "--miss-rates", "0.05", *refused])
+
+
+def test_penalized_sampling_runs_the_logits_processing(tmp_path, monkeypatch):
+    """--sampling penalized: every request of both modes carries counts (a slot of the processor's table each)
+    through the timed steps."""
+    spec = importlib.util.spec_from_file_location("bench_decode_penalized", ROOT / "benchmarks" / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    seen: list[int] = []
+    real_fill = bench.fill
+
+    def fill(engine, *args, **kwargs):
+        contexts = real_fill(engine, *args, **kwargs)
+        seen.append(engine.logits_processor.slots_in_use - len(contexts))
+        return contexts
+
+    monkeypatch.setattr(bench, "fill", fill)
+    out = tmp_path / "r.json"
+    bench.main(["--smoke", "--contexts", "192", "--miss-rates", "--batch-sizes", "--steps", "2", "--sampling",
+                "penalized", "--out", str(out), "--plot", str(tmp_path / "r.png")])  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["meta"]["args"]["sampling"] == "penalized"
+    assert seen and set(seen) == {0} and all("error" not in r for r in data["results"])

@@ -65,3 +65,30 @@ def test_tiny_temperature_and_top_p_never_produce_nan():
             params = SamplingParams(temperature=t, top_p=top_p)
             tok, _ = sampler.sample(logits, [params], [make_generator(0, torch.device("cpu"))])
             assert tok == [0]
+
+
+def test_stop_strings_wait_until_armed():
+    """min_tokens: text added while not armed cannot stop alone; a stop string that ends in later text does."""
+    checker = StopStringChecker(["ab"])
+    shown = [checker.add("xab", armed=False), checker.add("y", armed=False), checker.add("a"), checker.add("bz")]
+    assert checker.matched == "ab" and "".join(shown) == "xaby"
+    checker = StopStringChecker(["ab"])
+    shown = [checker.add("xa", armed=False), checker.add("b")]  # the match straddles the arming: it stops
+    assert checker.matched == "ab" and "".join(shown) == "x"
+    checker = StopStringChecker(["ab"])
+    shown = [checker.add("ab", armed=False), checker.add("c"), checker.finish()]
+    assert checker.matched is None and "".join(shown) == "abc"
+
+
+def test_sampling_params_edits_are_checked():
+    import pytest
+    from pydantic import ValidationError
+
+    for bad in ({"min_tokens": 17}, {"logit_bias": {3: 100.5}}, {"logit_bias": {-1: 1.0}},
+                {"logit_bias": {3: float("nan")}}, {"repetition_penalty": 0.0}, {"frequency_penalty": 2.5},
+                {"presence_penalty": -3.0}):
+        with pytest.raises(ValidationError):
+            SamplingParams(max_tokens=16, **bad)
+    p = SamplingParams(max_tokens=16, min_tokens=16, logit_bias={3: -100.0}, repetition_penalty=1.0)
+    assert not p.uses_token_counts
+    assert SamplingParams(presence_penalty=0.1).uses_token_counts
