@@ -351,6 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--min-tokens", type=int, default=0, help="EOS, stop ids and stop strings wait for this many")
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS",
+                   help="add BIAS to token ID's logit (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
@@ -579,9 +585,15 @@ def _cmd_generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     from decode_server.engine.llm import LLM
     from decode_server.engine.sampling_params import SamplingParams
 
+    try:
+        bias = {int(k): float(v) for k, v in (item.split("=", 1) for item in args.logit_bias or [])}
+    except ValueError:
+        raise SystemExit(f"--logit-bias takes ID=BIAS (got {args.logit_bias})") from None
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos,
+        seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
+        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+        repetition_penalty=args.repetition_penalty, logit_bias=bias,
     )  # fmt: skip
     engine_args = engine_config.model_dump(exclude={"model_path"})
     llm = LLM(engine_config.model_path, **engine_args)

@@ -151,6 +151,11 @@ def test_cli_generate_offline(capsys: pytest.CaptureFixture[str]) -> None:
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [x["prompt"] for x in lines] == ["Hello", "World"]
     assert all(len(x["token_ids"]) == 3 and x["finish_reason"] == "length" for x in lines)
+    code = main(["generate", "--model-path", "tiny-dsa", "--device", "cpu", "--context-length", "128",
+                 "--prompt", "Hello", "--max-tokens", "4", "--logit-bias", "77=100", "--frequency-penalty", "0.5",
+                 "--min-tokens", "2", "--json"])  # fmt: skip
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == [77] * 4
 
 
 class _ExitedProcess:
