@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(if $(TRITON_SPEC),$(PY) -m pip install -q "$(TRITON_SPEC)" || echo "WARNING: $(TRITON_SPEC) not installed; \
 		tests/kernels/test_triton_cpu.py will be skipped" >&2)
-	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q -e ".[test,bench,structured]"
 	$(PY) -m pip install -q -e ".[$$($(PY) -c "$$PD_EXTRA_PY")]"
 	@$(MAKE) --no-print-directory system-libs
 	touch $(STAMP)

@@ -143,6 +143,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)  # fmt: skip
     g.add_argument(
+        "--grammar-backend", choices=["xgrammar", "none"], default=d.grammar_backend,
+        help="what compiles response_format json_object / json_schema, regex and ebnf constraints (xgrammar, the "
+        "`structured` extra); none: refuse them",
+    )
+    g.add_argument(
+        "--constrained-json-disable-any-whitespace", action="store_true",
+        help="constrained JSON without optional whitespace (the model cannot pad it with spaces or newlines)",
+    )
+    g.add_argument(
         "--enable-prefix-caching", action="store_true",
         help="keep finished requests' KV pages in a radix tree and map a new prompt's cached prefix instead of "
         "recomputing it (colocated and prefill servers; off by default)",
@@ -281,6 +290,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_queued_requests=args.max_queued_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         enable_prefix_caching=prefix_caching_from_args(args),
+        grammar_backend=args.grammar_backend,
+        constrained_json_disable_any_whitespace=args.constrained_json_disable_any_whitespace,
         watchdog_timeout=args.watchdog_timeout,
         tp_size=args.tp_size,
         ep_size=args.ep_size,

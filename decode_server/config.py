@@ -171,6 +171,11 @@ class EngineConfig(BaseModel):
     # caching"). Off by default; a PD decode server receives every prompt's KV and refuses it.
     enable_prefix_caching: bool = False
     context_length: int | None = Field(default=None, ge=1)
+    # Structured outputs (SGLang's --grammar-backend): response_format json_object / json_schema, regex and ebnf
+    # constraints compiled by xgrammar (the `structured` extra); "none" refuses them. SGLang's
+    # --constrained-json-disable-any-whitespace: JSON without optional whitespace (docs/engine.md "Structured outputs").
+    grammar_backend: Literal["xgrammar", "none"] = "xgrammar"
+    constrained_json_disable_any_whitespace: bool = False
     # Overlap scheduling (SGLang's --disable-overlap-schedule): the host prepares pass N+1 while the device runs
     # pass N. On by default on CUDA, off on CPU (nothing overlaps there); `force_overlap_schedule` runs it on CPU.
     disable_overlap_schedule: bool = False

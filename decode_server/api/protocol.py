@@ -84,6 +84,25 @@ class _Strict(BaseModel):
         return data
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`: the schema the output must satisfy (`name`, `description` and
+    `strict` are accepted as OpenAI defines them; the schema is always enforced)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    name: str | None = Field(default=None, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema", description="a JSON Schema object")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class StreamOptions(_Strict):
 
     include_usage: bool = False
@@ -123,6 +142,11 @@ class _SamplingFields(_Strict):
     )
     min_tokens: int = Field(default=0, ge=0, description="EOS, stop token ids and stop strings wait for this many "
                             "generated tokens (vLLM's / SGLang's)")
+    response_format: ResponseFormat | None = Field(
+        default=None, description="OpenAI's structured outputs: text, json_object, or json_schema with a schema")
+    regex: str | None = Field(default=None, min_length=1, description="SGLang's: the output must match this regex")
+    ebnf: str | None = Field(default=None, min_length=1,
+                             description="SGLang's: the output must match this EBNF grammar (GBNF-style, rule `root`)")
     user: str | None = None
     rid: str | None = Field(
         default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",
@@ -195,7 +219,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = Field(default=None, description="not supported")
-    response_format: dict[str, Any] | None = Field(default=None, description="only {'type': 'text'}")
     add_generation_prompt: bool = True
 
 

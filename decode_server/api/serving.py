@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from decode_server.api.protocol import (
 from decode_server.api.sse import DONE_FRAME, SSE_HEADERS, sse_frame
 from decode_server.api.tokenization import TokenizerPool
 from decode_server.disagg.bootstrap_info import MAX_ROOM, BootstrapInfo
-from decode_server.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from decode_server.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutput
 from decode_server.engine.types import TokenLogprob
 from decode_server.errors import (
     CapacityError,
@@ -134,8 +135,6 @@ class OpenAIServing:
         else:
             if req.tools:
                 reject("tools", "no tool calling")
-            if req.response_format and req.response_format.get("type", "text") != "text":
-                reject("response_format", "only {'type': 'text'}")
             if req.top_logprobs is not None and not req.logprobs:
                 raise InvalidRequestError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
 
@@ -170,6 +169,26 @@ class OpenAIServing:
                                           f"{MAX_LOGIT_BIAS:g}] (got {value} for {key!r})", param="logit_bias")
             out[token] = value
         return out
+
+    @staticmethod
+    def _structured(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:
+        """response_format (OpenAI), regex or ebnf (SGLang's) → the engine's constraint; at most one of them."""
+        fmt = req.response_format if req.response_format is not None and req.response_format.type != "text" else None
+        given = [name for name, v in (("response_format", fmt), ("regex", req.regex), ("ebnf", req.ebnf)) if v]
+        if len(given) > 1:
+            raise InvalidRequestError(f"give one output constraint, not {' and '.join(given)}", param=given[1])
+        if req.regex is not None:
+            return StructuredOutput(kind="regex", spec=req.regex)
+        if req.ebnf is not None:
+            return StructuredOutput(kind="ebnf", spec=req.ebnf)
+        if fmt is None:
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutput(kind="json_object")
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise InvalidRequestError("response_format of type json_schema needs json_schema.schema",
+                                      param="response_format.json_schema")
+        return StructuredOutput(kind="json_schema", spec=json.dumps(fmt.json_schema.schema_))
 
     def _check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -220,6 +239,10 @@ class OpenAIServing:
         if req.min_tokens > max_tokens:
             raise InvalidRequestError(f"'min_tokens' ({req.min_tokens}) is more than max_tokens ({max_tokens})",
                                       param="min_tokens")
+        structured = self._structured(req)
+        if structured is not None and req.min_tokens:
+            raise InvalidRequestError("'min_tokens' cannot be combined with an output constraint (a finished "
+                                      "grammar allows only EOS)", param="min_tokens")
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -236,6 +259,7 @@ class OpenAIServing:
                 repetition_penalty=req.repetition_penalty,
                 frequency_penalty=req.frequency_penalty,
                 presence_penalty=req.presence_penalty,
+                structured=structured,
             )
         except ValidationError as exc:
             first = exc.errors()[0]

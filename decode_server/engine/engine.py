@@ -44,6 +44,7 @@ from decode_server.engine.request import Request, RequestStatus
 from decode_server.engine.sampler import SampledTokens, Sampler, is_greedy, make_generator, token_seed
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.engine.scheduler import ScheduledBatch, Scheduler
+from decode_server.engine.structured_output import build_grammar_backend
 from decode_server.engine.types import EngineStats, RequestDelta, TokenLogprob
 from decode_server.errors import (
     CapacityError,
@@ -173,6 +174,11 @@ class Engine:
         self.sampler = Sampler()
         self.logits_processor = LogitsProcessor(self.device)
         self.eos_token_ids = _eos_ids(model_config, tokenizer)
+        # Structured outputs (engine/structured_output.py): None and the reason when they are refused.
+        self.grammar, self.grammar_error = build_grammar_backend(
+            config.grammar_backend, tokenizer, int(model_config.vocab_size), self.eos_token_ids,
+            any_whitespace=not config.constrained_json_disable_any_whitespace)
+        self.logits_processor.grammar = self.grammar
         self.logits_hook: LogitsHook | None = None
         # PD prefill (decode_server/disagg/): sees each prompt chunk once its KV is complete (device synced).
         self.prefill_chunk_hook: PrefillChunkHook | None = None
@@ -326,6 +332,14 @@ class Engine:
             )
         req = Request(rid=rid, prompt_ids=list(prompt_token_ids), params=params, arrival=next(self._arrivals),
                       eos_token_ids=self.eos_token_ids)
+        if params.structured is not None:
+            param = {"regex": "regex", "ebnf": "ebnf"}.get(params.structured.kind, "response_format")
+            if self.grammar is None:
+                raise InvalidRequestError(self.grammar_error or "structured outputs are unavailable", param=param)
+            try:
+                req.grammar = self.grammar.compile(params.structured)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param=param) from exc
         reason = self.kv.capacity_error(req.prompt_len, req.max_total_len)
         if reason is not None:
             raise CapacityError(f"request can never fit in the KV budgets: {reason}")
@@ -401,6 +415,11 @@ class Engine:
         deltas, self._pending_deltas = self._pending_deltas, []
         if self.dp_sync is not None:
             return deltas + self._dp_step()
+        if self._inflight is not None and any(r.params.structured is not None and not r.finished
+                                              for r in self._inflight.sampled):
+            # A grammar's next bitmask needs the token in flight: read that pass before scheduling this one.
+            previous, self._inflight = self._inflight, None
+            deltas += self._read_pass(previous)
         shared_pool = self.tp_size > 1 and self.config.enable_hisparse
         if shared_pool:
             self._shared_pool_barrier()  # every rank is done with the pages freed before this step
@@ -588,6 +607,11 @@ class Engine:
             req.logprobs.append(logprob)
         self._num_generated += 1
         finished = req.check_token_stop(token)
+        error = None
+        if not self.logits_processor.accept(req, token):
+            logger.error("%s: token %d does not match its grammar; ending it", req.rid, token)
+            finished, error = True, f"the output left its structured-output grammar at token {token}"
+            req.finish_reason, req.stop_reason = "abort", None
         text = ""
         if req.detokenizer is not None and req.stop_checker is not None:
             armed = len(req.output_ids) >= req.params.min_tokens
@@ -601,7 +625,10 @@ class Engine:
             self._requests.pop(req.rid, None)
             self.scheduler.remove(req, hold=req.hold_kv)
             self.logits_processor.release(req)
-        return self._delta(req, [token], text, finished, [logprob] if logprob is not None else None)
+        delta = self._delta(req, [token], text, finished, [logprob] if logprob is not None else None)
+        if error is not None:
+            delta.error, delta.error_class = error, "DecodeServerError"
+        return delta
 
     def _delta(self, req: Request, tokens: list[int], text: str, finished: bool,
                logprobs: list[Any] | None = None) -> RequestDelta:

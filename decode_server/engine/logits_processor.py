@@ -20,11 +20,13 @@ to the same logits, so the bit-for-bit contract is untouched.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from decode_server.engine.request import Request
+from decode_server.engine.structured_output import GrammarBackend, allowed_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,8 @@ class _StepPlan:
     bias: tuple[list[int], list[int], list[float]]  # (position in rows, token id, value)
     banned: tuple[list[int], list[int]]  # (position in rows, token id)
     repetition: bool  # some counted row has a repetition penalty
+    constrained: list[int] = field(default_factory=list)  # positions (into `rows`) of rows with a grammar
+    matchers: list[Any] = field(default_factory=list)  # their grammar matchers
 
 
 class LogitsProcessor:
@@ -64,6 +68,8 @@ class LogitsProcessor:
         self._free_slots: list[int] = []
         self._slot_of: dict[str, int] = {}
         self._static: dict[str, _StaticRows] = {}
+        self.grammar: GrammarBackend | None = None  # set by the engine when structured outputs are available
+        self._matchers: dict[str, Any] = {}
         self._to_record: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (batch, rows, slots) of apply()
         self._minus_inf = torch.full((), float("-inf"), device=device)
         self._ones = torch.ones(0, dtype=torch.int32, device=device)  # grown on demand: the counts' increments
@@ -75,7 +81,7 @@ class LogitsProcessor:
 
     def is_empty(self) -> bool:
         """No request holds a slot or cached edits (tests check that every ending frees them)."""
-        return not self._slot_of and not self._static
+        return not self._slot_of and not self._static and not self._matchers
 
     def release(self, req: Request) -> None:
         """The request has ended (finished, aborted, failed): its slot goes back to the free list. A pass still in
@@ -84,6 +90,13 @@ class LogitsProcessor:
         if slot is not None:
             self._free_slots.append(slot)
         self._static.pop(req.rid, None)
+        self._matchers.pop(req.rid, None)
+
+    def accept(self, req: Request, token: int) -> bool:
+        """The host has read `token` of a constrained request: advance its matcher (a request not sampled here yet
+        has none: its matcher starts from the tokens known then). False if the token breaks the grammar."""
+        matcher = self._matchers.get(req.rid)
+        return matcher is None or bool(matcher.accept_token(token))
 
     # -- one step --
     def apply(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -92,7 +105,8 @@ class LogitsProcessor:
         follow with the tokens sampled from them."""
         logits = logits.float()
         self._to_record = None
-        plan = self._plan(requests, logits.shape[-1])
+        vocab = logits.shape[-1]
+        plan = self._plan(requests, vocab)
         if plan is None:
             return logits
         bias_pos, bias_ids, bias_values = plan.bias
@@ -109,6 +123,8 @@ class LogitsProcessor:
             x.index_put_((bias_pos_t, bias_ids_t), x[bias_pos_t, bias_ids_t] + bias_values_t)  # each (row, id) once
         if ban_ids:
             x.index_put_((ban_pos_t, ban_ids_t), self._minus_inf)
+        if plan.constrained:
+            self._mask_grammar(x, plan, vocab)
         if plan.counted:
             self._penalize(x, counted, slots, factors.view(-1, 3), plan.repetition, len(plan.rows))
             self._to_record = (len(requests), counted_rows, slots)
@@ -139,7 +155,7 @@ class LogitsProcessor:
         for i, req in enumerate(requests):
             p = req.params
             banning = req.num_output_tokens < p.min_tokens
-            if not (p.logit_bias or banning or p.uses_token_counts):
+            if not (p.logit_bias or banning or p.uses_token_counts or p.structured is not None):
                 continue
             j = len(plan.rows)
             plan.rows.append(i)
@@ -157,7 +173,31 @@ class LogitsProcessor:
                 plan.slots.append(self._slot(req, vocab))
                 plan.factors.extend((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
                 plan.repetition |= p.repetition_penalty != 1.0
+            if p.structured is not None:
+                plan.constrained.append(j)
+                plan.matchers.append(self._matcher(req))
         return plan if plan.rows else None
+
+    def _mask_grammar(self, x: torch.Tensor, plan: _StepPlan, vocab: int) -> None:
+        """−inf on every token the rows' grammars do not allow next (the bitmask is filled on the host)."""
+        assert self.grammar is not None
+        allowed = allowed_tokens(_upload(self.grammar.bitmask(plan.matchers), self.device), vocab)
+        if len(plan.constrained) == x.shape[0]:  # every row, in order
+            x.masked_fill_(~allowed, float("-inf"))
+            return
+        rows = _to(plan.constrained, torch.int64, self.device)
+        y = x.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+        x.index_copy_(0, rows, y)
+
+    def _matcher(self, req: Request) -> Any:
+        matcher = self._matchers.get(req.rid)
+        if matcher is None:
+            if self.grammar is None or req.grammar is None:
+                raise RuntimeError(f"{req.rid}: a structured output without a compiled grammar")
+            if req.num_pending:
+                raise RuntimeError(f"{req.rid}: its grammar must start from known tokens ({req.num_pending} pending)")
+            matcher = self._matchers[req.rid] = self.grammar.matcher(req.grammar, req.output_ids)
+        return matcher
 
     def _penalize(self, x: torch.Tensor, counted: torch.Tensor, slots: torch.Tensor, factors: torch.Tensor,
                   repetition: bool, num_rows: int) -> None:

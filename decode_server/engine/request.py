@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ class Request:
     arrival: int  # admission order; retraction picks the newest
     generator: torch.Generator | None = None
     sampling_seed: int | None = None  # re-seeds `generator` before each token (engine/sampler.py token_seed)
+    grammar: Any = None  # the compiled grammar of `params.structured` (engine/structured_output.py)
     eos_token_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # OpenAI's range for a logit_bias value.
 MAX_LOGIT_BIAS = 100.0
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on the whole output (engine/structured_output.py): OpenAI's response_format `json_object`
+    (any JSON object) or `json_schema` (`spec`: the schema as JSON text), SGLang's `regex` and `ebnf` (`spec`: the
+    pattern or the grammar)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json_object", "json_schema", "regex", "ebnf"]
+    spec: str = ""
 
 
 class SamplingParams(BaseModel):
@@ -29,6 +42,7 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0, description="1 disables (prompt + output)")
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="times the output's count")
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="once a token is in the output")
+    structured: StructuredOutput | None = Field(default=None, description="a grammar the output must match")
 
     @field_validator("top_k")
     @classmethod
@@ -60,6 +74,9 @@ class SamplingParams(BaseModel):
     def _check_min_tokens(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.min_tokens and self.structured is not None:
+            # A finished grammar allows only EOS, which min_tokens would forbid: no token would be left.
+            raise ValueError("min_tokens cannot be combined with a structured output constraint")
         return self
 
     @property

@@ -70,6 +70,19 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def encoded_vocab(self) -> list[str]:
+        """Every token's string as the tokenizer stores it (byte-level BPE: bytes mapped to printable characters),
+        indexed by id; ids the vocabulary skips are empty strings (grammar compilers need the whole table)."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        table = [""] * (max(vocab.values(), default=-1) + 1)
+        for token, token_id in vocab.items():
+            table[token_id] = token
+        return table
+
+    def backend_json(self) -> dict[str, Any]:
+        """tokenizer.json as a dict (what its decoder and pre-tokenizer are: grammar compilers need the encoding)."""
+        return json.loads(self._tok.to_str())
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 from collections.abc import Iterator
 
 import httpx
@@ -187,6 +188,35 @@ def test_pd_penalties_and_min_tokens_equal_colocated(servers):
             assert d.choices[0].text == expected.text, (prompt[:3], p.logit_bias)
             assert d.usage.completion_tokens == len(expected.token_ids)
         assert len(expected.token_ids) == 7 and expected.finish_reason == "stop"  # EOS as token 6, not before
+    for server in (prefill, decode):
+        wait_pd_idle(server)
+
+
+def test_pd_structured_output_equals_colocated(servers):
+    """A grammar spans both servers: prefill samples the first token under it, and the decode server's matcher
+    starts from that token; sampled and greedy outputs equal a colocated engine's and match their grammar."""
+    pytest.importorskip("xgrammar")
+    from decode_server.engine.sampling_params import StructuredOutput
+
+    prefill, decode = servers["prefill"], servers["hisparse"]
+    llm = _colocated(hisparse=True)
+    regex = r"(yes|no), [0-9]{2,4}!"
+    wait_pd_idle(prefill)
+    flush_cache(prefill)
+    for i, prompt in enumerate(PROMPTS):
+        sampling = {"temperature": 0} if i % 2 else {"temperature": 0.9, "seed": 7 + i}
+        params = SamplingParams(max_tokens=12, structured=StructuredOutput(kind="regex", spec=regex), **sampling)
+        (expected,) = llm.generate([prompt], params)
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, **sampling,
+                "extra_body": {"regex": regex, **prefill.route(next(_rooms))}}
+
+        async def both(body=body):
+            async with _client(prefill) as pc, _client(decode) as dc:
+                return await asyncio.gather(pc.completions.create(**body), dc.completions.create(**body))
+
+        _, d = asyncio.run(both())
+        assert d.choices[0].text == expected.text and re.fullmatch(regex, expected.text), expected.text
+        assert d.choices[0].finish_reason == "stop"
     for server in (prefill, decode):
         wait_pd_idle(server)
 

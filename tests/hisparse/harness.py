@@ -45,7 +45,7 @@ def make_engine(
     cuda_graph_bs: list[int] | None = None, eager_graph_buckets: list[int] | None = None,
     overlap: bool | None = None, deterministic: bool = False, prefetch_shared_layers: bool = False,
     early_swap_in: bool = False, side_stream_copy_blocks: int | str = 0, speculative_prefetch: bool = False,
-    prefix_caching: bool = False,
+    prefix_caching: bool = False, json_any_whitespace: bool = True,
 ) -> Engine:
     """`optimistic`: admission expects no request to grow past its prompt (new-token ratios 0), so that tight
     budgets force retractions. CUDA graphs follow the engine's defaults (captured on CUDA, none on CPU) and
@@ -57,7 +57,8 @@ def make_engine(
     HiSparseConfig key (a layer's swap-in started from its prepare_attention, on a side stream);
     `side_stream_copy_blocks`: the HiSparseConfig key (those side-stream swap-ins' copy grid cap);
     `speculative_prefetch`: the HiSparseConfig key (each full layer's top-k swapped into the next one's buffer);
-    `prefix_caching`: `--enable-prefix-caching`."""
+    `prefix_caching`: `--enable-prefix-caching`; `json_any_whitespace=False`:
+    `--constrained-json-disable-any-whitespace`."""
     model, model_config, tokenizer = tiny
     cfg = EngineConfig(
         device=device, enable_hisparse=hisparse, page_size=PAGE, chunked_prefill_size=chunk,
@@ -72,6 +73,7 @@ def make_engine(
         disable_cuda_graph=disable_cuda_graph or eager_graph_buckets is not None, cuda_graph_bs=cuda_graph_bs,
         force_overlap_schedule=overlap is True, disable_overlap_schedule=overlap is False,
         enable_deterministic_inference=deterministic, enable_prefix_caching=prefix_caching,
+        constrained_json_disable_any_whitespace=not json_any_whitespace,
     )
     engine = Engine(cfg, model=model, model_config=model_config, tokenizer=tokenizer)
     if eager_graph_buckets is not None:
