@@ -103,8 +103,9 @@ RUN pip install --no-cache-dir --no-deps "/wheels/$(cat /wheels/wheel-name.txt)"
 FROM ${BASE_IMAGE} AS cuda
 ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
-# `pd-cuda13`: the transfer engine's wheel built for CUDA 13, the CUDA line of this image's torch.
-ARG EXTRAS=pd-cuda13
+# `pd-cuda13`: the transfer engine's wheel built for CUDA 13, the CUDA line of this image's torch; `structured`:
+# xgrammar for response_format / regex / ebnf (the CPU image leaves it out: it would bring triton along).
+ARG EXTRAS=pd-cuda13,structured
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH \
     HISPARSE_CACHE_DIR=/var/cache/hisparse \

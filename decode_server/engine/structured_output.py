@@ -67,6 +67,7 @@ class GrammarBackend:
                                       stop_token_ids=sorted(stop_token_ids), add_prefix_space=add_prefix_space)
         # Compiled grammars are cached by their text, up to a bound: clients with ever new schemas cannot grow it.
         self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=True, cache_limit_bytes=256 << 20)
+
         logger.info("structured outputs: xgrammar %s over %d tokens (%s) ready in %.2f s",
                     importlib.metadata.version("xgrammar"), vocab_size, encoding, time.perf_counter() - start)
 
@@ -97,6 +98,8 @@ class GrammarBackend:
     def bitmask(self, matchers: list[Any]) -> torch.Tensor:
         """int32 [len(matchers), ceil(vocab / 32)] on the host: bit t of row k set when token t may follow."""
         mask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        # One row after the other: xgrammar's BatchGrammarMatcher (threads) cost ~3.8 ms a call on the H200's host
+        # whatever the rows (docs/benchmarks.md "Sampling"), more than serial filling up to ~40 rows in a string.
         for k, matcher in enumerate(matchers):
             matcher.fill_next_token_bitmask(mask, k)
         return mask
