@@ -20,6 +20,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, get_args
 
 from pydantic import ValidationError
@@ -368,6 +369,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS",
                    help="add BIAS to token ID's logit (repeatable)")
+    constraint = g.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                            help="the output is JSON valid against this schema (JSON text, or @file)")
+    constraint.add_argument("--regex", default=None, help="the output matches this regular expression")
+    constraint.add_argument("--ebnf", default=None, help="the output matches this EBNF grammar (rule `root`)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
@@ -594,13 +600,22 @@ def _cmd_serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
 
 def _cmd_generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     from decode_server.engine.llm import LLM
-    from decode_server.engine.sampling_params import SamplingParams
+    from decode_server.engine.sampling_params import SamplingParams, StructuredOutput
+    from decode_server.errors import DecodeServerError
 
     try:
         bias = {int(k): float(v) for k, v in (item.split("=", 1) for item in args.logit_bias or [])}
     except ValueError:
         raise SystemExit(f"--logit-bias takes ID=BIAS (got {args.logit_bias})") from None
+    structured = None
+    if args.json_schema is not None:
+        text = Path(args.json_schema[1:]).read_text() if args.json_schema.startswith("@") else args.json_schema
+        structured = StructuredOutput(kind="json_schema", spec=text)
+    elif args.regex is not None or args.ebnf is not None:
+        kind = "regex" if args.regex is not None else "ebnf"
+        structured = StructuredOutput(kind=kind, spec=args.regex if kind == "regex" else args.ebnf)
     params = SamplingParams(
+        structured=structured,
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
         frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
@@ -616,7 +631,11 @@ def _cmd_generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
                                  add_special_tokens=False)
             for p in prompts
         ]  # fmt: skip
-    outputs = llm.generate(prompts, params)
+    try:
+        outputs = llm.generate(prompts, params)
+    except DecodeServerError as exc:  # a request the engine refuses (a grammar that does not compile, ...)
+        print(f"decode-server generate: error: {exc}", file=sys.stderr)
+        return 2
     for prompt, out in zip(args.prompt, outputs, strict=True):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,

@@ -158,6 +158,22 @@ def test_cli_generate_offline(capsys: pytest.CaptureFixture[str]) -> None:
     assert json.loads(capsys.readouterr().out)["token_ids"] == [77] * 4
 
 
+def test_cli_generate_structured(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    pytest.importorskip("xgrammar")
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], '
+                      '"additionalProperties": false}')
+    base = ["generate", "--model-path", "tiny-dsa", "--device", "cpu", "--context-length", "128", "--prompt", "Hi",
+            "--max-tokens", "40", "--json", "--constrained-json-disable-any-whitespace"]  # fmt: skip
+    assert main([*base, "--json-schema", f"@{schema}"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "stop" and json.loads(out["text"]) in ({"ok": True}, {"ok": False})
+    assert main([*base, "--regex", "(yes|no)!"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] in ("yes!", "no!")
+    assert main([*base, "--regex", "(unclosed"]) == 2
+    assert "invalid regex" in capsys.readouterr().err
+
+
 class _ExitedProcess:
     """A child process that has already exited with code 1 (what the watchdog finds after an engine crash)."""
 
