@@ -185,10 +185,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "vocab × hidden more weight memory per rank)",
     )
     g.add_argument(
-        "--load-balance-method", choices=["shortest_queue", "minimum_tokens", "round_robin"],
+        "--load-balance-method", choices=["shortest_queue", "minimum_tokens", "round_robin", "cache_aware"],
         default=d.load_balance_method,
         help="with --enable-dp-attention: how requests are spread over the ranks (fewest requests in flight, "
-        "fewest prompt + max_tokens in flight, or in turn)",
+        "fewest prompt + max_tokens in flight, in turn, or to the rank that cached the prompt's start: cache_aware, "
+        "with --enable-prefix-caching)",
     )
     g.add_argument(
         "--watchdog-timeout",

@@ -198,8 +198,9 @@ class EngineConfig(BaseModel):
     dp_size: int = Field(default=1, ge=1, description="attention data-parallel ranks (== tp_size with DP attention)")
     enable_dp_lm_head: bool = False  # DP attention: the LM head whole on every rank (no gather of sampled rows)
     # How the api spreads requests over DP ranks (SGLang's --load-balance-method): fewest requests in flight
-    # (`shortest_queue`), fewest tokens (prompt + max_tokens) in flight (`minimum_tokens`), or in turn.
-    load_balance_method: Literal["shortest_queue", "minimum_tokens", "round_robin"] = "shortest_queue"
+    # (`shortest_queue`), fewest tokens (prompt + max_tokens) in flight (`minimum_tokens`), in turn, or to the rank
+    # that cached the prompt's start (`cache_aware`, for --enable-prefix-caching; api/engine_client.py DPBalancer).
+    load_balance_method: Literal["shortest_queue", "minimum_tokens", "round_robin", "cache_aware"] = "shortest_queue"
 
     @field_validator("model_path")
     @classmethod

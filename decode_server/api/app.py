@@ -171,6 +171,9 @@ def create_app(ctx: ServerContext) -> FastAPI:
             "engine_pid": ctx.client.pid,
             "num_inflight_requests": ctx.client.num_inflight,
             "dp_inflight_requests": ctx.client.dp_load()[0],
+            # --load-balance-method cache_aware: how its choices went (hit / miss / imbalanced); None otherwise
+            "dp_cache_aware_decisions": (dict(ctx.client.balancer.decisions)
+                                         if ctx.client.balancer.affinity is not None else None),
             "disaggregation_auth": _auth_state(ctx.model),
             "stats": stats.model_dump(),
         }

@@ -43,6 +43,7 @@ from decode_server.errors import (
     QueueFullError,
     ServerShuttingDownError,
 )
+from decode_server.router.prefix_affinity import PrefixAffinity
 from decode_server.runtime.death_note import read_note
 from decode_server.runtime.messages import (
     AbortMsg,
@@ -97,14 +98,27 @@ class DPBalancer:
 
     `shortest_queue` (default): the rank with the fewest requests in flight (running or waiting there), ties to the
     one with fewer tokens in flight, then the lower rank; `minimum_tokens`: the fewest tokens (prompt + max_tokens)
-    in flight, ties to fewer requests; `round_robin`: in turn (SGLang's methods of the same names)."""
+    in flight, ties to fewer requests; `round_robin`: in turn (SGLang's methods of the same names).
+
+    `cache_aware` (with `--enable-prefix-caching`, where each rank caches its own prefixes): the rank that got the
+    longest start of this prompt, when that start is at least half of it, so its cached pages are reused; else the
+    shortest queue; while the ranks' request counts are out of balance (by more than 32 and in ratio), the shortest
+    queue whatever the prefix — the PD router's cache_aware policy with SGLang's defaults, over token ids."""
+
+    CACHE_THRESHOLD = 0.5
+    BALANCE_ABS_THRESHOLD = 32
+    BALANCE_REL_THRESHOLD = 1.0001
+    MAX_TREE_CHARS = 2**24
 
     def __init__(self, dp_size: int, method: str) -> None:
         self.dp_size = dp_size
         self.method = method
         self._turn = itertools.count()
+        self.affinity: PrefixAffinity[int] | None = (
+            PrefixAffinity(self.MAX_TREE_CHARS) if method == "cache_aware" else None)
+        self.decisions = {"hit": 0, "miss": 0, "imbalanced": 0}  # cache_aware's outcomes (tests, /server_info)
 
-    def choose(self, routes: list[_Route]) -> int:
+    def choose(self, routes: list[_Route], prompt_token_ids: list[int] | None = None) -> int:
         if self.dp_size == 1:
             return 0
         if self.method == "round_robin":
@@ -112,7 +126,20 @@ class DPBalancer:
         requests, tokens = self.load(routes)
         if self.method == "minimum_tokens":
             return min(range(self.dp_size), key=lambda r: (tokens[r], requests[r], r))
-        return min(range(self.dp_size), key=lambda r: (requests[r], tokens[r], r))
+        shortest = min(range(self.dp_size), key=lambda r: (requests[r], tokens[r], r))
+        if self.affinity is None:
+            return shortest
+        text = " ".join(map(str, prompt_token_ids or []))
+        if (max(requests) - min(requests) > self.BALANCE_ABS_THRESHOLD
+                and max(requests) > min(requests) * self.BALANCE_REL_THRESHOLD):
+            choice, outcome = shortest, "imbalanced"
+        else:
+            owner, share = self.affinity.match(text)
+            hit = owner is not None and share >= self.CACHE_THRESHOLD
+            choice, outcome = (owner, "hit") if hit and owner is not None else (shortest, "miss")
+        self.affinity.record(text, choice)
+        self.decisions[outcome] += 1
+        return choice
 
     def load(self, routes: list[_Route]) -> tuple[list[int], list[int]]:
         """Requests and tokens in flight per rank."""
@@ -280,7 +307,7 @@ class EngineClient:
         if rid in self._routes:
             raise DecodeServerError(f"duplicate request id {rid!r}")
         accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        dp_rank = self.balancer.choose(list(self._routes.values()))
+        dp_rank = self.balancer.choose(list(self._routes.values()), prompt_token_ids)
         self._accepts[rid] = accepted
         self._routes[rid] = _Route(queue, index, dp_rank, len(prompt_token_ids) + params.max_tokens)
         try:

@@ -76,7 +76,8 @@ def servers() -> Iterator[dict[str, ServerProcess]]:
         "hisparse_dp": _start(*DP2, *HISPARSE_ARGS),
         "dense_tp": _start("--tp-size", "2", "--ep-size", "2", *DENSE_ARGS),
         "hisparse_tp": _start("--tp-size", "2", *HISPARSE_ARGS),
-        "glm5_dp": _start("--model-path", "tiny-glm5", *DP2, "--ep-size", "2", "--enable-prefix-caching"),
+        "glm5_dp": _start("--model-path", "tiny-glm5", *DP2, "--ep-size", "2", "--enable-prefix-caching",
+                          "--load-balance-method", "cache_aware"),
     }
     try:
         for server in started.values():
@@ -232,6 +233,28 @@ def test_glm5_dp_prefix_caching_per_rank(servers) -> None:
     stats = _wait_idle_everywhere(server)
     assert stats["prefix_cache"]["cached_tokens"] == 0
     assert stats["prefix_cache"]["evicted_tokens"] == cache["evicted_tokens"] + cache["cached_tokens"]
+
+
+def test_glm5_dp_cache_aware_sends_a_prompt_to_the_rank_that_cached_its_start(servers) -> None:
+    """`--load-balance-method cache_aware`: two system prompts in flight at once land on the two ranks; later
+    prompts that start with either go to its rank and reuse its pages, where the shortest queue (ranks idle: rank 0)
+    would have recomputed one of them."""
+    server = servers["glm5_dp"]
+    flush_cache(server)
+    _wait_idle_everywhere(server)
+    system = [[(17 * i + 101 * k) % 1000 + 5 for i in range(150)] for k in range(2)]
+    first = _completions(server, [system[0] + [7, 8], system[1] + [9]], "tiny-glm5", max_tokens=MAX_TOKENS,
+                         temperature=0)  # fmt: skip
+    assert [o.usage.prompt_tokens_details.cached_tokens for o in first] == [0, 0]
+    stats = wait_until_idle(server)
+    assert all(r["dense_kv_slots"]["used"] >= 128 for r in stats["dp_ranks"]), "one system prompt on each rank"
+    # One at a time, ranks idle: the shortest queue would send both to rank 0, where only one of them is cached.
+    again = [_completions(server, [system[k] + [11, 12]], "tiny-glm5", max_tokens=MAX_TOKENS, temperature=0)[0]
+             for k in range(2)]
+    assert [o.usage.prompt_tokens_details.cached_tokens for o in again] == [128, 128]
+    decisions = httpx.get(server.url + "/server_info", timeout=10).json()["dp_cache_aware_decisions"]
+    assert decisions["hit"] >= 2 and decisions["miss"] >= 2, decisions
+    _wait_idle_everywhere(server)
 
 
 def _gauges(server: ServerProcess) -> dict[str, float]:

@@ -38,6 +38,26 @@ def test_minimum_tokens_and_round_robin() -> None:
     assert DPBalancer(1, "shortest_queue").choose(_routes([(0, 1)])) == 0
 
 
+def test_cache_aware_follows_the_rank_that_cached_the_prompts_start() -> None:
+    """A prompt whose start (at least half of it) a rank got before goes there, even where the shortest queue would
+    pick another; a new prompt takes the shortest queue; an imbalance beyond 32 requests overrides the prefix."""
+    system_a = list(range(100, 200))
+    system_b = list(range(300, 400))
+    balancer = DPBalancer(2, "cache_aware")
+    assert balancer.choose([], system_a + [1, 2]) == 0  # nothing known: shortest queue (tie → rank 0)
+    assert balancer.choose(_routes([(0, 10)]), system_b + [3]) == 1  # rank 0 busy
+    assert balancer.choose([], system_b + [4, 5]) == 1  # idle ranks: the shortest queue says 0, B's start is on 1
+    assert balancer.choose([], system_a + [6]) == 0
+    assert balancer.choose([], list(range(900, 960)) + system_b) == 0  # B's tokens later in the prompt: no start
+    assert balancer.decisions == {"hit": 2, "miss": 3, "imbalanced": 0}
+    busy = _routes([(1, 10)] * 40)
+    assert balancer.choose(busy, system_b + [7]) == 0  # 40 requests on rank 1, none on 0: balance first
+    assert balancer.decisions["imbalanced"] == 1
+    assert balancer.choose([], system_b + [8]) == 0  # ... and B's start now points at rank 0
+    plain = DPBalancer(2, "shortest_queue")
+    assert plain.choose([], system_b + [4, 5]) == 0 and plain.affinity is None
+
+
 def test_padding_rule_prefers_max_len_unless_counts_are_very_uneven() -> None:
     assert use_max_len((8, 8)) and use_max_len((2048, 0))  # 2 ranks: always (sum >= max)
     assert use_max_len((4, 4, 4, 4)) and use_max_len((4, 4, 4, 0))
