@@ -49,6 +49,17 @@ def test_reports_the_missing_library_and_its_users(tree: Path) -> None:
     assert shared_libs.check([tree], allowed=["libhs_gone.so.1"]).missing == {}
 
 
+def test_a_library_another_wheel_ships_counts_as_present(tree: Path) -> None:
+    """Like libtvm_ffi.so for xgrammar: linked without a search path, shipped (and loaded first) by another package
+    in the same site-packages."""
+    other = tree / "other_pkg" / "lib"
+    other.mkdir(parents=True)
+    _compile(other / "libhs_gone.so.1", "int gone(void) { return 1; }", "-Wl,-soname,libhs_gone.so.1")
+    report = shared_libs.check([tree])
+    assert report.missing == {} and report.checked == 4
+    assert "libhs_gone.so.1" in shared_libs.shipped_names([tree])
+
+
 def test_report_names_the_debian_package() -> None:
     users = [Path(f"/site/m/{i}.so") for i in range(5)]
     report = shared_libs.Report(checked=5, missing={"libcurl.so.4": users})
