@@ -18,7 +18,7 @@ import pytest
 import torch
 from harness import PAGE, make_engine, random_prompt, torch_sync_sources
 from test_lossless import tight_hisparse_budget
-from test_overlap import DENSE_ROW
+from test_overlap import DENSE_ROW, Job
 
 from decode_server.engine.engine import Engine
 from decode_server.engine.sampler import make_generator, sample_row, token_seed
@@ -46,13 +46,13 @@ def reference_logits(raw: torch.Tensor, params: SamplingParams, prompt: list[int
     return x
 
 
-@dataclass
-class Job:
-    step: int
-    rid: str
-    prompt: list[int]
-    params: SamplingParams
-    abort_at: int | None = None
+def reference_pick(logits: torch.Tensor, params: SamplingParams, index: int, device: torch.device) -> int:
+    """Output token `index` from the reference's logits: their argmax, or the sampler's draw with the generator the
+    engine seeds for that token (it lives on the engine's device: drawn there)."""
+    if params.is_greedy:
+        return int(torch.argmax(logits))
+    generator = make_generator(token_seed(params.seed, index), device)
+    return int(sample_row(logits.to(device), params, generator))
 
 
 @dataclass
@@ -106,12 +106,7 @@ def check_against_reference(engine: Engine, jobs: list[Job], got: dict[str, Reco
         assert len(rec.logits) == len(rec.tokens), j.rid
         for i, (token, raw) in enumerate(zip(rec.tokens, rec.logits, strict=True)):
             want = reference_logits(raw, j.params, j.prompt, rec.tokens[:i], engine.eos_token_ids)
-            if j.params.is_greedy:
-                pick = int(torch.argmax(want))
-            else:
-                # The engine's generator lives on its device: draw there, from the reference's logits.
-                gen = make_generator(token_seed(j.params.seed, i), engine.device)
-                pick = int(sample_row(want.to(engine.device), j.params, gen))
+            pick = reference_pick(want, j.params, i, engine.device)
             assert token == pick, f"{j.rid}: token {i} is {token}, the reference picks {pick}"
             changed += int(pick != int(torch.argmax(raw.float()))) if j.params.is_greedy else 0
         if j.params.logprobs is not None:

@@ -15,12 +15,11 @@ import random
 import pytest
 import torch
 from harness import PAGE, make_engine, random_prompt
-from test_logits_processing import Job, drive
+from test_logits_processing import drive, reference_pick
 from test_lossless import tight_hisparse_budget
-from test_overlap import DENSE_ROW
+from test_overlap import DENSE_ROW, Job
 
 from decode_server.engine.engine import Engine
-from decode_server.engine.sampler import make_generator, sample_row, token_seed
 from decode_server.engine.sampling_params import SamplingParams, StructuredOutput
 from decode_server.engine.structured_output import allowed_tokens, detect_encoding
 from decode_server.errors import InvalidRequestError
@@ -75,11 +74,7 @@ def check_against_grammar(engine: Engine, jobs: list[Job], got: dict) -> None:
                 counts = torch.bincount(torch.tensor(rec.tokens[:i], dtype=torch.int64), minlength=want.numel())
                 want = want - torch.tensor(j.params.frequency_penalty) * counts.float()
             want[~allowed_tokens(mask, want.numel())[0]] = float("-inf")
-            if j.params.is_greedy:
-                pick = int(torch.argmax(want))
-            else:
-                generator = make_generator(token_seed(j.params.seed, i), engine.device)
-                pick = int(sample_row(want.to(engine.device), j.params, generator))
+            pick = reference_pick(want, j.params, i, engine.device)
             assert token == pick, f"{j.rid}: token {i} is {token}, the grammar's reference picks {pick}"
             assert matcher.accept_token(token), f"{j.rid}: token {i} breaks the grammar"
         if rec.finish == ("stop", None):
