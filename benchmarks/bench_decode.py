@@ -438,7 +438,7 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
 def overlap_label(args, device: torch.device) -> str:
     """Whether the engine's step loop overlaps host and device (engine.resolve_overlap_schedule)."""
     cfg = EngineConfig(device=device.type, disable_overlap_schedule=args.disable_overlap_schedule)
-    return "on" if resolve_overlap_schedule(cfg, device, args.tp_size) else "off"
+    return "on" if resolve_overlap_schedule(cfg, device) else "off"
 
 
 def rank_device(args, parallel) -> torch.device:
@@ -643,7 +643,7 @@ def capture_graphs(args, engine: Engine, batch: int) -> dict:
     """CUDA graphs for the timed steps (after the synthetic top-k is installed, so they capture it): the bucket
     this batch runs in, or every bucket with --cuda-graph-all-buckets; capture time and device memory."""
     config = engine.config.model_copy(update={"disable_cuda_graph": args.disable_cuda_graph})
-    reason = graphs_off_reason(config, engine.device, engine.model_dtype, engine.tp_size, engine.kv.backend)
+    reason = graphs_off_reason(config, engine.device, engine.model_dtype, engine.kv.backend)
     if reason is not None:
         return {"cuda_graph": False, "cuda_graph_off_reason": reason}
     buckets = resolve_batch_sizes(None, None, min(config.max_running_requests, engine.kv.backend.scratch_row))

@@ -72,7 +72,7 @@ def bucket_for(batch_size: int, buckets: list[int]) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
-def graphs_off_reason(config: EngineConfig, device: torch.device, model_dtype: torch.dtype, tp_size: int,
+def graphs_off_reason(config: EngineConfig, device: torch.device, model_dtype: torch.dtype,
                       backend: AttentionBackend) -> str | None:
     """Why this engine runs every decode step eagerly, or None when it captures decode graphs."""
     if config.disable_cuda_graph:
@@ -83,8 +83,9 @@ def graphs_off_reason(config: EngineConfig, device: torch.device, model_dtype: t
         return "--disaggregation-mode prefill (no decode steps)"
     if config.enable_deterministic_inference:
         return "--enable-deterministic-inference (its MoE loops over experts with counts read on the host)"
-    if tp_size > 1:
-        return "--tp-size > 1 (graphs around the all-reduces are not verified)"
+    if config.enable_dp_attention:
+        return ("--enable-dp-attention (each rank's batch has its own size, so the MLPs' gathers would need every "
+                "rank padded to one agreed bucket)")
     if config.attention_backend == "torch_native":
         return "--attention-backend torch_native (the reference kernels read sizes on the host)"
     if model_dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
@@ -228,7 +229,7 @@ def build_graph_runner(engine: Any) -> tuple[DecodeGraphRunner | None, str | Non
     the reason is returned for `Engine.cuda_graph_error` (tests assert on it)."""
     config = engine.config
     backend = engine.kv.backend
-    reason = graphs_off_reason(config, engine.device, engine.model_dtype, engine.tp_size, backend)
+    reason = graphs_off_reason(config, engine.device, engine.model_dtype, backend)
     if reason is not None:
         logger.info("CUDA graphs off: %s", reason)
         return None, None
@@ -239,6 +240,12 @@ def build_graph_runner(engine: Any) -> tuple[DecodeGraphRunner | None, str | Non
         with torch.inference_mode():
             runner.capture()
     except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly, say why
+        if engine.tp_size > 1:
+            # A rank that ran unpadded batches while the others replay padded ones would join their all-reduces
+            # with other sizes (a hang or wrong sums): the group fails to start instead, and says why.
+            raise RuntimeError(f"CUDA graph capture failed on tensor-parallel rank {engine.parallel.tp_rank} "
+                               f"({type(exc).__name__}: {exc}); start with --disable-cuda-graph to run eagerly") \
+                from exc
         logger.exception("CUDA graph capture failed; every decode step runs eagerly")
         return None, f"{type(exc).__name__}: {exc}"
     return runner, None

@@ -185,7 +185,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._pending_deltas: list[RequestDelta] = []
-        self.overlap = resolve_overlap_schedule(config, self.device, self.tp_size)
+        self.overlap = resolve_overlap_schedule(config, self.device)
         self._inflight: _LaunchedStep | None = None  # overlap: the pass launched but not processed yet
         self._num_launched = 0
         self.num_discarded_tokens = 0  # overlap: tokens sampled for requests that had ended meanwhile, dropped
@@ -670,20 +670,23 @@ class Engine:
                 and self.kv.is_empty() and self.logits_processor.is_empty())
 
 
-def resolve_overlap_schedule(config: EngineConfig, device: torch.device, tp_size: int) -> bool:
+def resolve_overlap_schedule(config: EngineConfig, device: torch.device) -> bool:
     """Whether `step()` overlaps the host's work with the device's (docs/engine.md "Overlap scheduling").
 
     On by default on CUDA, where kernels run asynchronously and the host can prepare the next pass meanwhile. Off
     by default on CPU: torch's CPU operators run as they are called, so nothing would overlap and each request
     ending on EOS or a stop string would cost one wasted token of compute; `force_overlap_schedule` runs the same
-    code path on CPU (tests). Off with tensor parallelism: the ranks' lockstep over the shared host pool has not
-    been verified with frees deferred by a pass, so it is refused when forced."""
+    code path on CPU (tests). Tensor-parallel ranks overlap alike: every rank launches and reads the same passes
+    in the same order, and a page freed behind a pass in flight is handed out again only after that pass was read
+    on every rank (the shared pool's barrier at the next `step()`). Off with DP attention, whose ranks agree on
+    each pass before running it and read it at once (`_dp_step`); forcing it there is refused."""
     if config.disable_overlap_schedule:
         return False
-    if tp_size > 1:
+    if config.enable_dp_attention:
         if config.force_overlap_schedule:
-            raise ValueError("overlap scheduling is not supported with --tp-size > 1; drop --force-overlap-schedule")
-        logger.info("overlap scheduling off: not supported with tensor parallelism")
+            raise ValueError("overlap scheduling is not supported with --enable-dp-attention; drop "
+                             "--force-overlap-schedule")
+        logger.info("overlap scheduling off: not supported with data-parallel attention")
         return False
     return config.force_overlap_schedule or device.type == "cuda"
 

@@ -40,6 +40,11 @@ def describe_engine(engine: Any, config: EngineConfig, role: Any = None) -> dict
         "dense_kv_slots": stats.dense_kv_slots.total,
     }
     info["memory"] = _memory_budgets(engine, config, stats)
+    # Whether the step loop runs one pass ahead of the device, and the decode batch sizes replayed as CUDA graphs
+    # ([]: every decode step eager); what an operator checks first when a deployment is slower than expected.
+    info["overlap_schedule"] = bool(getattr(engine, "overlap", False))
+    runner = getattr(engine, "graph_runner", None)
+    info["cuda_graph_batch_sizes"] = runner.captured if runner is not None else []
     return info
 
 

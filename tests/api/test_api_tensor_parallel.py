@@ -1,6 +1,7 @@
 """`decode-server serve --tp-size 2` on CPU (gloo, tiny-dsa): real servers, the openai client.
 
-- greedy outputs of a batch equal the single-rank engine's, dense (with `--ep-size 2`) and HiSparse (`--ep-size 1`);
+- greedy outputs of a batch equal the single-rank engine's, dense (with `--ep-size 2`, synchronous) and HiSparse
+  (`--ep-size 1`, overlap scheduling forced on, as it is by default on CUDA);
 - prefix caching (the dense server runs with `--enable-prefix-caching`): a prompt sharing a prefix with an earlier
   one reuses its pages on every rank alike (same pool usage and tokens), with the single-rank engine's text;
 - sampled requests without a seed complete, and every rank produced the same tokens (per-rank digests);
@@ -37,8 +38,9 @@ PROMPTS = [" ".join(f"w{(i * 31 + j) % 97}" for j in range(24 + 3 * i)) for i in
 MAX_TOKENS = 10
 
 
-def _rank_pids(server: ServerProcess) -> list[int]:
+def _rank_pids(server: ServerProcess, overlap: bool) -> list[int]:
     info = httpx.get(server.url + "/server_info", timeout=10).json()
+    assert info["engine"]["overlap_schedule"] is overlap and info["engine"]["cuda_graph_batch_sizes"] == []  # CPU
     pids = info["engine"]["tp_rank_pids"]
     assert len(pids) == 2 and pids[0] == server.engine_pid
     return pids
@@ -105,7 +107,7 @@ def tp1_outputs(offline_llm: LLM) -> list[str]:
 def dense_tp2() -> Iterator[ServerProcess]:
     # experts split across the ranks; prefix caching on (the other tests send no shared prefix: no hit changes them)
     server = ServerProcess("--tp-size", "2", "--ep-size", "2", "--enable-prefix-caching").wait_ready()
-    pids = _rank_pids(server)
+    pids = _rank_pids(server, overlap=False)
     try:
         yield server
     finally:
@@ -119,8 +121,9 @@ def dense_tp2() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def hisparse_tp2() -> Iterator[ServerProcess]:
-    server = ServerProcess("--tp", "2", *HISPARSE_ARGS).wait_ready()
-    pids = _rank_pids(server)
+    # overlap scheduling forced on (CUDA's default; off by default on CPU): the lockstep ranks one pass ahead
+    server = ServerProcess("--tp", "2", *HISPARSE_ARGS, "--force-overlap-schedule").wait_ready()
+    pids = _rank_pids(server, overlap=True)
     try:
         yield server
     finally:
@@ -207,7 +210,7 @@ def test_hisparse_tp2_greedy_equals_tp1(hisparse_tp2: ServerProcess, tp1_outputs
 
 
 def test_hisparse_host_pool_is_one_shared_region(hisparse_tp2: ServerProcess) -> None:
-    pids = _rank_pids(hisparse_tp2)
+    pids = _rank_pids(hisparse_tp2, overlap=True)
     maps = []
     for pid in pids:
         lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
@@ -221,8 +224,9 @@ def test_hisparse_host_pool_is_one_shared_region(hisparse_tp2: ServerProcess) ->
 def tight_tp2() -> Iterator[ServerProcess]:
     """HiSparse with a host pool of 8 pages of 64 tokens: a burst of growing requests must retract some."""
     page_bytes = 64 * 2304 * 3  # tokens x fp32 MLA row x tiny-dsa's layers
-    server = ServerProcess("--tp", "2", *HISPARSE_ARGS, "--host-kv-budget", str(8 * page_bytes)).wait_ready()
-    pids = _rank_pids(server)
+    server = ServerProcess("--tp", "2", *HISPARSE_ARGS, "--host-kv-budget", str(8 * page_bytes),
+                           "--force-overlap-schedule").wait_ready()
+    pids = _rank_pids(server, overlap=True)
     try:
         yield server
     finally:
@@ -247,7 +251,7 @@ def test_retractions_stay_in_step_across_ranks(tight_tp2: ServerProcess) -> None
 
 def test_killing_rank1_ends_the_server_cleanly(hisparse_tp2: ServerProcess) -> None:
     server = hisparse_tp2
-    pids = _rank_pids(server)
+    pids = _rank_pids(server, overlap=True)
     body = {"model": MODEL, "prompt": "Go on:", "max_tokens": 100, "ignore_eos": True, "temperature": 0,
             "stream": True}  # fmt: skip
     payloads: list[str] = []

@@ -66,17 +66,18 @@ def test_graphs_off_reasons(make_engine) -> None:
     backend = engine.kv.backend
     cuda = torch.device("cuda")
     bf16 = torch.bfloat16
-    assert "cpu" in graphs_off_reason(EngineConfig(), torch.device("cpu"), bf16, 1, backend)
-    assert graphs_off_reason(EngineConfig(), cuda, bf16, 1, backend) is None
-    assert "disable" in graphs_off_reason(EngineConfig(disable_cuda_graph=True), cuda, bf16, 1, backend)
+    assert "cpu" in graphs_off_reason(EngineConfig(), torch.device("cpu"), bf16, backend)
+    assert graphs_off_reason(EngineConfig(), cuda, bf16, backend) is None
+    assert "disable" in graphs_off_reason(EngineConfig(disable_cuda_graph=True), cuda, bf16, backend)
     cfg = EngineConfig(enable_deterministic_inference=True)
-    assert "deterministic" in graphs_off_reason(cfg, cuda, bf16, 1, backend)
-    assert "tp-size" in graphs_off_reason(EngineConfig(), cuda, bf16, 2, backend)
-    assert "torch_native" in graphs_off_reason(EngineConfig(attention_backend="torch_native"), cuda, bf16, 1,
-                                               backend)
-    assert "dtype" in graphs_off_reason(EngineConfig(), cuda, torch.float32, 1, backend)
+    assert "deterministic" in graphs_off_reason(cfg, cuda, bf16, backend)
+    assert graphs_off_reason(EngineConfig(tp_size=2, ep_size=2), cuda, bf16, backend) is None  # TP: captured
+    cfg = EngineConfig(tp_size=2, dp_size=2, enable_dp_attention=True)
+    assert "dp-attention" in graphs_off_reason(cfg, cuda, bf16, backend)
+    assert "torch_native" in graphs_off_reason(EngineConfig(attention_backend="torch_native"), cuda, bf16, backend)
+    assert "dtype" in graphs_off_reason(EngineConfig(), cuda, torch.float32, backend)
     cfg = EngineConfig(disaggregation={"mode": "prefill"})
-    assert "prefill" in graphs_off_reason(cfg, cuda, bf16, 1, backend)
+    assert "prefill" in graphs_off_reason(cfg, cuda, bf16, backend)
 
 
 @pytest.mark.parametrize("hisparse", [False, True])

@@ -14,6 +14,7 @@ from decode_server.engine.engine import Engine
 from decode_server.engine.request import RequestStatus
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.engine.scheduler import ScheduledBatch
+from decode_server.parallel.state import ParallelState
 
 TOP_K = 64  # tiny-dsa's index_topk
 PAGE = 16
@@ -45,7 +46,7 @@ def make_engine(
     cuda_graph_bs: list[int] | None = None, eager_graph_buckets: list[int] | None = None,
     overlap: bool | None = None, deterministic: bool = False, prefetch_shared_layers: bool = False,
     early_swap_in: bool = False, side_stream_copy_blocks: int | str = 0, speculative_prefetch: bool = False,
-    prefix_caching: bool = False, json_any_whitespace: bool = True,
+    prefix_caching: bool = False, json_any_whitespace: bool = True, parallel: ParallelState | None = None,
 ) -> Engine:
     """`optimistic`: admission expects no request to grow past its prompt (new-token ratios 0), so that tight
     budgets force retractions. CUDA graphs follow the engine's defaults (captured on CUDA, none on CPU) and
@@ -58,7 +59,8 @@ def make_engine(
     `side_stream_copy_blocks`: the HiSparseConfig key (those side-stream swap-ins' copy grid cap);
     `speculative_prefetch`: the HiSparseConfig key (each full layer's top-k swapped into the next one's buffer);
     `prefix_caching`: `--enable-prefix-caching`; `json_any_whitespace=False`:
-    `--constrained-json-disable-any-whitespace`."""
+    `--constrained-json-disable-any-whitespace`; `parallel`: this rank's tensor-parallel state (the model must be
+    that rank's shard; HiSparse then maps the node's one shared host pool)."""
     model, model_config, tokenizer = tiny
     cfg = EngineConfig(
         device=device, enable_hisparse=hisparse, page_size=PAGE, chunked_prefill_size=chunk,
@@ -74,8 +76,9 @@ def make_engine(
         force_overlap_schedule=overlap is True, disable_overlap_schedule=overlap is False,
         enable_deterministic_inference=deterministic, enable_prefix_caching=prefix_caching,
         constrained_json_disable_any_whitespace=not json_any_whitespace,
+        tp_size=parallel.tp_size if parallel is not None else 1, ep_size=parallel.ep_size if parallel else 1,
     )
-    engine = Engine(cfg, model=model, model_config=model_config, tokenizer=tokenizer)
+    engine = Engine(cfg, model=model, model_config=model_config, tokenizer=tokenizer, parallel=parallel)
     if eager_graph_buckets is not None:
         engine.graph_runner = DecodeGraphRunner(engine.model, engine.kv.backend, engine.device, eager_graph_buckets,
                                                 engine.context_length)

@@ -192,12 +192,14 @@ def test_overlap_defers_frees_until_the_pass_is_done(tiny_cpu) -> None:
 
 def test_overlap_defaults() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_overlap_schedule(EngineConfig(), cpu, 1) is False  # nothing to overlap with on CPU
-    assert resolve_overlap_schedule(EngineConfig(), cuda, 1) is True
-    assert resolve_overlap_schedule(EngineConfig(force_overlap_schedule=True), cpu, 1) is True
-    assert resolve_overlap_schedule(EngineConfig(disable_overlap_schedule=True), cuda, 1) is False
-    assert resolve_overlap_schedule(EngineConfig(), cuda, 2) is False  # not with tensor parallelism
-    with pytest.raises(ValueError, match="tp-size"):
-        resolve_overlap_schedule(EngineConfig(force_overlap_schedule=True), cuda, 2)
+    assert resolve_overlap_schedule(EngineConfig(), cpu) is False  # nothing to overlap with on CPU
+    assert resolve_overlap_schedule(EngineConfig(), cuda) is True
+    assert resolve_overlap_schedule(EngineConfig(force_overlap_schedule=True), cpu) is True
+    assert resolve_overlap_schedule(EngineConfig(disable_overlap_schedule=True), cuda) is False
+    assert resolve_overlap_schedule(EngineConfig(tp_size=2, ep_size=2), cuda) is True  # TP ranks overlap too
+    dp = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}
+    assert resolve_overlap_schedule(EngineConfig(**dp), cuda) is False  # not with DP attention
+    with pytest.raises(ValueError, match="dp-attention"):
+        resolve_overlap_schedule(EngineConfig(force_overlap_schedule=True, **dp), cuda)
     with pytest.raises(ValueError, match="contradict"):
         EngineConfig(force_overlap_schedule=True, disable_overlap_schedule=True)
