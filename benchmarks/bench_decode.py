@@ -179,6 +179,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks (processes; one GPU each on CUDA); budgets are per GPU")
+    p.add_argument("--ep-size", type=int, default=1, help="expert parallelism over the ranks (1 or --tp-size)")
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="with --enable-dp-attention: attention replicas (= --tp-size); each rank then runs its own "
+                        "batch (the budgets are per GPU) and tok/s counts every rank's tokens")
+    p.add_argument("--enable-dp-attention", action="store_true",
+                   help="data-parallel attention (the server's flag): each rank its own requests, KV and host pool")
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="run decode steps eagerly (default on CUDA: CUDA graphs, as the server runs them)")
     p.add_argument("--cuda-graph-all-buckets", action="store_true",
@@ -215,6 +221,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.mixed_contexts and (args.sweep_kv_gib_per_layer or any(c != 0.0 for c in args.cross_layer_overlap)):
         p.error("--mixed-contexts takes no --sweep-kv-gib-per-layer and no --cross-layer-overlap other than 0 (the "
                 "sweep and the shared windows assume one context length)")
+    if args.enable_dp_attention and args.dp_size != args.tp_size:
+        p.error(f"--enable-dp-attention needs --dp-size equal to --tp-size ({args.tp_size}), got {args.dp_size}")
+    if args.dp_size != 1 and not args.enable_dp_attention:
+        p.error("--dp-size needs --enable-dp-attention")
+    if args.ep_size not in (1, args.tp_size):
+        p.error(f"--ep-size must be 1 or --tp-size ({args.tp_size}), got {args.ep_size}")
     args.contexts = [8192, 32768, 65536] if args.contexts is None else args.contexts
     rank = args.config in RANK_CONFIGS
     args.plan_memory = args.plan_memory or (rank and args.device_kv_budget_gib is None)
@@ -419,6 +431,7 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
                                 prefetch_shared_layers=prefetch, early_swap_in=early,
                                 side_stream_copy_blocks=side_copy_blocks(mode), speculative_prefetch=speculative),
         enable_deterministic_inference=args.enable_deterministic_inference, tp_size=args.tp_size,
+        ep_size=args.ep_size, dp_size=args.dp_size, enable_dp_attention=args.enable_dp_attention,
         disable_cuda_graph=True,  # captured by run_one once the requests are in (capture_graphs)
         disable_overlap_schedule=args.disable_overlap_schedule,
     )
@@ -427,7 +440,8 @@ def build_engine(args, model, model_config, mode: str, context: int, max_len: in
     if hisparse:
         kv_dtype = resolve_kv_dtype(cfg, resolve_model_dtype(cfg, device))
         layout, sizing = hisparse_layout(args, model_config, kv_dtype, context, max_len, batch_cap, device_budget)
-        kv = HiSparseCoordinator(layout, kv_dtype, device, parallel=parallel,  # shared host pool with TP
+        shared = None if args.enable_dp_attention else parallel  # TP: one shared host pool; DP: one per rank
+        kv = HiSparseCoordinator(layout, kv_dtype, device, parallel=shared,
                                  prefetch_shared_layers=prefetch, early_swap_in=early,
                                  side_stream_copy_blocks=side_copy_blocks(mode), speculative_prefetch=speculative)
         cfg = cfg.model_copy(update={"max_running_requests": layout.max_reqs})
@@ -647,8 +661,9 @@ def capture_graphs(args, engine: Engine, batch: int) -> dict:
     if reason is not None:
         return {"cuda_graph": False, "cuda_graph_off_reason": reason}
     buckets = resolve_batch_sizes(None, None, min(config.max_running_requests, engine.kv.backend.scratch_row))
-    runner = DecodeGraphRunner(engine.model, engine.kv.backend, engine.device, buckets, engine.context_length)
-    bucket = bucket_for(batch, buckets)
+    dp = (engine.parallel.dp_rank, engine.parallel.dp_size) if engine.dp_attention else None
+    runner = DecodeGraphRunner(engine.model, engine.kv.backend, engine.device, buckets, engine.context_length, dp=dp)
+    bucket = bucket_for(batch, buckets)  # DP: every rank's batch is this one (same budget), so the agreed bucket
     with torch.inference_mode():
         runner.capture(None if args.cuda_graph_all_buckets else [bucket] if bucket is not None else [])
     engine.graph_runner = runner
@@ -906,12 +921,16 @@ def _timed_run(args, model, model_config, mode: str, context: int, miss_rate: fl
     selected = (h1 - h0) + (m1 - m0)
     result = {
         "mode": name, "context": context, "batch": batch, "fixed_batch": fixed_batch, "steps": args.steps,
-        "step_ms": 1000 * elapsed / args.steps, "tokens_per_s": batch * args.steps / elapsed,
+        "step_ms": 1000 * elapsed / args.steps,
+        # DP attention: every rank runs a batch of this size in each (lockstep) pass
+        "tokens_per_s": batch * args.steps / elapsed * (args.dp_size if args.enable_dp_attention else 1),
+        "dp_size": args.dp_size if args.enable_dp_attention else 1,
         "hit_rate": (h1 - h0) / selected if selected else None,
         "pcie_bytes_per_step": ((up1 - up0) + (down1 - down0)) / args.steps,
         "h2d_bytes_per_step": (up1 - up0) / args.steps, "d2h_bytes_per_step": (down1 - down0) / args.steps,
         "tp_size": args.tp_size, "host_pool_bytes": host_pool, "build_s": build_s, "fill_s": fill_s,
-        "host_pool_shmem_bytes": shmem_used if parallel is not None and host_pool else None,
+        "host_pool_shmem_bytes": shmem_used if parallel is not None and host_pool and not args.enable_dp_attention
+        else None,
         "kv_budget_bytes": device_budget, "kv_budget_gib": device_budget / GIB, "kv_cache_dtype": str(kv_dtype),
         "sweep_kv_gib_per_layer": sweep, "prefetch_shared_layers": PREFETCH_SUFFIX in mode,
         "early_swap_in": EARLY_SUFFIX in mode, "side_stream_copy_blocks": side_copy_blocks(mode),
@@ -1059,7 +1078,8 @@ def _rank_entry(rank: int, args, init_method: str) -> None:
     from decode_server.runtime.rank_group import init_rank
 
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
-    config = EngineConfig(device=args.device, tp_size=args.tp_size)
+    config = EngineConfig(device=args.device, tp_size=args.tp_size, ep_size=args.ep_size, dp_size=args.dp_size,
+                          enable_dp_attention=args.enable_dp_attention)
     parallel = init_rank(config, rank, init_method)
     code = run_rank(args, parallel)
     if code:
@@ -1182,7 +1202,10 @@ def run_rank(args, parallel=None) -> int:
           + (f" (first {args.num_layers} layers)" if args.num_layers else "")
           + f"; weights {args.roof['weights_gib']:.2f} GiB ({args.quantization}, built in {args.model_build_s:.1f} s); "
           f"KV budget {budget_text}; {host_text}; HBM {args.roof['hbm_gbps']:.0f} GB/s, PCIe "
-          f"{args.roof['pcie_gbps']:.1f} GB/s (copies in this process); tp_size {args.tp_size}; steps: {args.steps}; "
+          f"{args.roof['pcie_gbps']:.1f} GB/s (copies in this process); tp_size {args.tp_size}"
+          + (f", ep_size {args.ep_size}" if args.ep_size > 1 else "")
+          + (f", DP attention over {args.dp_size} ranks (batch: per rank; tok/s: all ranks)"
+             if args.enable_dp_attention else "") + f"; steps: {args.steps}; "
           f"KV {args.kv_cache_dtype}; attention "
           f"{resolve_attention_kernel(args.attention_backend, device, args.enable_deterministic_inference)}"
           + ("; deterministic inference" if args.enable_deterministic_inference else "")
@@ -1217,7 +1240,8 @@ def run_rank(args, parallel=None) -> int:
             print(f"{'':<14}no CUDA graph: {r.get('cuda_graph_off_reason')}")
         if r["host_pool_bytes"]:
             shm = r["host_pool_shmem_bytes"]
-            print(f"{'':<14}host pool {r['host_pool_bytes'] / GIB:.3f} GiB, one copy for {args.tp_size} rank(s)"
+            copies = f"one per rank ({args.dp_size})" if args.enable_dp_attention else f"one copy for {args.tp_size} rank(s)"
+            print(f"{'':<14}host pool {r['host_pool_bytes'] / GIB:.3f} GiB, {copies}"
                   + (f"; node shared memory taken: {shm / GIB:.3f} GiB" if shm is not None else ""))
     out = write_results(args, device, results)
     plots = write_plots(ok, Path(args.plot)) if ok else []

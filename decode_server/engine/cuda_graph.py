@@ -30,6 +30,7 @@ import torch
 
 from decode_server.engine.forward_batch import ForwardBatch
 from decode_server.engine.forward_context import forward_context
+from decode_server.parallel.dp_attention import DPBatchLayout, dp_batch
 
 if TYPE_CHECKING:
     from decode_server.config import EngineConfig
@@ -83,9 +84,6 @@ def graphs_off_reason(config: EngineConfig, device: torch.device, model_dtype: t
         return "--disaggregation-mode prefill (no decode steps)"
     if config.enable_deterministic_inference:
         return "--enable-deterministic-inference (its MoE loops over experts with counts read on the host)"
-    if config.enable_dp_attention:
-        return ("--enable-dp-attention (each rank's batch has its own size, so the MLPs' gathers would need every "
-                "rank padded to one agreed bucket)")
     if config.attention_backend == "torch_native":
         return "--attention-backend torch_native (the reference kernels read sizes on the host)"
     if model_dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
@@ -101,10 +99,15 @@ class DecodeGraphRunner:
 
     `index_width`: the token-table width the indexer reads (the engine's context length). Logits returned by
     `run` are a view of a static buffer, valid until the next `run`.
+
+    `dp` (data-parallel attention: this rank's (dp_rank, dp_size)): every rank's batch of a graph pass is padded to
+    the same bucket, so the pass's layout inside the graph is `bs` tokens and `bs` sampled rows on every rank and
+    the MLPs' all-gathers and reduce-scatters have fixed sizes; the engine picks the bucket from every rank's count
+    (`Engine._dp_step`) and a rank without requests replays it on padding rows only (`run_idle`).
     """
 
     def __init__(self, model: Any, backend: AttentionBackend, device: torch.device, buckets: list[int],
-                 index_width: int) -> None:
+                 index_width: int, dp: tuple[int, int] | None = None) -> None:
         if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets must be ascending distinct positive sizes, got {buckets}")
         if backend.scratch_row < 0 or buckets[-1] > backend.scratch_row:
@@ -115,6 +118,7 @@ class DecodeGraphRunner:
         self.buckets = list(buckets)
         self.max_bs = self.buckets[-1]
         self.index_width = index_width
+        self.dp = dp
         # Static inputs. `_meta` holds, for a bucket bs: positions [0, bs), request rows [bs, 2bs), prefix lengths
         # [2bs, 3bs) and the number of real rows at 3bs, so one contiguous copy fills a step's inputs.
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
@@ -127,6 +131,7 @@ class DecodeGraphRunner:
         self.capture_bytes = 0  # device memory the capture took (free memory before − after)
         self.num_replays = 0
         self.num_eager = 0
+        self.num_idle = 0  # DP attention: passes of padding rows only (`run_idle`), replayed or eager
 
     @property
     def captured(self) -> list[int]:
@@ -145,13 +150,17 @@ class DecodeGraphRunner:
     def load_inputs(self, batch: ForwardBatch, input_ids: torch.Tensor, bs: int) -> ForwardBatch:
         """Copy a decode batch of b <= bs requests into the static buffers, padded with scratch rows; returns the
         padded static batch."""
-        b = batch.batch_size
+        return self._load(list(batch.req_rows_cpu), list(batch.prefix_lens_cpu), input_ids, bs)
+
+    def _load(self, rows: list[int], prefix: list[int], input_ids: torch.Tensor | None, bs: int) -> ForwardBatch:
+        b = len(rows)
         pad = bs - b
-        rows = list(batch.req_rows_cpu) + [self.backend.scratch_row] * pad
-        prefix = list(batch.prefix_lens_cpu) + [0] * pad
+        rows = rows + [self.backend.scratch_row] * pad
+        prefix = prefix + [0] * pad
         host = torch.tensor(prefix + rows + prefix + [b], dtype=torch.int64)  # positions = prefix lengths
         self._meta[: 3 * bs + 1].copy_(host, non_blocking=True)
-        self.input_ids[:b].copy_(input_ids)
+        if b:
+            self.input_ids[:b].copy_(input_ids)
         if pad:
             self.input_ids[b:bs].zero_()
         return self.static_batch(bs, rows, prefix)
@@ -160,19 +169,37 @@ class DecodeGraphRunner:
         """The captured region: padding mask, model forward inside the forward context, logits [bs, vocab]."""
         bs = batch.batch_size
         batch.pad_mask = self._arange[:bs] >= self._meta[3 * bs : 3 * bs + 1]
-        with forward_context(batch, self.backend):
+        layout = None
+        if self.dp is not None:
+            rank, size = self.dp
+            layout = DPBatchLayout((bs,) * size, (bs,) * size, rank)
+        with dp_batch(layout), forward_context(batch, self.backend):
             hidden = self.model.forward(self.input_ids[:bs], batch.positions)
-        return self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden)
 
     # -- per step --
-    def run(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """Logits [b, vocab] of a decode batch (one token per request), or None when b exceeds every bucket."""
+    def run(self, batch: ForwardBatch, input_ids: torch.Tensor, bucket: int | None = None) -> torch.Tensor | None:
+        """Logits [b, vocab] of a decode batch (one token per request), or None when b exceeds every bucket.
+        `bucket`: the bucket to pad to (DP attention: the one every rank agreed on), instead of b's own."""
         if not batch.is_decode or batch.num_tokens != batch.batch_size:
             raise ValueError("the graph runner takes decode batches only")
-        bs = bucket_for(batch.batch_size, self.buckets)
+        bs = bucket_for(batch.batch_size, self.buckets) if bucket is None else bucket
         if bs is None:
             return None
+        if bs not in self.buckets or bs < batch.batch_size:
+            raise ValueError(f"bucket {bs} cannot hold a batch of {batch.batch_size} (buckets {self.buckets})")
         static = self.load_inputs(batch, input_ids, bs)
+        return self._run_static(static, bs, batch.batch_size)
+
+    def run_idle(self, bucket: int) -> None:
+        """DP attention: a pass of padding rows only, for a rank without requests while the others replay `bucket`
+        (it joins their collectives; its logits are not read)."""
+        if bucket not in self.buckets:
+            raise ValueError(f"{bucket} is not one of the buckets {self.buckets}")
+        self.num_idle += 1
+        self._run_static(self._load([], [], None, bucket), bucket, 0)
+
+    def _run_static(self, static: ForwardBatch, bs: int, num_real: int) -> torch.Tensor:
         self.backend.prepare_static_forward(static)
         graph = self._graphs.get(bs)
         if graph is not None:
@@ -182,8 +209,8 @@ class DecodeGraphRunner:
         else:
             logits = self._forward(static)
             self.num_eager += 1
-        self.backend.finish_static_forward(static, batch.batch_size)
-        return logits[: batch.batch_size]
+        self.backend.finish_static_forward(static, num_real)
+        return logits[:num_real]
 
     # -- capture --
     def capture(self, buckets: list[int] | None = None) -> None:
@@ -235,7 +262,9 @@ def build_graph_runner(engine: Any) -> tuple[DecodeGraphRunner | None, str | Non
         return None, None
     buckets = resolve_batch_sizes(config.cuda_graph_bs, config.cuda_graph_max_bs,
                                   min(config.max_running_requests, backend.scratch_row))
-    runner = DecodeGraphRunner(engine.model, backend, engine.device, buckets, engine.context_length)
+    parallel = engine.parallel
+    dp = (parallel.dp_rank, parallel.dp_size) if engine.dp_attention else None
+    runner = DecodeGraphRunner(engine.model, backend, engine.device, buckets, engine.context_length, dp=dp)
     try:
         with torch.inference_mode():
             runner.capture()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from decode_server.config import EngineConfig
-from decode_server.engine.cuda_graph import DecodeGraphRunner, build_graph_runner
+from decode_server.engine.cuda_graph import DecodeGraphRunner, bucket_for, build_graph_runner
 from decode_server.engine.dense_kv import DenseKVManager
 from decode_server.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
 from decode_server.engine.forward_batch import ForwardBatch
@@ -129,6 +129,7 @@ class Engine:
         # DP attention: every step agrees on the pass with the other ranks (decode_server/parallel/dp_attention.py).
         self.dp_sync = DPStepSync(parallel) if self.dp_attention else None
         self._dp_layout: DPBatchLayout | None = None  # the pass being launched (DP attention)
+        self._dp_graph_bucket: int | None = None  # ... and the decode-graph bucket every rank pads it to
         self._num_idle_passes = 0
         self.device = resolve_device(config)
         if self.tp_size > 1 and self.device.type == "cuda":
@@ -439,30 +440,56 @@ class Engine:
     def _dp_step(self) -> list[RequestDelta]:
         """One DP rank's step: schedule its own requests, agree with every rank on the pass (all counts), then run
         its batch, or an idle pass (no token, the MLPs' collectives only) when it has none but another rank has
-        one; when no rank has a token, nobody runs a pass. Overlap scheduling is off, so the pass is read at once."""
+        one; when no rank has a token, nobody runs a pass. Then, as in `step()`, read the pass just launched (no
+        overlap) or the one launched before it (overlap: this rank's own pass in flight; an idle pass has none).
+
+        With CUDA graphs, a pass where every rank has a decode batch (or none) that fits a bucket is a graph pass:
+        every rank pads to the bucket of the largest rank's batch and replays it (a rank without requests on
+        padding rows only), so the MLPs' collectives inside the graph have the sizes they were captured with.
+        Any other pass (a prefill chunk anywhere, a batch above every bucket) runs eagerly on every rank."""
         assert self.dp_sync is not None
+        deltas: list[RequestDelta] = []
+        if self._inflight is not None and any(r.params.structured is not None and not r.finished
+                                              for r in self._inflight.sampled):
+            previous, self._inflight = self._inflight, None  # a grammar's next bitmask needs the token in flight
+            deltas += self._read_pass(previous)
         batch = self.scheduler.schedule()
         if batch is not None and not batch.requests:
             batch = None
         tokens = sum(batch.extend_lens) if batch is not None else 0
         sampled = sum(batch.sampled) if batch is not None else 0
-        layout = self.dp_sync.agree(tokens, sampled)
-        if layout.total_tokens == 0:
-            return []
-        self._dp_layout = layout
-        try:
-            if batch is None:
-                self._idle_pass()
-                return []
-            launched = self._launch(batch)
-        finally:
-            self._dp_layout = None
-        return self._read_pass(launched)
+        graphable = self.graph_runner is not None and (batch is None or (
+            batch.is_decode and all(batch.sampled) and tokens == len(batch.requests)))
+        layout = self.dp_sync.agree(tokens, sampled, graphable)
+        launched = None
+        if layout.total_tokens:
+            graph_batch = layout.graph_batch()
+            self._dp_layout = layout
+            self._dp_graph_bucket = None
+            if graph_batch is not None and self.graph_runner is not None:
+                self._dp_graph_bucket = bucket_for(graph_batch, self.graph_runner.buckets)
+            try:
+                if batch is None:
+                    self._num_idle_passes += 1
+                    if self._dp_graph_bucket is not None:
+                        self.graph_runner.run_idle(self._dp_graph_bucket)
+                    else:
+                        self._idle_pass()
+                else:
+                    launched = self._launch(batch)
+            finally:
+                self._dp_layout = None
+                self._dp_graph_bucket = None
+        previous, self._inflight = self._inflight, None
+        if self.overlap:
+            self._inflight = launched
+        elif launched is not None:
+            previous = launched
+        return deltas + self._read_pass(previous)
 
     def _idle_pass(self) -> None:
         """A pass without tokens: attention is skipped, the MLPs and the LM head join the other ranks' collectives
         with zero rows (SGLang's idle batch)."""
-        self._num_idle_passes += 1
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         with batch_invariant_mode(self.config.enable_deterministic_inference), dp_batch(self._dp_layout):
             hidden = self.model.forward(empty, empty)
@@ -585,8 +612,11 @@ class Engine:
 
     def _forward(self, input_ids: torch.Tensor, fb: ForwardBatch, sampled: list[bool]) -> torch.Tensor:
         """input ids (device) + ForwardBatch → logits of the sampled requests' last tokens."""
-        if fb.is_decode and self.graph_runner is not None and all(sampled):
-            logits = self.graph_runner.run(fb, input_ids)  # padded to a bucket; None: larger than every bucket
+        # DP attention: only in a graph pass every rank agreed on (the others run eagerly, unpadded).
+        graph_pass = not self.dp_attention or self._dp_graph_bucket is not None
+        if fb.is_decode and self.graph_runner is not None and all(sampled) and graph_pass:
+            # padded to a bucket (DP: the agreed one); None: larger than every bucket
+            logits = self.graph_runner.run(fb, input_ids, bucket=self._dp_graph_bucket)
             if logits is not None:
                 # A view of the graph's static output, overwritten by the next replay: a hook may keep it longer.
                 return logits.clone() if self.logits_hook is not None else logits
@@ -676,17 +706,11 @@ def resolve_overlap_schedule(config: EngineConfig, device: torch.device) -> bool
     On by default on CUDA, where kernels run asynchronously and the host can prepare the next pass meanwhile. Off
     by default on CPU: torch's CPU operators run as they are called, so nothing would overlap and each request
     ending on EOS or a stop string would cost one wasted token of compute; `force_overlap_schedule` runs the same
-    code path on CPU (tests). Tensor-parallel ranks overlap alike: every rank launches and reads the same passes
-    in the same order, and a page freed behind a pass in flight is handed out again only after that pass was read
-    on every rank (the shared pool's barrier at the next `step()`). Off with DP attention, whose ranks agree on
-    each pass before running it and read it at once (`_dp_step`); forcing it there is refused."""
+    code path on CPU (tests). Tensor-parallel and DP-attention ranks overlap alike: every rank launches and reads
+    its passes in the same order as the others (a TP rank the very same passes; a DP rank its own, agreed on
+    before they run), and a page freed behind a pass in flight is handed out again only after that pass was read
+    (with TP's shared host pool, on every rank: the barrier at the next `step()`)."""
     if config.disable_overlap_schedule:
-        return False
-    if config.enable_dp_attention:
-        if config.force_overlap_schedule:
-            raise ValueError("overlap scheduling is not supported with --enable-dp-attention; drop "
-                             "--force-overlap-schedule")
-        logger.info("overlap scheduling off: not supported with data-parallel attention")
         return False
     return config.force_overlap_schedule or device.type == "cuda"
 

@@ -44,11 +44,14 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 @dataclass(frozen=True)
 class DPBatchLayout:
-    """Token and sampled-row counts of every DP rank in one forward pass, and which rank this is."""
+    """Token and sampled-row counts of every DP rank in one forward pass, and which rank this is. `graphable`:
+    per rank, whether its pass could replay a decode graph (a decode batch of one sampled token a request, or no
+    batch); a graph pass needs every rank's yes (empty: not agreed on)."""
 
     num_tokens: tuple[int, ...]
     num_sampled: tuple[int, ...]
     rank: int
+    graphable: tuple[bool, ...] = ()
 
     @property
     def size(self) -> int:
@@ -62,6 +65,13 @@ class DPBatchLayout:
     def idle(self) -> bool:
         """This rank has no token in the pass (it joins the collectives with zero rows)."""
         return self.num_tokens[self.rank] == 0
+
+    def graph_batch(self) -> int | None:
+        """The largest rank's batch when every rank can replay a decode graph (every rank then pads to one bucket
+        that holds it), else None."""
+        if not self.graphable or not all(self.graphable):
+            return None
+        return max(self.num_tokens)
 
 
 _layout: contextvars.ContextVar[DPBatchLayout | None] = contextvars.ContextVar("dp_batch_layout", default=None)
@@ -181,8 +191,9 @@ def dp_own_sampled(x: torch.Tensor) -> torch.Tensor:
 class DPStepSync:
     """Once per engine step, on every DP rank: agree on the pass (everyone's token and sampled-row counts) and
     share one small number per rank that the runtime reads (`hint`: how soon that rank needs the next loop
-    iteration, so rank 0 knows whether to block on the api's socket). One all-gather of 3 integers per rank,
-    on the gloo `cpu_group` (host values, no device sync)."""
+    iteration, so rank 0 knows whether to block on the api's socket). One all-gather of 4 integers per rank
+    (tokens, sampled rows, whether its pass could replay a decode graph, the hint), on the gloo `cpu_group` (host
+    values, no device sync)."""
 
     def __init__(self, state: ParallelState) -> None:
         if not state.dp_attention:
@@ -192,11 +203,12 @@ class DPStepSync:
         self.hints: tuple[int, ...] = (0,) * state.dp_size  # every rank's hint, from the latest agreement
         self.num_agreements = 0
 
-    def agree(self, num_tokens: int, num_sampled: int) -> DPBatchLayout:
-        mine = torch.tensor([num_tokens, num_sampled, self.hint], dtype=torch.int64)
-        every = torch.empty(self.state.dp_size * 3, dtype=torch.int64)
+    def agree(self, num_tokens: int, num_sampled: int, graphable: bool = False) -> DPBatchLayout:
+        mine = torch.tensor([num_tokens, num_sampled, int(graphable), self.hint], dtype=torch.int64)
+        every = torch.empty(self.state.dp_size * 4, dtype=torch.int64)
         _all_gather(every, mine, group=self.state.cpu_group)
-        rows = every.view(self.state.dp_size, 3).tolist()
-        self.hints = tuple(int(r[2]) for r in rows)
+        rows = every.view(self.state.dp_size, 4).tolist()
+        self.hints = tuple(int(r[3]) for r in rows)
         self.num_agreements += 1
-        return DPBatchLayout(tuple(int(r[0]) for r in rows), tuple(int(r[1]) for r in rows), self.state.dp_rank)
+        return DPBatchLayout(tuple(int(r[0]) for r in rows), tuple(int(r[1]) for r in rows), self.state.dp_rank,
+                             tuple(bool(r[2]) for r in rows))

@@ -2,7 +2,8 @@
 servers, the openai client.
 
 - greedy outputs of concurrent requests, spread over both ranks by the api, equal the single-rank engine's: dense
-  (`--ep-size 2`), HiSparse (with swap-ins from each rank's own host pool) and tiny-glm5;
+  (`--ep-size 2`), HiSparse (with swap-ins from each rank's own host pool) and tiny-glm5 (these two with overlap
+  scheduling forced on);
 - one request alone: the other rank runs idle passes (its MLP collectives) and nothing hangs;
 - prefix caching (the tiny-glm5 server runs with `--enable-prefix-caching`): each rank has its own cache, a prompt
   sent again to the same rank reuses it, /flush_cache empties every rank's (the sum of what they dropped);
@@ -73,11 +74,12 @@ def servers() -> Iterator[dict[str, ServerProcess]]:
     """Every server of this module, started at once (each loads the model in its ranks)."""
     started = {
         "dense_dp": _start(*DP2, "--ep-size", "2", *DENSE_ARGS),
-        "hisparse_dp": _start(*DP2, *HISPARSE_ARGS),
+        # overlap scheduling forced on (CUDA's default; off by default on CPU): each rank one pass ahead
+        "hisparse_dp": _start(*DP2, *HISPARSE_ARGS, "--force-overlap-schedule"),
         "dense_tp": _start("--tp-size", "2", "--ep-size", "2", *DENSE_ARGS),
         "hisparse_tp": _start("--tp-size", "2", *HISPARSE_ARGS),
         "glm5_dp": _start("--model-path", "tiny-glm5", *DP2, "--ep-size", "2", "--enable-prefix-caching",
-                          "--load-balance-method", "cache_aware"),
+                          "--load-balance-method", "cache_aware", "--force-overlap-schedule"),
     }
     try:
         for server in started.values():
@@ -380,3 +382,12 @@ def test_dp_flags_are_validated(argv: list[str], message: str, capsys: pytest.Ca
         main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_server_info_reports_overlap_and_graphs(servers: dict[str, ServerProcess]) -> None:
+    """/server_info says which servers run one pass ahead (forced on here; CUDA's default) and that CPU replays no
+    decode graph."""
+    expected = {"dense_dp": False, "hisparse_dp": True, "glm5_dp": True, "dense_tp": False, "hisparse_tp": False}
+    for name, overlap in expected.items():
+        info = httpx.get(servers[name].url + "/server_info", timeout=10).json()["engine"]
+        assert info["overlap_schedule"] is overlap and info["cuda_graph_batch_sizes"] == [], (name, info)

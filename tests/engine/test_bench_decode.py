@@ -54,6 +54,37 @@ def test_bench_decode_smoke_tp2(tmp_path):
     assert sparse and all(r["host_pool_bytes"] > 0 and r["host_pool_shmem_bytes"] is not None for r in sparse)
 
 
+def test_bench_decode_smoke_dp_attention(tmp_path):
+    """`--tp-size 2 --dp-size 2 --enable-dp-attention` on CPU: each rank its own batch and host pool, every pass
+    agreed on by both ranks; tok/s counts both ranks' tokens."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "r.json"
+    argv = ["--smoke", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2",
+            "--miss-rates", "0.1", "--batch-sizes", "--out", str(out)]
+    proc = subprocess.run([sys.executable, "benchmarks/bench_decode.py", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "DP attention over 2 ranks" in proc.stdout and "one per rank (2)" in proc.stdout
+    results = json.loads(out.read_text())["results"]
+    assert results and all("error" not in r and r["dp_size"] == 2 for r in results), results
+    for r in results:  # both ranks' tokens: 2 × batch × steps in the timed time
+        assert r["tokens_per_s"] == pytest.approx(2 * r["batch"] * 1000 / r["step_ms"], rel=1e-6)
+    sparse = [r for r in results if r["mode"].startswith("hisparse")]
+    assert sparse and all(r["host_pool_bytes"] > 0 and r["host_pool_shmem_bytes"] is None for r in sparse)
+
+
+@pytest.mark.parametrize("argv", [["--tp-size", "2", "--dp-size", "2"], ["--tp-size", "2", "--dp-size", "1",
+                                                                          "--enable-dp-attention"],
+                                  ["--tp-size", "2", "--ep-size", "3"]])
+def test_bench_decode_parallel_flags_are_checked(argv):
+    spec = importlib.util.spec_from_file_location("bench_decode_flags", ROOT / "benchmarks" / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--smoke", *argv])
+    assert exc.value.code == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bench_decode_gpu_preflight(tmp_path):

@@ -97,9 +97,9 @@ def test_padded_rows_touch_only_scratch_memory(tiny_cpu, hisparse: bool) -> None
     real_run = runner.run
     checked: list[int] = []
 
-    def checking_run(batch, input_ids):
+    def checking_run(batch, input_ids, bucket=None):
         before = {k: v.clone() for k, v in _state(engine).items()}
-        logits = real_run(batch, input_ids)
+        logits = real_run(batch, input_ids, bucket=bucket)
         allowed = _allowed(engine, batch.req_rows_cpu, batch.prefix_lens_cpu)
         for name, after in _state(engine).items():
             dim, idx = allowed[name]

@@ -198,8 +198,6 @@ def test_overlap_defaults() -> None:
     assert resolve_overlap_schedule(EngineConfig(disable_overlap_schedule=True), cuda) is False
     assert resolve_overlap_schedule(EngineConfig(tp_size=2, ep_size=2), cuda) is True  # TP ranks overlap too
     dp = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}
-    assert resolve_overlap_schedule(EngineConfig(**dp), cuda) is False  # not with DP attention
-    with pytest.raises(ValueError, match="dp-attention"):
-        resolve_overlap_schedule(EngineConfig(force_overlap_schedule=True, **dp), cuda)
+    assert resolve_overlap_schedule(EngineConfig(**dp), cuda) is True  # and DP-attention ranks
     with pytest.raises(ValueError, match="contradict"):
         EngineConfig(force_overlap_schedule=True, disable_overlap_schedule=True)

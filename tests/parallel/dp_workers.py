@@ -24,6 +24,7 @@ from harness import PAGE, TOP_K, Arrival, random_prompt  # noqa: E402
 from tp_workers import WORLD, recording_backend  # noqa: E402
 
 from decode_server.config import EngineConfig, HiSparseConfig  # noqa: E402
+from decode_server.engine.cuda_graph import DecodeGraphRunner  # noqa: E402
 from decode_server.engine.engine import Engine  # noqa: E402
 from decode_server.engine.sampling_params import SamplingParams  # noqa: E402
 from decode_server.model import Tokenizer, load_model, resolve_model_path  # noqa: E402
@@ -156,6 +157,113 @@ def engine_runs_dp(parallel: ParallelState) -> dict[str, dict]:
     return out
 
 
+PADDED_BUCKETS = [1, 2, 4, 8]
+
+
+def attach_padded_runner(engine: Engine, buckets: list[int]) -> list[tuple[int, int]]:
+    """Give a DP rank's engine a decode graph runner over `buckets` that captures nothing: the padded forward that
+    graphs capture, run eagerly (CPU; the comparison run on GPUs). Returns `record_padded`'s list."""
+    parallel = engine.parallel
+    engine.graph_runner = DecodeGraphRunner(engine.model, engine.kv.backend, engine.device, buckets,
+                                            engine.context_length, dp=(parallel.dp_rank, parallel.dp_size))
+    return record_padded(engine.graph_runner)
+
+
+def record_padded(runner: DecodeGraphRunner) -> list[tuple[int, int]]:
+    """Record (bucket, real rows) of every padded pass of `runner`, so a test can check that the ranks padded every
+    pass to the same bucket."""
+    record: list[tuple[int, int]] = []
+    run_static = runner._run_static
+
+    def recording(static, bs: int, num_real: int):
+        record.append((bs, num_real))
+        return run_static(static, bs, num_real)
+
+    runner._run_static = recording
+    return record
+
+
+def engine_runs_dp_padded(parallel: ParallelState) -> dict[str, dict]:
+    """`engine_runs_dp` with decode passes padded to buckets that every rank agrees on (the CUDA-graph path of DP
+    attention, run eagerly on CPU): what each rank padded to, and its passes of padding rows only."""
+    model, config = load_model("tiny-dsa", "cpu", torch.float32, parallel=parallel)
+    tokenizer = Tokenizer.from_dir(resolve_model_path("tiny-dsa"))
+    out = {}
+    for hisparse in (False, True):
+        engine = Engine(engine_config(hisparse, parallel), model=model, model_config=config, tokenizer=tokenizer,
+                        parallel=parallel)
+        record = attach_padded_runner(engine, PADDED_BUCKETS)
+        result = run_engine(engine, rank_arrivals(parallel.dp_rank), parallel)
+        result.update(padded=record, padded_idle=engine.graph_runner.num_idle)
+        out["hisparse" if hisparse else "dense"] = result
+    return out
+
+
+def drive_dp(engine: Engine, jobs: list, parallel: ParallelState) -> dict[str, dict]:
+    """tests/hisparse/test_overlap.py's `drive` for one DP rank: every rank steps until every rank is done (an
+    all-reduce of 'still busy' per iteration, as `run_engine`). Returns each request's outcome as a dict."""
+    from test_overlap import Outcome
+
+    out: dict[str, Outcome] = {}
+    pending = sorted(jobs, key=lambda j: j.step)
+    aborts: dict[int, list[str]] = {}
+    for j in jobs:
+        if j.abort_at is not None:
+            aborts.setdefault(j.abort_at, []).append(j.rid)
+    step = 0
+    while True:
+        flag = torch.tensor([int(bool(pending) or engine.has_unfinished_requests())])
+        dist.all_reduce(flag, group=parallel.cpu_group)
+        if not flag.item():
+            break
+        while pending and pending[0].step <= step:
+            j = pending.pop(0)
+            engine.add_request(j.rid, j.prompt, j.params)
+            out[j.rid] = Outcome()
+        for rid in aborts.get(step, []):
+            engine.abort_request(rid)
+        for d in engine.step():
+            o = out[d.rid]
+            o.tokens += d.new_token_ids
+            o.text += d.text
+            o.logprobs += [(lp.token_id, lp.logprob, tuple(lp.top_logprobs)) for lp in d.logprobs or []]
+            if d.finished:
+                o.finish = (d.finish_reason, d.stop_reason)
+        step += 1
+        assert step < 3000, "workload did not finish"
+    return {rid: dataclasses.asdict(o) for rid, o in out.items()}
+
+
+def engine_runs_dp_overlap(parallel: ParallelState) -> dict[str, dict]:
+    """Each DP rank its own share of test_overlap.py's retraction workload (tight budgets, aborts in flight),
+    synchronous and with overlap scheduling forced on, in batch-invariant mode, dense and HiSparse."""
+    from test_lossless import tight_hisparse_budget
+    from test_overlap import DENSE_ROW, retraction_jobs
+
+    model, config = load_model("tiny-dsa", "cpu", torch.float32, parallel=parallel)
+    tokenizer = Tokenizer.from_dir(resolve_model_path("tiny-dsa"))
+    jobs = retraction_jobs(seed=9 + parallel.dp_rank, num=10 - 4 * parallel.dp_rank)  # rank 1: less work
+    out: dict[str, dict] = {}
+    for hisparse in (False, True):
+        budget = ({"device_kv_budget_bytes": tight_hisparse_budget(3, 10), "host_kv_budget_bytes": 64 << 20}
+                  if hisparse else {"device_kv_budget_bytes": 12 * PAGE * DENSE_ROW})
+        for overlap in (False, True):
+            cfg = engine_config(hisparse, parallel, deterministic=True).model_copy(update={
+                "max_running_requests": 5, "chunked_prefill_size": 96, "force_overlap_schedule": overlap,
+                "disable_overlap_schedule": not overlap, **budget})
+            engine = Engine(cfg, model=model, model_config=config, tokenizer=tokenizer, parallel=parallel)
+            assert engine.overlap is overlap
+            sched = engine.scheduler  # optimistic admission: requests grow past what was reserved, so retract
+            sched.new_token_ratio = sched.min_new_token_ratio = sched.new_request_ratio = 0.0
+            outcomes = drive_dp(engine, jobs, parallel)
+            stats = engine.stats()
+            out[f"{'hisparse' if hisparse else 'dense'}_{'overlap' if overlap else 'sync'}"] = {
+                "outcomes": outcomes, "retractions": stats.num_retractions, "idle": engine.is_idle_and_empty(),
+                "idle_passes": stats.num_idle_passes,
+            }
+    return out
+
+
 def engine_runs_single(rank: int) -> dict[str, dict]:
     """What one device computes for rank `rank`'s arrivals alone (dense and HiSparse)."""
     model, config = load_model("tiny-dsa", "cpu", torch.float32)
@@ -195,6 +303,8 @@ def dp_scenarios(rank: int, init_method: str, out_dir: str) -> None:
             "dp_lm_head": model_run_dp("tiny-dsa", lm_head),
             "glm5_ep": model_run_dp("tiny-glm5", ep),
             "engine": engine_runs_dp(ep),
+            "engine_padded": engine_runs_dp_padded(ep),
+            "engine_overlap": engine_runs_dp_overlap(ep),
         }
     finally:
         destroy_parallel(dp)
@@ -252,6 +362,58 @@ def gpu_dp_scenarios(rank: int, init_method: str, out_dir: str) -> None:
                    "wide_dp_ep": gpu_engine_runs(dp, str(device), rank, wide=True),
                    "wide_dp_ep_fp32": gpu_engine_runs(dp, str(device), rank, wide=True, float32=True),
                    "backend": dist.get_backend()}
+    finally:
+        destroy_parallel(dp)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+def graph_arrivals(rank: int) -> list[Arrival]:
+    """Rank 0: three requests (decode batches of 1 to 3, one joining mid-way); rank 1: one short one, so it replays
+    passes of padding rows only for most of rank 0's; prompts longer than the wide model's top-k (128)."""
+    gen = torch.Generator().manual_seed(17 + rank)
+    spec = [[(0, 300, 12), (2, 260, 10), (3, 200, 9)], [(0, 150, 5)]][rank]
+    return [Arrival(step, f"g{rank}-{i}", random_prompt(gen, n), m) for i, (step, n, m) in enumerate(spec)]
+
+
+def gpu_graph_runs(parallel: ParallelState, device: str, rank: int) -> dict[str, dict]:
+    """Wide tiny-dsa in bf16 on the GPU kernels as one DP rank (EP over the ranks), dense and HiSparse, with CUDA
+    graphs captured over PADDED_BUCKETS ("graphs") and with the same padded passes run eagerly ("eager")."""
+    from tp_gpu_workers import WIDE_TOP_K, wide_config
+
+    from decode_server.model import build_random_model
+
+    config = wide_config()
+    model = build_random_model(config, device, torch.bfloat16, seed=3, parallel=parallel)
+    tokenizer = Tokenizer.from_dir(resolve_model_path("tiny-dsa"))
+    out = {}
+    for hisparse in (False, True):
+        for graphs in (True, False):
+            cfg = engine_config(hisparse, parallel).model_copy(update={
+                "device": "cuda", "disable_cuda_graph": not graphs, "cuda_graph_bs": PADDED_BUCKETS,
+                "hisparse": HiSparseConfig(device_buffer_size=WIDE_TOP_K, num_recent_slots=2),
+            })
+            engine = Engine(cfg, model=model, model_config=config, tokenizer=tokenizer, parallel=parallel)
+            if graphs:
+                assert engine.graph_runner is not None, engine.cuda_graph_error
+                assert engine.graph_runner.captured == PADDED_BUCKETS
+                record = record_padded(engine.graph_runner)
+            else:
+                record = attach_padded_runner(engine, PADDED_BUCKETS)
+            runner = engine.graph_runner
+            result = run_engine(engine, graph_arrivals(rank), parallel)
+            result.update(padded=record, padded_idle=runner.num_idle, replays=runner.num_replays,
+                          eager=runner.num_eager)
+            out[f"{'hisparse' if hisparse else 'dense'}_{'graphs' if graphs else 'eager'}"] = result
+            del engine, runner
+            torch.cuda.empty_cache()
+    return out
+
+
+def gpu_dp_graph_scenarios(rank: int, init_method: str, out_dir: str) -> None:
+    device = torch.device("cuda", rank)
+    dp = init_parallel(rank, WORLD, WORLD, init_method, device, timeout_s=180, dp_size=WORLD)
+    try:
+        results = {"wide_dp_ep": gpu_graph_runs(dp, str(device), rank)}
     finally:
         destroy_parallel(dp)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")

@@ -86,3 +86,45 @@ def test_engine_ranks_match_one_device_and_hisparse_is_bit_identical(ranks, sing
         first, second = (r["engine"][mode] for r in ranks)
         assert second["idle_passes"] > 0
         assert first["steps"] + first["idle_passes"] == second["steps"] + second["idle_passes"]
+
+
+def test_engine_decode_passes_padded_to_one_bucket(ranks, single_engine):
+    """The CUDA-graph path of DP attention, run eagerly on CPU: decode passes where every rank decodes (or idles)
+    are padded by every rank to the bucket of the largest rank's batch (the MLPs' collectives then have the sizes a
+    graph was captured with); a rank without requests runs padding rows only. Tokens still equal one device's, and
+    HiSparse == dense bit for bit."""
+    for rank, results in enumerate(ranks):
+        want = single_engine[rank]["dense"]["tokens"]
+        dense, sparse = results["engine_padded"]["dense"], results["engine_padded"]["hisparse"]
+        assert dense["tokens"] == want and sparse["tokens"] == want, f"rank {rank}: padded DP tokens differ"
+        for rid, logits in dense["logits"].items():
+            for i, (a, b) in enumerate(zip(logits, sparse["logits"][rid], strict=True)):
+                assert torch.equal(a, b), f"rank {rank}: {rid} token {i}: HiSparse logits differ from dense"
+        assert dense["idle"] and sparse["idle"], "an engine did not free every page and slot"
+    for mode in ("dense", "hisparse"):
+        first, second = (r["engine_padded"][mode] for r in ranks)
+        assert first["padded"], "no decode pass was padded"
+        # the same bucket in every padded pass, whatever each rank's own batch
+        assert [bs for bs, _ in first["padded"]] == [bs for bs, _ in second["padded"]]
+        assert any(n0 != n1 for (_, n0), (_, n1) in zip(first["padded"], second["padded"], strict=True))
+        assert all(bs >= max(n0, n1) for (bs, n0), (_, n1) in zip(first["padded"], second["padded"], strict=True))
+        assert second["padded_idle"] > 0 and first["padded_idle"] == 0  # rank 1 idles on padding rows
+        assert first["steps"] + first["idle_passes"] == second["steps"] + second["idle_passes"]
+
+
+@pytest.mark.parametrize("mode", ["dense", "hisparse"])
+def test_engine_overlap_equals_sync_on_every_rank(ranks, mode: str) -> None:
+    """Overlap scheduling on DP-attention ranks (each its own share of tests/hisparse/test_overlap.py's retraction
+    and abort workload, batch-invariant mode): overlapped == synchronous on each rank (an aborted request: a prefix
+    of its synchronous tokens), retractions happened, every pool ends empty, and rank 1 (less work) idled."""
+    for rank, results in enumerate(ranks):
+        sync, overlapped = results["engine_overlap"][f"{mode}_sync"], results["engine_overlap"][f"{mode}_overlap"]
+        assert sync["idle"] and overlapped["idle"], f"rank {rank}: a pool or request row was not given back"
+        for rid, want in sync["outcomes"].items():
+            got = overlapped["outcomes"][rid]
+            if "abort" not in (want["finish"][0], got["finish"][0]):
+                assert got == want, f"rank {rank} {mode} {rid}: overlapped differs from synchronous"
+            else:
+                assert got["tokens"] == want["tokens"][: len(got["tokens"])], f"rank {rank} {mode} {rid}"
+    assert ranks[0]["engine_overlap"][f"{mode}_overlap"]["retractions"] > 0, "the budget was meant to retract"
+    assert ranks[1]["engine_overlap"][f"{mode}_overlap"]["idle_passes"] > 0, "rank 1 never idled"
