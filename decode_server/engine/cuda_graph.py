@@ -253,7 +253,9 @@ class DecodeGraphRunner:
 def build_graph_runner(engine: Any) -> tuple[DecodeGraphRunner | None, str | None]:
     """The engine's decode graph runner, captured, or (None, why) when graphs are off. A capture that fails is
     logged as an error and leaves every decode step eager (correct, only slower) rather than failing the engine;
-    the reason is returned for `Engine.cuda_graph_error` (tests assert on it)."""
+    the reason is returned for `Engine.cuda_graph_error` (tests assert on it). With tensor parallelism the ranks
+    agree first: if any rank's capture failed, every rank runs eagerly (a rank running unpadded batches while the
+    others replay padded ones would join their all-reduces with other sizes)."""
     config = engine.config
     backend = engine.kv.backend
     reason = graphs_off_reason(config, engine.device, engine.model_dtype, backend)
@@ -264,17 +266,26 @@ def build_graph_runner(engine: Any) -> tuple[DecodeGraphRunner | None, str | Non
                                   min(config.max_running_requests, backend.scratch_row))
     parallel = engine.parallel
     dp = (parallel.dp_rank, parallel.dp_size) if engine.dp_attention else None
-    runner = DecodeGraphRunner(engine.model, backend, engine.device, buckets, engine.context_length, dp=dp)
+    runner: DecodeGraphRunner | None = DecodeGraphRunner(engine.model, backend, engine.device, buckets,
+                                                         engine.context_length, dp=dp)
+    error = None
     try:
         with torch.inference_mode():
             runner.capture()
     except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly, say why
-        if engine.tp_size > 1:
-            # A rank that ran unpadded batches while the others replay padded ones would join their all-reduces
-            # with other sizes (a hang or wrong sums): the group fails to start instead, and says why.
-            raise RuntimeError(f"CUDA graph capture failed on tensor-parallel rank {engine.parallel.tp_rank} "
-                               f"({type(exc).__name__}: {exc}); start with --disable-cuda-graph to run eagerly") \
-                from exc
         logger.exception("CUDA graph capture failed; every decode step runs eagerly")
-        return None, f"{type(exc).__name__}: {exc}"
-    return runner, None
+        runner, error = None, f"{type(exc).__name__}: {exc}"
+    if engine.tp_size > 1 and not _every_rank_captured(runner is not None, parallel):
+        if runner is not None:
+            logger.error("CUDA graph capture failed on another tensor-parallel rank; every decode step runs eagerly")
+        runner, error = None, error or "CUDA graph capture failed on another tensor-parallel rank"
+    return runner, error
+
+
+def _every_rank_captured(captured: bool, parallel: Any) -> bool:
+    """One all-reduce (MIN) of the ranks' capture results over the gloo group: no device work, no hang on NCCL."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(captured)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=parallel.cpu_group)
+    return bool(flag.item())

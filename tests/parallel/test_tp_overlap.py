@@ -12,7 +12,7 @@ rank), both ranks produce the very same outcomes, retractions happened, and ever
 from __future__ import annotations
 
 import pytest
-from tp_overlap_workers import overlap_rank
+from tp_overlap_workers import capture_agreement_rank, overlap_rank
 from tp_workers import run_ranks
 
 from decode_server.model import resolve_model_path
@@ -46,3 +46,11 @@ def test_overlap_equals_sync_on_every_rank(ranks, mode: str) -> None:
 def test_ranks_stay_in_step(ranks, mode: str, schedule: str) -> None:
     first, second = (r[mode][schedule] for r in ranks)
     assert first == second, f"{mode} {schedule}: the ranks' outcomes, retractions or dropped tokens differ"
+
+
+def test_a_capture_failure_on_one_rank_makes_every_rank_eager(tmp_path) -> None:
+    """Tensor-parallel ranks must all replay graphs or all run eagerly (their all-reduces must have the same sizes):
+    when rank 1's capture fails, rank 0 (whose capture succeeded) drops its graphs too, and both say why."""
+    first, second = run_ranks(capture_agreement_rank, tmp_path)
+    assert first == {"runner": False, "error": "CUDA graph capture failed on another tensor-parallel rank"}
+    assert second == {"runner": False, "error": "RuntimeError: capture failed here"}

@@ -60,3 +60,30 @@ def overlap_rank(rank: int, init_method: str, out_dir: str) -> None:
     finally:
         destroy_parallel(tp)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+def capture_agreement_rank(rank: int, init_method: str, out_dir: str) -> None:
+    """`build_graph_runner` on 2 CPU ranks with graphs forced "on" and rank 1's capture failing: what each rank
+    ends with (tests/parallel/test_tp_overlap.py `test_a_capture_failure_on_one_rank_makes_every_rank_eager`)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from decode_server.config import EngineConfig
+    from decode_server.engine import cuda_graph
+
+    tp = init_parallel(rank, WORLD, 1, init_method, torch.device("cpu"), timeout_s=120)
+
+    def capture(self, buckets=None):
+        if rank == 1:
+            raise RuntimeError("capture failed here")
+
+    engine = SimpleNamespace(config=EngineConfig(cuda_graph_bs=[1, 2]), kv=SimpleNamespace(
+        backend=SimpleNamespace(scratch_row=8)), device=torch.device("cpu"), model_dtype=torch.bfloat16, parallel=tp,
+        dp_attention=False, tp_size=WORLD, model=None, context_length=64)
+    try:
+        with mock.patch.object(cuda_graph, "graphs_off_reason", return_value=None), \
+                mock.patch.object(cuda_graph.DecodeGraphRunner, "capture", capture):
+            runner, error = cuda_graph.build_graph_runner(engine)
+    finally:
+        destroy_parallel(tp)
+    torch.save({"runner": runner is not None, "error": error}, Path(out_dir) / f"rank{rank}.pt")
