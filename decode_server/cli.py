@@ -310,6 +310,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         api_key=args.api_key,
         served_model_name=args.served_model_name,
+        reasoning_parser=args.reasoning_parser,
         log_level=args.log_level,
         engine_heartbeat_timeout=args.engine_heartbeat_timeout,
         graceful_shutdown_timeout=args.graceful_shutdown_timeout,
@@ -334,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", default=None, help="require 'Authorization: Bearer <key>' (not on /health*, /metrics)"
     )
     g.add_argument("--served-model-name", default=None, help="model id in the API (default: --model-path)")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek-r1", "deepseek-v3", "glm45"],
+                   help="split a reasoning model's thinking into the chat responses' reasoning_content (deepseek-v3: "
+                        "when a request sets chat_template_kwargs {\"thinking\": true}; docs/server.md)")
     g.add_argument("--log-level", default=s.log_level, choices=["debug", "info", "warning", "error"])
     g.add_argument(
         "--engine-heartbeat-timeout",

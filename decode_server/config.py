@@ -310,6 +310,9 @@ class ServerConfig(BaseModel):
     port: int = Field(default=30000, ge=0, le=65535)
     api_key: str | None = None
     served_model_name: str | None = None
+    # SGLang's --reasoning-parser: chat responses split the model's thinking into `reasoning_content`
+    # (decode_server/api/reasoning.py; None: the whole output is `content`).
+    reasoning_parser: Literal["deepseek-r1", "deepseek-v3", "glm45"] | None = None
     log_level: str = "info"
     # Seconds without a heartbeat from the engine process before /health answers 503 and in-flight requests fail;
     # after `EngineConfig.watchdog_timeout` seconds of silence the api process kills the engine and exits.

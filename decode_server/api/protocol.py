@@ -211,6 +211,10 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+# Template variables the server passes itself (Tokenizer.apply_chat_template).
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -220,6 +224,18 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = Field(default=None, description="not supported")
     add_generation_prompt: bool = True
+    # Extra variables for the chat template (SGLang / vLLM), e.g. {"thinking": true} for DeepSeek-V3.1/V3.2.
+    chat_template_kwargs: dict[str, Any] | None = None
+    # SGLang's: with --reasoning-parser, put the thinking in `reasoning_content` (False: everything in `content`).
+    separate_reasoning: bool = True
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_template_names(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(kwargs or {}) & RESERVED_TEMPLATE_NAMES)
+        if reserved:
+            raise ValueError(f"{reserved} are set by the server, not by chat_template_kwargs")
+        return kwargs
 
 
 # ----------------------------------------------------------------------------------------------- responses
@@ -291,6 +307,14 @@ class CompletionResponse(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    reasoning_content: str | None = None  # --reasoning-parser: the model's thinking (left out when absent)
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_reasoning(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("reasoning_content") is None:
+            data.pop("reasoning_content", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -314,6 +338,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from decode_server.api.protocol import (
     UsageInfo,
     random_id,
 )
+from decode_server.api.reasoning import REASONING_PARSERS, ReasoningFormat, ReasoningSplitter, split_reasoning
 from decode_server.api.sse import DONE_FRAME, SSE_HEADERS, sse_frame
 from decode_server.api.tokenization import TokenizerPool
 from decode_server.disagg.bootstrap_info import MAX_ROOM, BootstrapInfo
@@ -81,6 +82,7 @@ class ModelInfo:
     # The most tokens (prompt + max_tokens - 1) the KV cache can hold for one request (≤ context length).
     max_request_tokens: int = 0
     prefix_caching: bool = False  # usage reports `prompt_tokens_details.cached_tokens`
+    reasoning_parser: str | None = None  # --reasoning-parser (decode_server/api/reasoning.py)
 
 
 class OpenAIServing:
@@ -465,11 +467,13 @@ class OpenAIServing:
         try:
             if self.tokenizer_pool is not None:
                 ids = await self.tokenizer_pool.encode_chat(messages, req.add_generation_prompt,
-                                                            limit=self.model.context_length)  # fmt: skip
+                                                            limit=self.model.context_length,
+                                                            template_kwargs=req.chat_template_kwargs)
                 if isinstance(ids, int):
                     raise self._too_long(ids, "messages")
             else:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                          **(req.chat_template_kwargs or {}))
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
         except DecodeServerError:
             raise
@@ -478,9 +482,22 @@ class OpenAIServing:
         self._check_prompt(ids, "messages")
         return ids
 
+    def _reasoning_format(self, req: ChatCompletionRequest) -> ReasoningFormat | None:
+        """The reasoning parser for this request (None: the whole output is `content`)."""
+        if self.model.reasoning_parser is None or not req.separate_reasoning:
+            return None
+        fmt = REASONING_PARSERS[self.model.reasoning_parser]
+        if fmt.starts_in_reasoning(req.chat_template_kwargs) and self._structured(req) is not None:
+            raise InvalidRequestError(
+                "a constrained output (response_format / regex / ebnf) cannot follow a reasoning that the prompt opens: "
+                "the constraint would apply to the thinking; turn thinking off or set separate_reasoning false",
+                param="response_format")
+        return fmt
+
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
         self._check_model(req.model)
         self._check_unsupported(req)
+        reasoning = self._reasoning_format(req)
         ids = await self._chat_prompt(req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._max_tokens(requested, len(ids), None)
@@ -496,6 +513,18 @@ class OpenAIServing:
         group = self._new_group("chatcmpl", specs, req.rid)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         model_name = self.model.served_model_name
+        splitters = {c.spec.index: ReasoningSplitter(reasoning, req.chat_template_kwargs) for c in group.choices} \
+            if reasoning is not None else {}
+
+        def delta_message(choice: ChoiceState, text: str, finish: str | None) -> DeltaMessage:
+            splitter = splitters.get(choice.spec.index)
+            if splitter is None:
+                return DeltaMessage(content=text if text or finish is None else None)
+            thought, answer = splitter.feed(text)
+            if finish is not None:
+                more_thought, more_answer = splitter.finish()
+                thought, answer = thought + more_thought, answer + more_answer
+            return DeltaMessage(content=answer or None, reasoning_content=thought or None)
 
         def chunk(
             choice: ChoiceState, text: str, logprobs: list[TokenLogprob], finish: str | None
@@ -506,7 +535,7 @@ class OpenAIServing:
                 choices=[
                     ChatStreamChoice(
                         index=choice.spec.index,
-                        delta=DeltaMessage(content=text if text or finish is None else None),
+                        delta=delta_message(choice, text, finish),
                         logprobs=self._chat_logprobs(logprobs) if req.logprobs and logprobs else None,
                         finish_reason=finish,
                     )
@@ -534,7 +563,7 @@ class OpenAIServing:
                 choices=[
                     ChatChoice(
                         index=c.spec.index,
-                        message=ChatResponseMessage(content=c.text),
+                        message=self._response_message(c.text, reasoning, req.chat_template_kwargs),
                         logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
                         finish_reason=c.finish_reason,
                     )
@@ -547,6 +576,14 @@ class OpenAIServing:
         if req.stream:
             return self._stream(group, raw, first, chunk, usage_chunk if include_usage else None)
         return await self._collect(group, raw, final)
+
+    @staticmethod
+    def _response_message(text: str, reasoning: ReasoningFormat | None,
+                          template_kwargs: dict[str, Any] | None) -> ChatResponseMessage:
+        if reasoning is None:
+            return ChatResponseMessage(content=text)
+        thought, answer = split_reasoning(reasoning, text, template_kwargs)
+        return ChatResponseMessage(content=answer, reasoning_content=thought)
 
     def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs:
         content = []

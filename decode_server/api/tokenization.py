@@ -50,8 +50,9 @@ def _encode(text: str, add_special_tokens: bool, limit: int | None = None) -> li
 
 
 def _encode_chat(messages: list[dict[str, Any]], add_generation_prompt: bool, limit: int | None = None,
-                 ) -> list[int] | int:  # fmt: skip
-    text = _worker_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+                 template_kwargs: dict[str, Any] | None = None) -> list[int] | int:  # fmt: skip
+    text = _worker_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 **(template_kwargs or {}))
     return _within(_worker_tokenizer.encode(text, add_special_tokens=False), limit)
 
 
@@ -95,12 +96,15 @@ class TokenizerPool:
         return await self._run(_encode, text, add_special_tokens, limit)
 
     async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          limit: int | None = None) -> list[int] | int:  # fmt: skip
-        """Token ids of the rendered conversation; only their number when it is `limit` or more."""
+                          limit: int | None = None, template_kwargs: dict[str, Any] | None = None,
+                          ) -> list[int] | int:  # fmt: skip
+        """Token ids of the rendered conversation (`template_kwargs`: extra template variables, the request's
+        chat_template_kwargs); only their number when it is `limit` or more."""
         if sum(len(m.get("content") or "") for m in messages) <= INLINE_MAX_CHARS:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      **(template_kwargs or {}))
             return self.tokenizer.encode(text, add_special_tokens=False)
-        return await self._run(_encode_chat, messages, add_generation_prompt, limit)
+        return await self._run(_encode_chat, messages, add_generation_prompt, limit, template_kwargs)
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         loop = asyncio.get_running_loop()
