@@ -311,6 +311,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         reasoning_parser=args.reasoning_parser,
+        chat_template=args.chat_template,
         log_level=args.log_level,
         engine_heartbeat_timeout=args.engine_heartbeat_timeout,
         graceful_shutdown_timeout=args.graceful_shutdown_timeout,
@@ -335,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", default=None, help="require 'Authorization: Bearer <key>' (not on /health*, /metrics)"
     )
     g.add_argument("--served-model-name", default=None, help="model id in the API (default: --model-path)")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file that replaces the checkpoint's (e.g. one that renders tools)")
     g.add_argument("--reasoning-parser", default=None, choices=["deepseek-r1", "deepseek-v3", "glm45"],
                    help="split a reasoning model's thinking into the chat responses' reasoning_content (deepseek-v3: "
                         "when a request sets chat_template_kwargs {\"thinking\": true}; docs/server.md)")
@@ -689,6 +692,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             server_config_from_args(args)  # validate before starting anything
             _check_secret_file(args)
+            if args.chat_template:
+                from decode_server.model.tokenizer import read_chat_template
+
+                read_chat_template(args.chat_template)
             if engine_config.tp_size > 1:
                 from decode_server.runtime.rank_group import check_rank_devices
 

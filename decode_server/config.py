@@ -310,6 +310,8 @@ class ServerConfig(BaseModel):
     port: int = Field(default=30000, ge=0, le=65535)
     api_key: str | None = None
     served_model_name: str | None = None
+    # SGLang's --chat-template: a Jinja file that replaces the checkpoint's chat template (checked at start-up).
+    chat_template: str | None = None
     # SGLang's --reasoning-parser: chat responses split the model's thinking into `reasoning_content`
     # (decode_server/api/reasoning.py; None: the whole output is `content`).
     reasoning_parser: Literal["deepseek-r1", "deepseek-v3", "glm45"] | None = None

@@ -27,6 +27,7 @@ from decode_server.api.tokenization import TokenizerPool
 from decode_server.api.uvicorn_server import SignalHandlingServer
 from decode_server.config import EngineConfig, ServerConfig
 from decode_server.errors import EngineDeadError, ServerShuttingDownError
+from decode_server.model.tokenizer import read_chat_template
 
 logger = logging.getLogger("decode_server.server")
 
@@ -91,8 +92,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         tokenizer_cls = await tokenizer_import
         # The engine resolved (and for tiny-dsa, generated) the checkpoint; read its tokenizer from there.
         model_dir = info["model_dir"]
-        tokenizer = tokenizer_cls.from_dir(model_dir)
-        tokenizer_pool = TokenizerPool(tokenizer, model_dir)
+        chat_template = read_chat_template(server_config.chat_template) if server_config.chat_template else None
+        tokenizer = tokenizer_cls.from_dir(model_dir, chat_template=chat_template)
+        tokenizer_pool = TokenizerPool(tokenizer, model_dir, chat_template=chat_template)
         await tokenizer_pool.start()
     except BaseException:
         tokenizer_import.cancel()

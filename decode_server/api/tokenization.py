@@ -27,7 +27,7 @@ DEFAULT_NUM_WORKERS = 2
 _worker_tokenizer: Any = None
 
 
-def _init_worker(model_dir: str) -> None:
+def _init_worker(model_dir: str, chat_template: str | None = None) -> None:
     global _worker_tokenizer
     from decode_server.model.tokenizer import Tokenizer
     from decode_server.runtime.lifetime import die_with_parent
@@ -37,7 +37,7 @@ def _init_worker(model_dir: str) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker_tokenizer = Tokenizer.from_dir(model_dir)
+    _worker_tokenizer = Tokenizer.from_dir(model_dir, chat_template=chat_template)
 
 
 def _within(ids: list[int], limit: int | None) -> list[int] | int:
@@ -66,9 +66,11 @@ def max_token_chars(tokenizer: Any) -> int:
 class TokenizerPool:
     """Worker processes that each load the checkpoint's tokenizer; `await encode(...)` from the event loop."""
 
-    def __init__(self, tokenizer: Any, model_dir: str, num_workers: int = DEFAULT_NUM_WORKERS) -> None:
+    def __init__(self, tokenizer: Any, model_dir: str, num_workers: int = DEFAULT_NUM_WORKERS,
+                 chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer  # the api process's own copy, for short texts
         self.model_dir = model_dir
+        self.chat_template = chat_template  # --chat-template's text (None: the checkpoint's)
         self.num_workers = max(1, num_workers)
         self.max_token_chars = max_token_chars(tokenizer)
         self._executor = self._new_executor()
@@ -76,7 +78,7 @@ class TokenizerPool:
     def _new_executor(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(
             self.num_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-            initargs=(self.model_dir,),
+            initargs=(self.model_dir, self.chat_template),
         )
 
     async def start(self) -> None:

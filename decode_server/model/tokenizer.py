@@ -54,7 +54,8 @@ class Tokenizer:
         return template
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
+    def from_dir(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """`chat_template`: Jinja text that replaces the checkpoint's own (`--chat-template`)."""
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.exists():
@@ -64,7 +65,10 @@ class Tokenizer:
         template_file = path / "chat_template.jinja"
         if not config.get("chat_template") and template_file.exists():
             config["chat_template"] = template_file.read_text()
+        if chat_template is not None:
+            config["chat_template"] = chat_template
         return cls(HFTokenizer.from_file(str(tokenizer_file)), config)
+
 
     @property
     def vocab_size(self) -> int:
@@ -108,3 +112,18 @@ class Tokenizer:
             eos_token=self.eos_token or "",
             **extra,
         )
+
+
+def read_chat_template(path: str | Path) -> str:
+    """A `--chat-template` file's text, compiled once to fail at start-up (ValueError naming the file and the line)
+    rather than on the first chat request."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"--chat-template {path}: cannot read it ({exc.strerror or exc})") from exc
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template {path}: line {exc.lineno}: {exc.message}") from exc
+    return text

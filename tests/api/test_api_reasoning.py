@@ -1,6 +1,6 @@
 """`--reasoning-parser` through real servers and the official openai client: the thinking in `reasoning_content`,
 the answer in `content`, streamed exactly as whole; `chat_template_kwargs` ({"thinking": true} for DeepSeek-V3.x);
-`separate_reasoning: false`; refusals are 400s naming their parameter.
+`separate_reasoning: false`; `--chat-template FILE`; refusals are 400s naming their parameter.
 
 The embedded model has random weights, so a glm45 server's output is made to open and close a reasoning block with
 SGLang's `regex` constraint (glm45 lets the model open it itself, so a constraint is allowed there); the
@@ -36,6 +36,19 @@ def _server(*args: str) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def glm45() -> Iterator[ServerProcess]:
     yield from _server("--reasoning-parser", "glm45")
+
+
+@pytest.fixture(scope="module")
+def templated(tmp_path_factory) -> Iterator[ServerProcess]:
+    """`--chat-template`: the embedded model's template plus a line that only `thinking` renders; a context long
+    enough for a prompt that the tokenizer pool's workers render (over 8192 characters)."""
+    from decode_server.model.tiny import CHAT_TEMPLATE
+
+    path = tmp_path_factory.mktemp("template") / "chat.jinja"
+    path.write_text(CHAT_TEMPLATE.replace("{% if add_generation_prompt %}",
+                                          "{% if thinking %}{{ 'deep thought mode on' }}{% endif %}"
+                                          "{% if add_generation_prompt %}"))
+    yield from _server("--chat-template", str(path), "--context-length", "4096")
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +125,34 @@ def test_refusals(deepseek_v3: ServerProcess, body: dict, param: str, needle: st
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert needle in error["message"] and param in (error.get("param") or ""), error
+
+
+def _prompt_tokens(server: ServerProcess, content: str, **template_kwargs) -> int:
+    out = _client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=1, temperature=0,
+        extra_body={"chat_template_kwargs": template_kwargs} if template_kwargs else None)
+    return out.usage.prompt_tokens
+
+
+def test_chat_template_file_replaces_the_checkpoints(templated: ServerProcess, glm45: ServerProcess) -> None:
+    # 8302 characters: rendered by the tokenizer pool's workers, not on the event loop (over INLINE_MAX_CHARS)
+    short, long = "Hello there.", "decode server " * 593
+    assert _prompt_tokens(templated, short) == _prompt_tokens(glm45, short)  # same template text without thinking
+    for content in (short, long):  # the line only `thinking` renders adds tokens (how many: BPE at the seam)
+        added = _prompt_tokens(templated, content, thinking=True) - _prompt_tokens(templated, content)
+        assert added >= 5, f"{len(content)} chars: the --chat-template file or chat_template_kwargs was not used"
+
+
+@pytest.mark.parametrize(("content", "needle"), [(None, "cannot read it"), ("{% if %}", "line 1")])
+def test_a_bad_chat_template_is_a_usage_error(tmp_path, capsys: pytest.CaptureFixture[str], content, needle) -> None:
+    from decode_server.cli import main
+
+    path = tmp_path / "t.jinja"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--chat-template", str(path)])
+    assert exc.value.code == 2 and needle in capsys.readouterr().err
 
 
 def test_an_unknown_parser_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
