@@ -311,6 +311,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
         chat_template=args.chat_template,
         log_level=args.log_level,
         engine_heartbeat_timeout=args.engine_heartbeat_timeout,
@@ -338,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None, help="model id in the API (default: --model-path)")
     g.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file that replaces the checkpoint's (e.g. one that renders tools)")
+    g.add_argument("--tool-call-parser", default=None, choices=["deepseekv32", "glm", "glm45", "glm47"],
+                   help="parse the function calls the model writes into tool_calls (deepseekv32: DeepSeek-V3.2's "
+                        "DSML; glm, or SGLang's names glm45 / glm47: GLM-4.5 and later, GLM-5); without it, requests "
+                        "with tools are refused")
     g.add_argument("--reasoning-parser", default=None, choices=["deepseek-r1", "deepseek-v3", "glm45"],
                    help="split a reasoning model's thinking into the chat responses' reasoning_content (deepseek-v3: "
                         "when a request sets chat_template_kwargs {\"thinking\": true}; docs/server.md)")

@@ -315,6 +315,9 @@ class ServerConfig(BaseModel):
     # SGLang's --reasoning-parser: chat responses split the model's thinking into `reasoning_content`
     # (decode_server/api/reasoning.py; None: the whole output is `content`).
     reasoning_parser: Literal["deepseek-r1", "deepseek-v3", "glm45"] | None = None
+    # SGLang's --tool-call-parser: chat requests with `tools` get the calls the model wrote as `tool_calls`
+    # (decode_server/api/tool_calls.py; None: requests with tools are refused).
+    tool_call_parser: Literal["deepseekv32", "glm", "glm45", "glm47"] | None = None
     log_level: str = "info"
     # Seconds without a heartbeat from the engine process before /health answers 503 and in-flight requests fail;
     # after `EngineConfig.watchdog_timeout` seconds of silence the api process kills the engine and exits.

@@ -12,6 +12,7 @@ Unicode: JSON allows a lone UTF-16 surrogate (`"\ud800"`), which no tokenizer ca
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -117,6 +118,10 @@ StopField = Annotated[
 class _SamplingFields(_Strict):
     """Parameters shared by both endpoints (OpenAI names plus SGLang's `top_k`, `ignore_eos`, ...)."""
 
+    # SGLang's / vLLM's: False keeps special tokens in the text (chat requests that a tool-call or reasoning
+    # parser reads keep them anyway: their markers may be special tokens).
+    skip_special_tokens: bool = True
+
     model: str | None = Field(default=None, description="must be the served model name when given")
     max_tokens: int | None = Field(default=None, ge=1, description="tokens to generate (at least 1)")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 means greedy")
@@ -184,20 +189,56 @@ class TextContentPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    """`developer` is OpenAI's newer name for `system` and is rendered as a system message. Tool messages are
-    refused (no tool calling)."""
+class FunctionCallIn(_Strict):
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
 
-    role: Literal["system", "developer", "user", "assistant"]
+
+class ToolCallIn(_Strict):
+    """A call of an earlier assistant turn, sent back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(_Strict):
+    """`developer` is OpenAI's newer name for `system` and is rendered as a system message. An assistant turn may
+    carry `tool_calls`; a `tool` message answers one (`tool_call_id`)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
-    @field_validator("role", mode="before")
-    @classmethod
-    def _no_tool_role(cls, role: Any) -> Any:
-        if role == "tool":
-            raise ValueError("'tool' messages are not supported (this server does no tool calling)")
-        return role
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it (transformers' convention): a call's arguments as a dict when
+        they are a JSON object (templates iterate over them), else the string as sent."""
+        out: dict[str, Any] = {"role": self.template_role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                try:
+                    arguments: Any = json.loads(call.function.arguments)
+                except ValueError:
+                    arguments = call.function.arguments
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": arguments}})
+            out["tool_calls"] = calls
+        return out
 
     @property
     def template_role(self) -> str:
@@ -212,7 +253,20 @@ class ChatMessage(_Strict):
 
 
 # Template variables the server passes itself (Tokenizer.apply_chat_template).
-RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
+MAX_TOOLS = 128
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -222,7 +276,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1, description="alias of max_tokens (wins)")
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = Field(default=None, description="not supported")
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    # "auto" (the default with tools): the model may call them; "none": it is shown them but its calls are not
+    # parsed. "required" and a named function (a constrained call) are refused: not built.
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     # Extra variables for the chat template (SGLang / vLLM), e.g. {"thinking": true} for DeepSeek-V3.1/V3.2.
     chat_template_kwargs: dict[str, Any] | None = None
@@ -285,7 +343,7 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class CompletionChoice(BaseModel):
@@ -304,16 +362,29 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the answer is tool calls only (OpenAI's null)
     reasoning_content: str | None = None  # --reasoning-parser: the model's thinking (left out when absent)
+    tool_calls: list[ToolCallOut] | None = None  # --tool-call-parser (left out when absent)
 
     @model_serializer(mode="wrap")
-    def _drop_absent_reasoning(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _drop_absent_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        if data.get("reasoning_content") is None:
-            data.pop("reasoning_content", None)
+        for key in ("reasoning_content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -333,12 +404,27 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class DeltaToolCall(BaseModel):
+    """A whole call in one delta (a call is sent once its block has closed)."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     """A streamed piece of the assistant message; absent fields are left out, as OpenAI does."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

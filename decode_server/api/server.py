@@ -113,6 +113,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         pd_auth=pd_auth,
         prefix_caching=engine_config.enable_prefix_caching,
         reasoning_parser=server_config.reasoning_parser,
+        tool_call_parser=server_config.tool_call_parser,
     )
     metrics = ServerMetrics(served)
     ctx = ServerContext(client, tokenizer, model, metrics, dict(info, model_path=model_dir),

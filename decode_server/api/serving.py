@@ -20,6 +20,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from decode_server.api.chat_output import ChatOutputParser
+from decode_server.api.chat_output import finish_reason as chat_finish_reason
 from decode_server.api.engine_client import EngineClient
 from decode_server.api.errors import error_body
 from decode_server.api.generation import ChoiceSpec, ChoiceState, GenerationGroup
@@ -39,15 +41,20 @@ from decode_server.api.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
     PromptTokensDetails,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
     random_id,
 )
-from decode_server.api.reasoning import REASONING_PARSERS, ReasoningFormat, ReasoningSplitter, split_reasoning
+from decode_server.api.reasoning import REASONING_PARSERS, ReasoningFormat
 from decode_server.api.sse import DONE_FRAME, SSE_HEADERS, sse_frame
 from decode_server.api.tokenization import TokenizerPool
+from decode_server.api.tool_calls import TOOL_CALL_PARSERS, ToolCallFormat
 from decode_server.disagg.bootstrap_info import MAX_ROOM, BootstrapInfo
 from decode_server.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutput
 from decode_server.engine.types import TokenLogprob
@@ -83,6 +90,7 @@ class ModelInfo:
     max_request_tokens: int = 0
     prefix_caching: bool = False  # usage reports `prompt_tokens_details.cached_tokens`
     reasoning_parser: str | None = None  # --reasoning-parser (decode_server/api/reasoning.py)
+    tool_call_parser: str | None = None  # --tool-call-parser (decode_server/api/tool_calls.py)
 
 
 class OpenAIServing:
@@ -135,8 +143,6 @@ class OpenAIServing:
             if req.suffix:
                 reject("suffix", "leave it unset")
         else:
-            if req.tools:
-                reject("tools", "no tool calling")
             if req.top_logprobs is not None and not req.logprobs:
                 raise InvalidRequestError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
 
@@ -231,6 +237,7 @@ class OpenAIServing:
         max_tokens: int,
         logprobs: int | None,
         choice: int,
+        keep_special_tokens: bool = False,
     ) -> SamplingParams:
         # With an explicit seed, choice i samples with seed + i: n identical choices would be pointless.
         seed = None if req.seed is None else (req.seed + choice) % 2**63
@@ -262,6 +269,7 @@ class OpenAIServing:
                 frequency_penalty=req.frequency_penalty,
                 presence_penalty=req.presence_penalty,
                 structured=structured,
+                skip_special_tokens=req.skip_special_tokens and not keep_special_tokens,
             )
         except ValidationError as exc:
             first = exc.errors()[0]
@@ -461,19 +469,42 @@ class OpenAIServing:
 
     # -------------------------------------------------------------------------------------- chat
 
+    def _tool_format(self, req: ChatCompletionRequest) -> ToolCallFormat | None:
+        """The parser of this request's tool calls (None: no tools, or `tool_choice` "none"); 400s for what is
+        not served."""
+        if req.tool_choice is not None and not req.tools:
+            raise InvalidRequestError("'tool_choice' needs 'tools'", param="tool_choice")
+        if not req.tools:
+            return None
+        if self.model.tool_call_parser is None:
+            raise InvalidRequestError("this server parses no tool calls: start it with --tool-call-parser "
+                                      "(deepseekv32, glm)", param="tools")
+        names = [t.function.name for t in req.tools]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("two tools have the same function name", param="tools")
+        choice = req.tool_choice or "auto"
+        if choice not in ("auto", "none"):
+            raise InvalidRequestError("'tool_choice' \"required\" or a named function is not supported by this "
+                                      "server (a constrained call is not built): use \"auto\" or \"none\"",
+                                      param="tool_choice")
+        return TOOL_CALL_PARSERS[self.model.tool_call_parser] if choice == "auto" else None
+
     async def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.template_role, "content": m.text()} for m in req.messages]
+        messages = [m.template_dict() for m in req.messages]
         self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:  # transformers' convention: the template renders them (`tools`)
+            template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
             if self.tokenizer_pool is not None:
                 ids = await self.tokenizer_pool.encode_chat(messages, req.add_generation_prompt,
                                                             limit=self.model.context_length,
-                                                            template_kwargs=req.chat_template_kwargs)
+                                                            template_kwargs=template_kwargs)
                 if isinstance(ids, int):
                     raise self._too_long(ids, "messages")
             else:
                 text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                          **(req.chat_template_kwargs or {}))
+                                                          **template_kwargs)
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
         except DecodeServerError:
             raise
@@ -498,46 +529,57 @@ class OpenAIServing:
         self._check_model(req.model)
         self._check_unsupported(req)
         reasoning = self._reasoning_format(req)
+        tool_format = self._tool_format(req)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         ids = await self._chat_prompt(req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._max_tokens(requested, len(ids), None)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         bootstrap = self._bootstrap(req, 1)[0]
+        parsed = reasoning is not None or tool_format is not None  # their markers may be special tokens
         specs = [
             ChoiceSpec(
-                index=k, prompt_token_ids=ids, params=self._sampling_params(req, max_tokens, num_logprobs, k),
-                bootstrap=bootstrap,
+                index=k, prompt_token_ids=ids, bootstrap=bootstrap,
+                params=self._sampling_params(req, max_tokens, num_logprobs, k, keep_special_tokens=parsed),
             )
             for k in range(req.n)
         ]
         group = self._new_group("chatcmpl", specs, req.rid)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         model_name = self.model.served_model_name
-        splitters = {c.spec.index: ReasoningSplitter(reasoning, req.chat_template_kwargs) for c in group.choices} \
-            if reasoning is not None else {}
+        def output_parser() -> ChatOutputParser:
+            return ChatOutputParser(reasoning, req.chat_template_kwargs, tool_format, tools,
+                                    max_calls=1 if req.parallel_tool_calls is False else None)
+
+        parsers = {c.spec.index: output_parser() for c in group.choices}
 
         def delta_message(choice: ChoiceState, text: str, finish: str | None) -> DeltaMessage:
-            splitter = splitters.get(choice.spec.index)
-            if splitter is None:
+            parser = parsers[choice.spec.index]
+            if not parser.active:
                 return DeltaMessage(content=text if text or finish is None else None)
-            thought, answer = splitter.feed(text)
+            first_call = parser.num_calls
+            thought, answer, calls = parser.feed(text)
             if finish is not None:
-                more_thought, more_answer = splitter.finish()
-                thought, answer = thought + more_thought, answer + more_answer
-            return DeltaMessage(content=answer or None, reasoning_content=thought or None)
+                more_thought, more_answer, more_calls = parser.finish()
+                thought, answer, calls = thought + more_thought, answer + more_answer, calls + more_calls
+            deltas = [DeltaToolCall(index=first_call + i, id=c.id,
+                                    function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                      for i, c in enumerate(calls)]
+            return DeltaMessage(content=answer or None, reasoning_content=thought or None, tool_calls=deltas or None)
 
         def chunk(
             choice: ChoiceState, text: str, logprobs: list[TokenLogprob], finish: str | None
         ) -> BaseModel:
+            delta = delta_message(choice, text, finish)  # first: it counts the calls the finish reason needs
             return ChatCompletionChunk(
                 id=group.request_id,
                 model=model_name,
                 choices=[
                     ChatStreamChoice(
                         index=choice.spec.index,
-                        delta=delta_message(choice, text, finish),
+                        delta=delta,
                         logprobs=self._chat_logprobs(logprobs) if req.logprobs and logprobs else None,
-                        finish_reason=finish,
+                        finish_reason=chat_finish_reason(finish, parsers[choice.spec.index].num_calls),
                     )
                 ],
             )
@@ -556,34 +598,24 @@ class OpenAIServing:
         def usage_chunk(usage: UsageInfo) -> BaseModel:
             return ChatCompletionChunk(id=group.request_id, model=model_name, choices=[], usage=usage)
 
+        def choice_of(c: ChoiceState) -> ChatChoice:
+            thought, answer, calls = output_parser().whole(c.text)
+            message = ChatResponseMessage(
+                content=answer, reasoning_content=thought,
+                tool_calls=[ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments))
+                            for t in calls] or None)
+            return ChatChoice(index=c.spec.index, message=message,
+                              logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
+                              finish_reason=chat_finish_reason(c.finish_reason, len(calls)))
+
         def final(usage: UsageInfo) -> BaseModel:
-            return ChatCompletionResponse(
-                id=group.request_id,
-                model=model_name,
-                choices=[
-                    ChatChoice(
-                        index=c.spec.index,
-                        message=self._response_message(c.text, reasoning, req.chat_template_kwargs),
-                        logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
-                        finish_reason=c.finish_reason,
-                    )
-                    for c in group.choices
-                ],
-                usage=usage,
-            )
+            return ChatCompletionResponse(id=group.request_id, model=model_name,
+                                          choices=[choice_of(c) for c in group.choices], usage=usage)
 
         await group.submit()
         if req.stream:
             return self._stream(group, raw, first, chunk, usage_chunk if include_usage else None)
         return await self._collect(group, raw, final)
-
-    @staticmethod
-    def _response_message(text: str, reasoning: ReasoningFormat | None,
-                          template_kwargs: dict[str, Any] | None) -> ChatResponseMessage:
-        if reasoning is None:
-            return ChatResponseMessage(content=text)
-        thought, answer = split_reasoning(reasoning, text, template_kwargs)
-        return ChatResponseMessage(content=answer, reasoning_content=thought)
 
     def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs:
         content = []

@@ -184,6 +184,7 @@ class Engine:
         # PD prefill (decode_server/disagg/): sees each prompt chunk once its KV is complete (device synced).
         self.prefill_chunk_hook: PrefillChunkHook | None = None
         self._requests: dict[str, Request] = {}
+        self._special_cache: dict[int, bool] = {}  # token id → is a special token (`_is_special`)
         self._arrivals = itertools.count()
         self._pending_deltas: list[RequestDelta] = []
         self.overlap = resolve_overlap_schedule(config, self.device)
@@ -306,7 +307,8 @@ class Engine:
             req.sampling_seed = seed
             req.generator = make_generator(seed, self.device)
         if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids,
+                                                     skip_special_tokens=params.skip_special_tokens)
             req.stop_checker = StopStringChecker(params.stop)
         self._requests[rid] = req
         self.scheduler.add(req)
@@ -637,6 +639,7 @@ class Engine:
             req.logprobs.append(logprob)
         self._num_generated += 1
         finished = req.check_token_stop(token)
+        ended_on_token = finished and req.finish_reason == "stop"  # EOS or a stop token id
         error = None
         if not self.logits_processor.accept(req, token):
             logger.error("%s: token %d does not match its grammar; ending it", req.rid, token)
@@ -645,7 +648,10 @@ class Engine:
         text = ""
         if req.detokenizer is not None and req.stop_checker is not None:
             armed = len(req.output_ids) >= req.params.min_tokens
-            text = req.stop_checker.add(req.detokenizer.add([token]), armed=armed)
+            # The special token that ended the request (EOS) is no part of the answer, even when special tokens
+            # are kept in the text (as with skip_special_tokens, the default, where it decodes to nothing).
+            hidden = ended_on_token and not req.params.skip_special_tokens and self._is_special(token)
+            text = req.stop_checker.add("" if hidden else req.detokenizer.add([token]), armed=armed)
             if req.stop_checker.matched is not None and not finished:
                 finished = True
                 req.finish_reason, req.stop_reason = "stop", req.stop_checker.matched
@@ -659,6 +665,15 @@ class Engine:
         if error is not None:
             delta.error, delta.error_class = error, "DecodeServerError"
         return delta
+
+    def _is_special(self, token: int) -> bool:
+        """Whether the tokenizer drops `token` when it skips special tokens (cached per token)."""
+        special = self._special_cache.get(token)
+        if special is None:
+            special = self._special_cache[token] = (
+                self.tokenizer.decode([token], skip_special_tokens=True) == ""
+                and self.tokenizer.decode([token], skip_special_tokens=False) != "")
+        return special
 
     def _delta(self, req: Request, tokens: list[int], text: str, finished: bool,
                logprobs: list[Any] | None = None) -> RequestDelta:

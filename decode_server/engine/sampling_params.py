@@ -43,6 +43,9 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="times the output's count")
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="once a token is in the output")
     structured: StructuredOutput | None = Field(default=None, description="a grammar the output must match")
+    # False: special tokens are part of the text (a tool-call or reasoning parser reads markers that some
+    # tokenizers hold as special tokens, e.g. GLM's <tool_call>).
+    skip_special_tokens: bool = True
 
     @field_validator("top_k")
     @classmethod

@@ -144,6 +144,15 @@ def tp1_outputs(offline_llm: LLM) -> list[str]:
     return [o.text for o in outs]
 
 
+def test_server_info_reports_overlap_and_graphs(servers: dict[str, ServerProcess]) -> None:
+    """/server_info says which servers run one pass ahead (forced on here; CUDA's default) and that CPU replays no
+    decode graph. (First in the module: later tests stop and kill these servers.)"""
+    expected = {"dense_dp": False, "hisparse_dp": True, "glm5_dp": True, "dense_tp": False, "hisparse_tp": False}
+    for name, overlap in expected.items():
+        info = httpx.get(servers[name].url + "/server_info", timeout=10).json()["engine"]
+        assert info["overlap_schedule"] is overlap and info["cuda_graph_batch_sizes"] == [], (name, info)
+
+
 def test_dense_dp_greedy_equals_tp1_over_both_ranks(servers, tp1_outputs) -> None:
     server = servers["dense_dp"]
     before = server.stats()["dp_ranks"]
@@ -383,11 +392,3 @@ def test_dp_flags_are_validated(argv: list[str], message: str, capsys: pytest.Ca
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
 
-
-def test_server_info_reports_overlap_and_graphs(servers: dict[str, ServerProcess]) -> None:
-    """/server_info says which servers run one pass ahead (forced on here; CUDA's default) and that CPU replays no
-    decode graph."""
-    expected = {"dense_dp": False, "hisparse_dp": True, "glm5_dp": True, "dense_tp": False, "hisparse_tp": False}
-    for name, overlap in expected.items():
-        info = httpx.get(servers[name].url + "/server_info", timeout=10).json()["engine"]
-        assert info["overlap_schedule"] is overlap and info["cuda_graph_batch_sizes"] == [], (name, info)

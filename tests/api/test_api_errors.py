@@ -80,7 +80,7 @@ CHAT_400 = [
     ({"temperature": 7}, "temperature", ""),
     ({"model": "nope"}, "model", "not served"),
     ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "--tool-call-parser"),
 ]
 
 

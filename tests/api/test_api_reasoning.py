@@ -155,6 +155,14 @@ def test_a_bad_chat_template_is_a_usage_error(tmp_path, capsys: pytest.CaptureFi
     assert exc.value.code == 2 and needle in capsys.readouterr().err
 
 
+def test_tools_need_a_tool_call_parser(glm45: ServerProcess) -> None:
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    r = httpx.post(glm45.url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "tools": tools}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "--tool-call-parser" in r.json()["error"]["message"]
+
+
 def test_an_unknown_parser_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     from decode_server.cli import main
 
