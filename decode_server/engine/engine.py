@@ -432,12 +432,7 @@ class Engine:
             if shared_pool:
                 self._shared_pool_barrier()  # ... and with the pages that scheduling retracted
             launched = self._launch(batch)
-        previous, self._inflight = self._inflight, None
-        if self.overlap:
-            self._inflight = launched
-        elif launched is not None:
-            previous = launched
-        return deltas + self._read_pass(previous)
+        return deltas + self._read_pass(self._rotate_inflight(launched))
 
     def _dp_step(self) -> list[RequestDelta]:
         """One DP rank's step: schedule its own requests, agree with every rank on the pass (all counts), then run
@@ -482,12 +477,17 @@ class Engine:
             finally:
                 self._dp_layout = None
                 self._dp_graph_bucket = None
+        return deltas + self._read_pass(self._rotate_inflight(launched))
+
+    def _rotate_inflight(self, launched: _LaunchedStep | None) -> _LaunchedStep | None:
+        """The pass to read now: with overlap the one launched before `launched` (which stays in flight), without
+        it `launched` itself."""
         previous, self._inflight = self._inflight, None
         if self.overlap:
             self._inflight = launched
         elif launched is not None:
             previous = launched
-        return deltas + self._read_pass(previous)
+        return previous
 
     def _idle_pass(self) -> None:
         """A pass without tokens: attention is skipped, the MLPs and the LM head join the other ranks' collectives

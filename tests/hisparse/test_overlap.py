@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -42,8 +43,10 @@ class Outcome:
     finish: tuple | None = None
 
 
-def drive(engine: Engine, jobs: list[Job], max_steps: int = 3000) -> dict[str, Outcome]:
-    """Feed jobs at their steps, abort at theirs, and collect every delta; the engine must end idle and empty."""
+def drive(engine: Engine, jobs: list[Job], max_steps: int = 3000, parallel: Any = None) -> dict[str, Outcome]:
+    """Feed jobs at their steps, abort at theirs, and collect every delta; the engine must end idle and empty.
+    `parallel` (a DP-attention rank's state): every rank steps until every rank is done (an all-reduce of 'still
+    busy' per iteration, as the runtime's loop keeps DP ranks stepping)."""
     out: dict[str, Outcome] = {}
     pending = sorted(jobs, key=lambda j: j.step)
     aborts: dict[int, list[str]] = {}
@@ -51,7 +54,7 @@ def drive(engine: Engine, jobs: list[Job], max_steps: int = 3000) -> dict[str, O
         if j.abort_at is not None:
             aborts.setdefault(j.abort_at, []).append(j.rid)
     step = 0
-    while pending or engine.has_unfinished_requests():
+    while _anyone_busy(bool(pending) or engine.has_unfinished_requests(), parallel):
         while pending and pending[0].step <= step:
             j = pending.pop(0)
             engine.add_request(j.rid, j.prompt, j.params)
@@ -70,6 +73,16 @@ def drive(engine: Engine, jobs: list[Job], max_steps: int = 3000) -> dict[str, O
         assert step < max_steps, "workload did not finish"
     assert engine.is_idle_and_empty(), "a pool or a request row was not given back"
     return out
+
+
+def _anyone_busy(busy: bool, parallel: Any) -> bool:
+    if parallel is None:
+        return busy
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(busy)])
+    dist.all_reduce(flag, group=parallel.cpu_group)
+    return bool(flag.item())
 
 
 def mixed_jobs(seed: int, num: int = 6) -> list[Job]:

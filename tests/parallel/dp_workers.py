@@ -199,46 +199,11 @@ def engine_runs_dp_padded(parallel: ParallelState) -> dict[str, dict]:
     return out
 
 
-def drive_dp(engine: Engine, jobs: list, parallel: ParallelState) -> dict[str, dict]:
-    """tests/hisparse/test_overlap.py's `drive` for one DP rank: every rank steps until every rank is done (an
-    all-reduce of 'still busy' per iteration, as `run_engine`). Returns each request's outcome as a dict."""
-    from test_overlap import Outcome
-
-    out: dict[str, Outcome] = {}
-    pending = sorted(jobs, key=lambda j: j.step)
-    aborts: dict[int, list[str]] = {}
-    for j in jobs:
-        if j.abort_at is not None:
-            aborts.setdefault(j.abort_at, []).append(j.rid)
-    step = 0
-    while True:
-        flag = torch.tensor([int(bool(pending) or engine.has_unfinished_requests())])
-        dist.all_reduce(flag, group=parallel.cpu_group)
-        if not flag.item():
-            break
-        while pending and pending[0].step <= step:
-            j = pending.pop(0)
-            engine.add_request(j.rid, j.prompt, j.params)
-            out[j.rid] = Outcome()
-        for rid in aborts.get(step, []):
-            engine.abort_request(rid)
-        for d in engine.step():
-            o = out[d.rid]
-            o.tokens += d.new_token_ids
-            o.text += d.text
-            o.logprobs += [(lp.token_id, lp.logprob, tuple(lp.top_logprobs)) for lp in d.logprobs or []]
-            if d.finished:
-                o.finish = (d.finish_reason, d.stop_reason)
-        step += 1
-        assert step < 3000, "workload did not finish"
-    return {rid: dataclasses.asdict(o) for rid, o in out.items()}
-
-
 def engine_runs_dp_overlap(parallel: ParallelState) -> dict[str, dict]:
     """Each DP rank its own share of test_overlap.py's retraction workload (tight budgets, aborts in flight),
     synchronous and with overlap scheduling forced on, in batch-invariant mode, dense and HiSparse."""
     from test_lossless import tight_hisparse_budget
-    from test_overlap import DENSE_ROW, retraction_jobs
+    from test_overlap import DENSE_ROW, drive, retraction_jobs
 
     model, config = load_model("tiny-dsa", "cpu", torch.float32, parallel=parallel)
     tokenizer = Tokenizer.from_dir(resolve_model_path("tiny-dsa"))
@@ -255,7 +220,7 @@ def engine_runs_dp_overlap(parallel: ParallelState) -> dict[str, dict]:
             assert engine.overlap is overlap
             sched = engine.scheduler  # optimistic admission: requests grow past what was reserved, so retract
             sched.new_token_ratio = sched.min_new_token_ratio = sched.new_request_ratio = 0.0
-            outcomes = drive_dp(engine, jobs, parallel)
+            outcomes = {rid: dataclasses.asdict(o) for rid, o in drive(engine, jobs, parallel=parallel).items()}
             stats = engine.stats()
             out[f"{'hisparse' if hisparse else 'dense'}_{'overlap' if overlap else 'sync'}"] = {
                 "outcomes": outcomes, "retractions": stats.num_retractions, "idle": engine.is_idle_and_empty(),
