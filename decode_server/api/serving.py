@@ -53,7 +53,7 @@ from decode_server.api.protocol import (
 )
 from decode_server.api.reasoning import REASONING_PARSERS, ReasoningFormat
 from decode_server.api.sse import DONE_FRAME, SSE_HEADERS, sse_frame
-from decode_server.api.tokenization import TokenizerPool
+from decode_server.api.tokenization import TokenizerPool, chat_chars
 from decode_server.api.tool_calls import TOOL_CALL_PARSERS, ToolCallFormat
 from decode_server.disagg.bootstrap_info import MAX_ROOM, BootstrapInfo
 from decode_server.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutput
@@ -491,10 +491,10 @@ class OpenAIServing:
 
     async def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         messages = [m.template_dict() for m in req.messages]
-        self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
         template_kwargs = dict(req.chat_template_kwargs or {})
         if req.tools:  # transformers' convention: the template renders them (`tools`)
             template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        self._check_text_length(chat_chars(messages, template_kwargs), "messages")
         try:
             if self.tokenizer_pool is not None:
                 ids = await self.tokenizer_pool.encode_chat(messages, req.add_generation_prompt,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
@@ -54,6 +55,16 @@ def _encode_chat(messages: list[dict[str, Any]], add_generation_prompt: bool, li
     text = _worker_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                  **(template_kwargs or {}))
     return _within(_worker_tokenizer.encode(text, add_special_tokens=False), limit)
+
+
+def chat_chars(messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> int:
+    """Characters of what a chat template renders from the request: messages' contents and calls, and the extra
+    variables (tools). Decides inline against worker rendering, and bounds the prompt before rendering it."""
+    chars = sum(len(m.get("content") or "") for m in messages)
+    chars += sum(len(json.dumps(m["tool_calls"], ensure_ascii=False)) for m in messages if m.get("tool_calls"))
+    if template_kwargs:
+        chars += len(json.dumps(template_kwargs, ensure_ascii=False, default=str))
+    return chars
 
 
 def max_token_chars(tokenizer: Any) -> int:
@@ -102,7 +113,7 @@ class TokenizerPool:
                           ) -> list[int] | int:  # fmt: skip
         """Token ids of the rendered conversation (`template_kwargs`: extra template variables, the request's
         chat_template_kwargs); only their number when it is `limit` or more."""
-        if sum(len(m.get("content") or "") for m in messages) <= INLINE_MAX_CHARS:
+        if chat_chars(messages, template_kwargs) <= INLINE_MAX_CHARS:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       **(template_kwargs or {}))
             return self.tokenizer.encode(text, add_special_tokens=False)

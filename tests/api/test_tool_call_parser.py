@@ -128,3 +128,15 @@ def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
     one = ToolCallSplitter(GLM, TOOLS, max_calls=1)
     c1, k1 = one.feed(text)
     assert (c1 + one.finish(), calls_of(k1)) == ("Sure.\n", [("now", {})])  # the second block is dropped
+
+
+def test_chat_chars_count_calls_and_tools() -> None:
+    """What a template renders besides the messages' text (calls of earlier turns, the tools) counts toward the
+    prompt's size bound and the choice of rendering in a tokenizer worker."""
+    from decode_server.api.tokenization import chat_chars
+
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {"x": "y" * 100}}}]}]
+    assert chat_chars(messages[:1]) == 2
+    assert chat_chars(messages) > 100
+    assert chat_chars(messages[:1], {"tools": TOOLS}) > len("get_weather") + 2
