@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,15 +61,17 @@ def _schema_types(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-class ToolCallFormat:
+class ToolCallFormat(ABC):
     """One model family's call syntax: where a block starts and ends, and how to read one closed block."""
 
     name: str
     starts: tuple[str, ...]  # texts that open a block
     ends: tuple[str, ...]  # the text that closes the block opened by starts[i]
 
+    @abstractmethod
     def parse(self, block: str, schemas: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]] | None:
-        raise NotImplementedError
+        """The (function name, arguments) of a closed block, or None when it is no valid call of a requested tool
+        (the block then stays text)."""
 
 
 class DeepSeekV32Format(ToolCallFormat):
