@@ -418,11 +418,7 @@ class Engine:
         deltas, self._pending_deltas = self._pending_deltas, []
         if self.dp_sync is not None:
             return deltas + self._dp_step()
-        if self._inflight is not None and any(r.params.structured is not None and not r.finished
-                                              for r in self._inflight.sampled):
-            # A grammar's next bitmask needs the token in flight: read that pass before scheduling this one.
-            previous, self._inflight = self._inflight, None
-            deltas += self._read_pass(previous)
+        deltas += self._read_constrained_inflight()
         shared_pool = self.tp_size > 1 and self.config.enable_hisparse
         if shared_pool:
             self._shared_pool_barrier()  # every rank is done with the pages freed before this step
@@ -445,11 +441,7 @@ class Engine:
         padding rows only), so the MLPs' collectives inside the graph have the sizes they were captured with.
         Any other pass (a prefill chunk anywhere, a batch above every bucket) runs eagerly on every rank."""
         assert self.dp_sync is not None
-        deltas: list[RequestDelta] = []
-        if self._inflight is not None and any(r.params.structured is not None and not r.finished
-                                              for r in self._inflight.sampled):
-            previous, self._inflight = self._inflight, None  # a grammar's next bitmask needs the token in flight
-            deltas += self._read_pass(previous)
+        deltas = self._read_constrained_inflight()
         batch = self.scheduler.schedule()
         if batch is not None and not batch.requests:
             batch = None
@@ -478,6 +470,15 @@ class Engine:
                 self._dp_layout = None
                 self._dp_graph_bucket = None
         return deltas + self._read_pass(self._rotate_inflight(launched))
+
+    def _read_constrained_inflight(self) -> list[RequestDelta]:
+        """With a constrained request in the pass in flight, read that pass now, before scheduling the next: a
+        grammar's next bitmask needs the token in flight (overlap is off for such passes)."""
+        if self._inflight is None or not any(r.params.structured is not None and not r.finished
+                                             for r in self._inflight.sampled):
+            return []
+        previous, self._inflight = self._inflight, None
+        return self._read_pass(previous)
 
     def _rotate_inflight(self, launched: _LaunchedStep | None) -> _LaunchedStep | None:
         """The pass to read now: with overlap the one launched before `launched` (which stays in flight), without
