@@ -212,6 +212,19 @@ class DecodeGraphRunner:
         self.backend.finish_static_forward(static, num_real)
         return logits[:num_real]
 
+    def release(self) -> None:
+        """Destroy the captured graphs (later passes run eagerly). A process leaving its NCCL group must do this
+        first: a communicator whose collectives a live graph holds cannot be destroyed, so
+        `destroy_process_group` would wait forever (pytorch/pytorch#115388; seen here on 2 H200s with DP
+        attention)."""
+        if not self._graphs:
+            return
+        torch.cuda.synchronize(self.device)  # an overlapped pass may still be replaying
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._outputs.clear()
+
     # -- capture --
     def capture(self, buckets: list[int] | None = None) -> None:
         """Capture the given buckets (default: all), largest first, into one shared memory pool, each after

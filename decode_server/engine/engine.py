@@ -288,6 +288,13 @@ class Engine:
         whole KV cache holds less. The server clamps a defaulted max_tokens to it."""
         return min(self.context_length, self.kv.max_request_tokens)
 
+    def close(self) -> None:
+        """Destroy the decode CUDA graphs (later steps run eagerly). A tensor-/data-parallel rank calls this before
+        leaving its process group: NCCL cannot destroy a communicator whose collectives a live graph holds."""
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+            self.graph_runner = None
+
     # -- requests --
     def add_request(
         self, rid: str, prompt_token_ids: list[int], params: SamplingParams, *, remote_prefill: bool = False,

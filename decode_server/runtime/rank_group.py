@@ -103,7 +103,14 @@ def build_rank_engine(config: EngineConfig, parallel: ParallelState, engine_fact
     return load_factory(engine_factory)(config, parallel=parallel)
 
 
-def leave_group(parallel: ParallelState) -> None:
+def leave_group(parallel: ParallelState, engine: Any | None) -> None:
+    """Release the engine's CUDA graphs, then leave the process group (in this order: a graph holding NCCL
+    collectives makes `destroy_process_group` wait forever)."""
+    if engine is not None:
+        try:
+            engine.close()
+        except Exception:
+            logger.exception("releasing the engine's CUDA graphs failed; leaving the process group anyway")
     with contextlib.suppress(Exception):
         destroy_parallel(parallel)
 
@@ -224,6 +231,7 @@ def run_group_driver(config: EngineConfig, ctx: zmq.Context, pull: zmq.Socket, p
 
     supervisor: RankSupervisor | None = None
     parallel = None
+    engine = None
     loop: EngineLoop | None = None
     exit_code = 0
     try:
@@ -256,7 +264,7 @@ def run_group_driver(config: EngineConfig, ctx: zmq.Context, pull: zmq.Socket, p
         if supervisor is not None:
             supervisor.terminate(RANK_EXIT_TIMEOUT_S if exit_code == 0 else 0.5)
         if parallel is not None and exit_code == 0:
-            leave_group(parallel)
+            leave_group(parallel, engine)
         push.close(linger=1000)
         pull.close(linger=0)
         ctx.term()
@@ -284,6 +292,7 @@ def run_group_worker(argv: list[str] | None, loops: RankLoops) -> int:
                         format=f"%(asctime)s %(levelname)s engine rank {args.rank} %(name)s: %(message)s")  # fmt: skip
     config = EngineConfig.model_validate_json(os.environ[CONFIG_ENV])
     parallel = init_rank(config, args.rank, args.init_method)
+    engine = None
     loop: EngineLoop | None = None
     try:
         engine = build_rank_engine(config, parallel, args.engine_factory)
@@ -296,5 +305,5 @@ def run_group_worker(argv: list[str] | None, loops: RankLoops) -> int:
     finally:
         if loop is not None:
             loop.close()
-    leave_group(parallel)
+    leave_group(parallel, engine)
     return 0

@@ -116,8 +116,8 @@ class ServerProcess:
     def log_text(self) -> str:
         return Path(self.log.name).read_text()
 
-    def wait_ready(self) -> ServerProcess:
-        deadline = time.monotonic() + START_TIMEOUT_S
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> ServerProcess:
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
@@ -134,7 +134,7 @@ class ServerProcess:
                 pass
             time.sleep(0.2)
         self.kill()
-        raise RuntimeError(f"server not ready after {START_TIMEOUT_S} s:\n{self.log_text()}")
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log_text()}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         """Send `sig`, wait for the exit; returns the exit code (kills and fails if it hangs)."""

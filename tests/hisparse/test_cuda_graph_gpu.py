@@ -271,6 +271,34 @@ def test_graph_steps_sync_once(tiny_cuda, overlap: bool) -> None:
     assert engine.is_idle_and_empty()
 
 
+def test_close_destroys_the_graphs_and_later_steps_run_eagerly(tiny_cuda) -> None:
+    """`Engine.close()` (what a TP/DP rank does before leaving its NCCL group) destroys every captured graph, with a
+    pass of the overlap schedule still in flight; the engine still finishes its requests, eagerly."""
+    engine = make_engine(tiny_cuda, hisparse=True, device="cuda", buffer_size=64, cuda_graph_bs=[2, 4], chunk=512,
+                         overlap=True)
+    runner = engine.graph_runner
+    assert runner is not None and runner.captured == [2, 4], engine.cuda_graph_error
+    gen = torch.Generator().manual_seed(6)
+    for i in range(3):
+        engine.add_request(f"c{i}", random_prompt(gen, 90 + 7 * i), _greedy(12))
+    for _ in range(5):
+        engine.step()
+    replays = runner.num_replays
+    assert replays > 0
+    engine.close()
+    assert engine.graph_runner is None and runner.captured == [] and not runner._outputs
+    engine.close()  # idempotent
+    done = {f"c{i}": 0 for i in range(3)}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            done[delta.rid] += len(delta.new_token_ids)
+    for delta in engine.flush():
+        done[delta.rid] += len(delta.new_token_ids)
+    assert runner.num_replays == replays
+    assert sum(done.values()) > 0
+    assert engine.is_idle_and_empty()
+
+
 def _greedy(max_tokens: int):
     from decode_server.engine.sampling_params import SamplingParams
 

@@ -369,6 +369,9 @@ def gpu_graph_runs(parallel: ParallelState, device: str, rank: int) -> dict[str,
             result.update(padded=record, padded_idle=runner.num_idle, replays=runner.num_replays,
                           eager=runner.num_eager)
             out[f"{'hisparse' if hisparse else 'dense'}_{'graphs' if graphs else 'eager'}"] = result
+            # As the runtime does before leaving the group: the graphs hold NCCL collectives, and record_padded's
+            # wrapper keeps the runner alive, so without this destroy_process_group waits forever (seen on 2 H200s).
+            engine.close()
             del engine, runner
             torch.cuda.empty_cache()
     return out

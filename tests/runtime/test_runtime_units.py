@@ -134,3 +134,33 @@ def test_engine_loop_acknowledges_before_deltas_and_aborts_on_shutdown() -> None
         for sock in (api_push, engine_pull, engine_push, api_pull):
             sock.close(linger=0)
         ctx.term()
+
+
+# ------------------------------------------------------------------------------------------------ leaving a group
+
+
+def test_leave_group_closes_the_engine_before_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's engine releases its CUDA graphs before destroy_process_group (NCCL waits forever on a communicator
+    that a live graph's collectives hold); a close that fails still leaves the group."""
+    from decode_server.runtime import rank_group
+
+    calls: list[str] = []
+
+    class Closing:
+        def __init__(self, fail: bool) -> None:
+            self.fail = fail
+
+        def close(self) -> None:
+            calls.append("close")
+            if self.fail:
+                raise RuntimeError("graph reset failed")
+
+    monkeypatch.setattr(rank_group, "destroy_parallel", lambda parallel: calls.append(f"destroy {parallel}"))
+    rank_group.leave_group("g", Closing(fail=False))
+    assert calls == ["close", "destroy g"]
+    calls.clear()
+    rank_group.leave_group("g", Closing(fail=True))
+    assert calls == ["close", "destroy g"]
+    calls.clear()
+    rank_group.leave_group("g", None)  # the engine was never built
+    assert calls == ["destroy g"]

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Kept as prepared in bench_tmp/ (not run yet: the 2-GPU kind was withdrawn before it; run it with kind nvidia-h200-x2, carry .whl).
+# Kept as it ran from bench_tmp/ (2026-11-29, 2 x H200, nvidia-h200-x2, commit cde8b2d): the benches and the one-GPU tests ran; the 2-GPU tests hung in destroy_process_group (see call_diag.sh).
 # Two H200s (nvidia-h200-x2): CUDA graphs with DP attention — the 2-GPU tests (new test_dp_graphs_gpu.py beside
 # test_dp_gpu.py and test_tp_graphs_gpu.py), the DP bench with graphs on and off, then the one-GPU graph tests (the
 # runner was refactored).
