@@ -21,9 +21,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from decode_server.api.chat_output import ChatOutputParser
-from decode_server.api.chat_output import finish_reason as chat_finish_reason
 from decode_server.api.engine_client import EngineClient
 from decode_server.api.errors import error_body
+from decode_server.api.forced_tool_calls import ForcedToolChoice, forced_tool_choice
 from decode_server.api.generation import ChoiceSpec, ChoiceState, GenerationGroup
 from decode_server.api.metrics import ServerMetrics
 from decode_server.api.protocol import (
@@ -238,6 +238,7 @@ class OpenAIServing:
         logprobs: int | None,
         choice: int,
         keep_special_tokens: bool = False,
+        structured: StructuredOutput | None = None,
     ) -> SamplingParams:
         # With an explicit seed, choice i samples with seed + i: n identical choices would be pointless.
         seed = None if req.seed is None else (req.seed + choice) % 2**63
@@ -248,7 +249,7 @@ class OpenAIServing:
         if req.min_tokens > max_tokens:
             raise InvalidRequestError(f"'min_tokens' ({req.min_tokens}) is more than max_tokens ({max_tokens})",
                                       param="min_tokens")
-        structured = self._structured(req)
+        structured = structured or self._structured(req)  # `structured`: the server's own (a forced tool call)
         if structured is not None and req.min_tokens:
             raise InvalidRequestError("'min_tokens' cannot be combined with an output constraint (a finished "
                                       "grammar allows only EOS)", param="min_tokens")
@@ -469,25 +470,33 @@ class OpenAIServing:
 
     # -------------------------------------------------------------------------------------- chat
 
-    def _tool_format(self, req: ChatCompletionRequest) -> ToolCallFormat | None:
-        """The parser of this request's tool calls (None: no tools, or `tool_choice` "none"); 400s for what is
+    def _tool_choice(self, req: ChatCompletionRequest) -> tuple[ToolCallFormat | None, ForcedToolChoice | None]:
+        """How this request's tool calls are read: the `--tool-call-parser` format ("auto"), a constrained call
+        ("required" or a named function: no parser needed) or neither (no tools, or "none"); 400s for what is
         not served."""
         if req.tool_choice is not None and not req.tools:
             raise InvalidRequestError("'tool_choice' needs 'tools'", param="tool_choice")
         if not req.tools:
-            return None
-        if self.model.tool_call_parser is None:
-            raise InvalidRequestError("this server parses no tool calls: start it with --tool-call-parser "
-                                      "(deepseekv32, glm)", param="tools")
+            return None, None
         names = [t.function.name for t in req.tools]
         if len(set(names)) != len(names):
             raise InvalidRequestError("two tools have the same function name", param="tools")
         choice = req.tool_choice or "auto"
-        if choice not in ("auto", "none"):
-            raise InvalidRequestError("'tool_choice' \"required\" or a named function is not supported by this "
-                                      "server (a constrained call is not built): use \"auto\" or \"none\"",
-                                      param="tool_choice")
-        return TOOL_CALL_PARSERS[self.model.tool_call_parser] if choice == "auto" else None
+        forced = forced_tool_choice(choice, [t.model_dump(exclude_none=True) for t in req.tools],
+                                    req.parallel_tool_calls)  # fmt: skip
+        if forced is not None:
+            if self._structured(req) is not None:
+                raise InvalidRequestError("'tool_choice' \"required\" or a named function constrains the output "
+                                          "itself: it cannot be combined with response_format, regex or ebnf",
+                                          param="tool_choice")
+            return None, forced
+        if choice == "none":
+            return None, None
+        if self.model.tool_call_parser is None:
+            raise InvalidRequestError("this server parses no tool calls: start it with --tool-call-parser "
+                                      "(deepseekv32, glm), or force a call with tool_choice \"required\" or a "
+                                      "named function", param="tools")
+        return TOOL_CALL_PARSERS[self.model.tool_call_parser], None
 
     async def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         messages = [m.template_dict() for m in req.messages]
@@ -513,23 +522,24 @@ class OpenAIServing:
         self._check_prompt(ids, "messages")
         return ids
 
-    def _reasoning_format(self, req: ChatCompletionRequest) -> ReasoningFormat | None:
+    def _reasoning_format(self, req: ChatCompletionRequest, forced: ForcedToolChoice | None) -> ReasoningFormat | None:
         """The reasoning parser for this request (None: the whole output is `content`)."""
         if self.model.reasoning_parser is None or not req.separate_reasoning:
             return None
         fmt = REASONING_PARSERS[self.model.reasoning_parser]
-        if fmt.starts_in_reasoning(req.chat_template_kwargs) and self._structured(req) is not None:
+        if fmt.starts_in_reasoning(req.chat_template_kwargs) and (forced or self._structured(req)) is not None:
             raise InvalidRequestError(
-                "a constrained output (response_format / regex / ebnf) cannot follow a reasoning that the prompt opens: "
-                "the constraint would apply to the thinking; turn thinking off or set separate_reasoning false",
-                param="response_format")
+                "a constrained output (response_format / regex / ebnf, or tool_choice \"required\" / a named "
+                "function) cannot follow a reasoning that the prompt opens: the constraint would apply to the "
+                "thinking; turn thinking off or set separate_reasoning false",
+                param="tool_choice" if forced is not None else "response_format")
         return fmt
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
         self._check_model(req.model)
         self._check_unsupported(req)
-        reasoning = self._reasoning_format(req)
-        tool_format = self._tool_format(req)
+        tool_format, forced = self._tool_choice(req)
+        reasoning = self._reasoning_format(req, forced)
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         ids = await self._chat_prompt(req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -537,10 +547,14 @@ class OpenAIServing:
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         bootstrap = self._bootstrap(req, 1)[0]
         parsed = reasoning is not None or tool_format is not None  # their markers may be special tokens
+        structured = None
+        if forced is not None:
+            structured = StructuredOutput(kind="json_schema", spec=json.dumps(forced.schema), param="tools")
         specs = [
             ChoiceSpec(
                 index=k, prompt_token_ids=ids, bootstrap=bootstrap,
-                params=self._sampling_params(req, max_tokens, num_logprobs, k, keep_special_tokens=parsed),
+                params=self._sampling_params(req, max_tokens, num_logprobs, k, keep_special_tokens=parsed,
+                                             structured=structured),
             )
             for k in range(req.n)
         ]
@@ -549,7 +563,7 @@ class OpenAIServing:
         model_name = self.model.served_model_name
         def output_parser() -> ChatOutputParser:
             return ChatOutputParser(reasoning, req.chat_template_kwargs, tool_format, tools,
-                                    max_calls=1 if req.parallel_tool_calls is False else None)
+                                    max_calls=1 if req.parallel_tool_calls is False else None, forced=forced)
 
         parsers = {c.spec.index: output_parser() for c in group.choices}
 
@@ -579,7 +593,7 @@ class OpenAIServing:
                         index=choice.spec.index,
                         delta=delta,
                         logprobs=self._chat_logprobs(logprobs) if req.logprobs and logprobs else None,
-                        finish_reason=chat_finish_reason(finish, parsers[choice.spec.index].num_calls),
+                        finish_reason=parsers[choice.spec.index].finish_reason(finish),
                     )
                 ],
             )
@@ -599,14 +613,15 @@ class OpenAIServing:
             return ChatCompletionChunk(id=group.request_id, model=model_name, choices=[], usage=usage)
 
         def choice_of(c: ChoiceState) -> ChatChoice:
-            thought, answer, calls = output_parser().whole(c.text)
+            parser = output_parser()
+            thought, answer, calls = parser.whole(c.text)
             message = ChatResponseMessage(
                 content=answer, reasoning_content=thought,
                 tool_calls=[ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments))
                             for t in calls] or None)
             return ChatChoice(index=c.spec.index, message=message,
                               logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
-                              finish_reason=chat_finish_reason(c.finish_reason, len(calls)))
+                              finish_reason=parser.finish_reason(c.finish_reason))
 
         def final(usage: UsageInfo) -> BaseModel:
             return ChatCompletionResponse(id=group.request_id, model=model_name,

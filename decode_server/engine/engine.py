@@ -343,7 +343,8 @@ class Engine:
         req = Request(rid=rid, prompt_ids=list(prompt_token_ids), params=params, arrival=next(self._arrivals),
                       eos_token_ids=self.eos_token_ids)
         if params.structured is not None:
-            param = {"regex": "regex", "ebnf": "ebnf"}.get(params.structured.kind, "response_format")
+            param = params.structured.param or {"regex": "regex", "ebnf": "ebnf"}.get(params.structured.kind,
+                                                                                        "response_format")
             if self.grammar is None:
                 raise InvalidRequestError(self.grammar_error or "structured outputs are unavailable", param=param)
             try:

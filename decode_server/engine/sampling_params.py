@@ -19,6 +19,9 @@ class StructuredOutput(BaseModel):
 
     kind: Literal["json_object", "json_schema", "regex", "ebnf"]
     spec: str = ""
+    # The request field a refusal names when the constraint does not compile (default: by kind), e.g. "tools" for
+    # the schema of a forced tool call.
+    param: str | None = None
 
 
 class SamplingParams(BaseModel):

@@ -116,6 +116,8 @@ def test_deepseek_v3_thinking_follows_the_request(deepseek_v3: ServerProcess) ->
 
 @pytest.mark.parametrize(("body", "param", "needle"), [
     ({"chat_template_kwargs": {"thinking": True}, "regex": "a+"}, "response_format", "cannot follow a reasoning"),
+    ({"chat_template_kwargs": {"thinking": True}, "tool_choice": "required",
+      "tools": [{"type": "function", "function": {"name": "now"}}]}, "tool_choice", "cannot follow a reasoning"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "set by the server"),
     ({"chat_template_kwargs": "thinking"}, "chat_template_kwargs", "dictionary"),
 ])

@@ -30,7 +30,8 @@ def _cap_generation(body: object) -> None:
             body[key] = MAX_GENERATED
     if isinstance(body.get("n"), int) and body["n"] > 2:
         body["n"] = 2
-    # This server runs without --tool-call-parser, so any body with tools is a 400 by design (test_api_errors), and
+    # This server runs without --tool-call-parser, so a body with tools is a 400 by design unless its tool_choice
+    # forces a call (test_api_errors, test_api_tool_calls), and
     # the schema cannot say that only assistant messages carry tool_calls nor that a tool message needs its
     # tool_call_id (cross-field rules, 400s in test_api_tool_calls): left alone, most generated bodies would be such
     # 400s. Made valid here, so that valid bodies still reach the engine.

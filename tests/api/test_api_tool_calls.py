@@ -2,7 +2,11 @@
 `tool_calls` with `finish_reason: "tool_calls"`, streamed as whole calls that join to the non-streamed response;
 `tool_choice: "none"` leaves them as text; a conversation with the calls and the tools' answers is rendered by a
 `--chat-template` that knows them. The embedded model has random weights, so its output is made to write a call
-in GLM's syntax with SGLang's `regex` constraint."""
+in GLM's syntax with SGLang's `regex` constraint.
+
+`tool_choice` "required" and a named function constrain the output to the tools' schemas themselves (no parser
+needed: the shared server has none): a named function's call ends with "stop", "required"'s with "tool_calls",
+streamed calls join to the whole response, an output cut by max_tokens stays text."""
 
 from __future__ import annotations
 
@@ -49,7 +53,9 @@ TEMPLATE = (
 def server(tmp_path_factory) -> Iterator[ServerProcess]:
     path = tmp_path_factory.mktemp("tools") / "template.jinja"
     path.write_text(TEMPLATE)
-    proc = ServerProcess("--tool-call-parser", "glm", "--chat-template", str(path)).wait_ready()
+    # Compact JSON (as SGLang's flag): a random model given free whitespace spends max_tokens on it.
+    proc = ServerProcess("--tool-call-parser", "glm", "--chat-template", str(path),
+                         "--constrained-json-disable-any-whitespace").wait_ready()
     try:
         yield proc
     finally:
@@ -108,8 +114,11 @@ def test_calls_and_tool_answers_in_the_conversation(client: openai.OpenAI) -> No
 
 
 @pytest.mark.parametrize(("body", "param", "needle"), [
-    ({"tool_choice": "required"}, "tool_choice", "not supported"),
-    ({"tool_choice": {"type": "function", "function": {"name": "now"}}}, "tool_choice", "not supported"),
+    ({"tool_choice": "required", "regex": "a+"}, "tool_choice", "cannot be combined"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not one of the tools"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice", "must be"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "no-such-type"}}}}}]}, "tools", "invalid JSON schema"),
     ({"tools": None, "tool_choice": "auto"}, "tool_choice", "needs 'tools'"),
     ({"tools": [TOOLS[1], TOOLS[1]]}, "tools", "same function name"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "pattern"),
@@ -143,3 +152,88 @@ def test_special_tokens_stay_in_parsed_text(server: ServerProcess, client: opena
     ended = client.completions.create(model=MODEL, prompt="Hi", **eos, extra_body={"skip_special_tokens": False})
     assert ended.choices[0].finish_reason == "stop" and ended.choices[0].text == ""
     assert ended.usage.completion_tokens == 1
+
+
+# ------------------------------------------------------------------------------------------------ forced calls
+
+# Schemas that leave a random model little room: an enum, a bounded integer, an empty object.
+FORCED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["paris", "rome", "oslo"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "now", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}},
+]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+FORCED = {"max_tokens": 120, "temperature": 0.8, "seed": 3, "tools": FORCED_TOOLS}
+
+
+def _streamed(client: openai.OpenAI, **kwargs) -> tuple[str, dict[int, tuple[str, dict]], list[str]]:
+    content, calls, finishes = "", {}, []
+    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **kwargs):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for delta in c.delta.tool_calls or []:
+                assert delta.index not in calls, "a call is sent whole, once"
+                assert delta.id.startswith("call_") and delta.type == "function"
+                calls[delta.index] = (delta.function.name, json.loads(delta.function.arguments))
+            if c.finish_reason:
+                finishes.append(c.finish_reason)
+    return content, calls, finishes
+
+
+def _check_weather(args: dict) -> None:
+    assert args["city"] in ("paris", "rome", "oslo") and 1 <= args["days"] <= 9 and set(args) == {"city", "days"}
+
+
+def test_a_named_function_is_called_with_its_schemas_arguments(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tool_choice=NAMED, **FORCED)
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None, choice  # as OpenAI ends forced calls
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    _check_weather(args)
+    content, calls, finishes = _streamed(client, tool_choice=NAMED, **FORCED)
+    assert (content, calls, finishes) == ("", {0: ("get_weather", args)}, ["stop"])
+
+
+def test_required_calls_one_or_more_tools(client: openai.OpenAI) -> None:
+    one = client.chat.completions.create(model=MODEL, messages=MESSAGES, tool_choice="required",
+                                         parallel_tool_calls=False, **FORCED)
+    choice = one.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        _check_weather(args)
+    else:
+        assert (call.function.name, args) == ("now", {})
+    content, calls, finishes = _streamed(client, tool_choice="required", parallel_tool_calls=False, **FORCED)
+    assert (content, calls, finishes) == ("", {0: (call.function.name, args)}, ["tool_calls"])
+    several = client.chat.completions.create(model=MODEL, messages=MESSAGES, tool_choice="required",
+                                             **{**FORCED, "max_tokens": 220})
+    calls = several.choices[0].message.tool_calls
+    assert several.choices[0].finish_reason == "tool_calls" and len(calls) >= 1
+    assert {c.function.name for c in calls} <= {"get_weather", "now"}
+
+
+def test_a_call_cut_by_max_tokens_stays_text(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tool_choice=NAMED,
+                                         **{**FORCED, "max_tokens": 3})
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    text = choice.message.content
+    assert text and ('{"city": "'.startswith(text) or text.startswith('{"city": "')), text
+
+
+def test_forced_calls_need_no_parser(dense_server: ServerProcess) -> None:
+    """The shared server has no --tool-call-parser: "auto" is refused with a hint, a forced call works."""
+    client = openai.OpenAI(base_url=dense_server.url + "/v1", api_key=dense_server.api_key, max_retries=0,
+                           timeout=120)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, tools=FORCED_TOOLS)
+    assert "--tool-call-parser" in str(exc.value) and "required" in str(exc.value)
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tool_choice=NAMED, **FORCED)
+    _check_weather(json.loads(out.choices[0].message.tool_calls[0].function.arguments))
