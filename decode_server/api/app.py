@@ -18,6 +18,8 @@ from decode_server.api.errors import error_body, install_error_handlers
 from decode_server.api.generation import ChoiceSpec, GenerationGroup
 from decode_server.api.limits import BodyLimitMiddleware, RejectionCounterMiddleware
 from decode_server.api.metrics import ServerMetrics
+from decode_server.api.native import NativeGeneration
+from decode_server.api.native_protocol import GenerateRequest
 from decode_server.api.protocol import (
     AbortRequestBody,
     ChatCompletionRequest,
@@ -87,6 +89,13 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await _counted(ctx, serving.chat(body, request))
+
+    native = NativeGeneration(serving)
+
+    @app.post("/generate", responses=_ERRORS)
+    async def generate(body: GenerateRequest, request: Request) -> Any:
+        """SGLang's native generation API (decode_server/api/native.py)."""
+        return await _counted(ctx, native.generate(body, request))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

@@ -44,6 +44,7 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it, when the engine says
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt, found in the engine's prefix cache
     completion_tokens: int = 0
@@ -123,6 +124,7 @@ class GenerationGroup:
             if delta.finished:
                 choice.finished = True
                 choice.finish_reason = delta.finish_reason or "stop"
+                choice.stop_reason = delta.stop_reason
                 self._count_finished(choice, choice.finish_reason)
                 if delta.error and delta.finish_reason != "abort":
                     logger.warning("request %s ended with an engine error: %s", choice.rid, delta.error)

@@ -658,7 +658,7 @@ class OpenAIServing:
                          prompt_tokens_details=details)
 
     async def _collect(
-        self, group: GenerationGroup, raw: Request, final: Callable[[UsageInfo], BaseModel]
+        self, group: GenerationGroup, raw: Request, final: Callable[[UsageInfo], BaseModel | dict | list]
     ) -> JSONResponse:
         """Wait for every choice; abort them all if the client goes away first."""
 
@@ -682,14 +682,15 @@ class OpenAIServing:
             if not task.done():
                 task.cancel()
             group.abort_unfinished("request handler ended")
-        return JSONResponse(final(self._usage(group)).model_dump(mode="json"))
+        body = final(self._usage(group))
+        return JSONResponse(body.model_dump(mode="json") if isinstance(body, BaseModel) else body)
 
     def _stream(
         self,
         group: GenerationGroup,
         raw: Request,
         first: Callable[[ChoiceState], BaseModel] | None,
-        chunk: Callable[[ChoiceState, str, list[TokenLogprob], str | None], BaseModel],
+        chunk: Callable[[ChoiceState, str, list[TokenLogprob], str | None], BaseModel | dict],
         usage_chunk: Callable[[UsageInfo], BaseModel] | None,
     ) -> StreamingResponse:
         async def frames() -> AsyncIterator[str]:

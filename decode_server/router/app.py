@@ -1,9 +1,9 @@
-"""The router's HTTP surface: the OpenAI routes proxied to a worker pair, plus /health, /metrics, /v1/models.
+"""The router's HTTP surface: the generation routes proxied to a worker pair, plus /health, /metrics, /v1/models.
 
-POSTs to /v1/completions and /v1/chat/completions (the traffic) go straight from the ASGI entry to the
-dispatcher, which validates the body with the servers' own request models; every other request (probes,
-metrics, the model list, unknown routes) goes through a FastAPI app and its OpenAI-style error handlers.
-The two generation paths with a trailing slash get the 307 redirect to the path without it that the servers
+POSTs to /v1/completions, /v1/chat/completions and /generate (SGLang's native API) — the traffic — go straight
+from the ASGI entry to the dispatcher, which validates the body with the servers' own request models; every other
+request (probes, metrics, the model list, unknown routes) goes through a FastAPI app and its OpenAI-style error
+handlers. The generation paths with a trailing slash get the 307 redirect to the path without it that the servers
 (Starlette's `redirect_slashes`) give, so a client that works against a server works against the router.
 """
 
@@ -25,7 +25,7 @@ from decode_server.api.auth import ApiKeyMiddleware
 from decode_server.api.errors import error_body, install_error_handlers
 from decode_server.router.config import RouterConfig
 from decode_server.router.metrics import RouterMetrics
-from decode_server.router.proxy import CHAT, COMPLETIONS, Dispatcher, Route
+from decode_server.router.proxy import CHAT, COMPLETIONS, GENERATE, Dispatcher, Route
 from decode_server.router.workers import WORKER_ERRORS, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -43,12 +43,12 @@ def _worker_info(w: Worker) -> dict[str, Any]:
 
 
 class RouterApp:
-    """The ASGI entry: the two generation routes to the dispatcher, the rest to the FastAPI app."""
+    """The ASGI entry: the generation routes to the dispatcher, the rest to the FastAPI app."""
 
     def __init__(self, api: FastAPI, dispatcher: Dispatcher) -> None:
         self.api = api
         self.dispatcher = dispatcher
-        self.routes: dict[str, Route] = {COMPLETIONS.path: COMPLETIONS, CHAT.path: CHAT}
+        self.routes: dict[str, Route] = {r.path: r for r in (COMPLETIONS, CHAT, GENERATE)}
         self.slashed: dict[str, Route] = {route.path + "/": route for route in self.routes.values()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -76,11 +76,11 @@ def _schema_only(model: type[Any]) -> Any:
 
 
 def _document_generation_routes(app: FastAPI) -> None:
-    """List the two generation routes in /openapi.json with the servers' request models. `RouterApp` answers
+    """List the generation routes in /openapi.json with the servers' request models. `RouterApp` answers
     them before FastAPI sees the request, so these routes exist only in the schema (`app.openapi` reads the
     routes it is given, not the ones served)."""
     docs = FastAPI()
-    for route in (COMPLETIONS, CHAT):
+    for route in (COMPLETIONS, CHAT, GENERATE):
         docs.post(route.path, summary="Relayed to a prefill/decode pair: decode's answer (JSON, or SSE with "
                   "`stream: true`)")(_schema_only(route.model))
 

@@ -71,13 +71,14 @@ class PrefixAffinity(Generic[W]):
 
 
 def affinity_text(body: dict[str, Any]) -> str:
-    """The text whose start decides the prefill worker: a completion's (first) prompt, or a chat's messages in
-    order. Token-id prompts become their ids as text, which keeps "same start" meaning the same."""
+    """The text whose start decides the prefill worker: a completion's (first) prompt (/generate: its `text` or
+    `input_ids`), or a chat's messages in order. Token-id prompts become their ids as text, which keeps "same
+    start" meaning the same."""
     messages = body.get("messages")
     if isinstance(messages, list):
         return "".join(f"<{m.get('role', '')}>{_content_text(m.get('content'))}" for m in messages
                        if isinstance(m, dict))
-    prompt = body.get("prompt")
+    prompt = next((body[k] for k in ("prompt", "text", "input_ids") if body.get(k) is not None), None)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch goes to one pair: its first prompt decides
     if isinstance(prompt, list):

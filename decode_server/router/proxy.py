@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
 from decode_server.api.errors import error_body, validation_error_response
+from decode_server.api.native_protocol import GenerateRequest
 from decode_server.api.protocol import ChatCompletionRequest, CompletionRequest
 from decode_server.router.config import RouterConfig
 from decode_server.router.metrics import RouterMetrics
@@ -68,6 +69,7 @@ class Route:
 
 COMPLETIONS = Route("/v1/completions", "cmpl", CompletionRequest)
 CHAT = Route("/v1/chat/completions", "chatcmpl", ChatCompletionRequest)
+GENERATE = Route("/generate", "gen", GenerateRequest)  # SGLang's native API
 
 
 class _Retry(Exception):
@@ -518,10 +520,12 @@ ROOM_BITS = 128
 
 def _rooms(body: dict[str, Any]) -> int | list[int]:
     """A random room of 128 bits from `secrets` (nobody can guess a room in flight); a batched completion (a list
-    of prompts) gets one room per prompt, as SGLang's router sends it (each prompt is its own transfer)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        return [secrets.randbits(ROOM_BITS) for _ in prompt]
+    of prompts; /generate: a list of texts or of id lists) gets one room per prompt, as SGLang's router sends it
+    (each prompt is its own transfer)."""
+    for field in ("prompt", "text", "input_ids"):
+        prompts = body.get(field)
+        if isinstance(prompts, list) and prompts and all(isinstance(p, str | list) for p in prompts):
+            return [secrets.randbits(ROOM_BITS) for _ in prompts]
     return secrets.randbits(ROOM_BITS)
 
 

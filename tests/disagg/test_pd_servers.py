@@ -322,6 +322,41 @@ def test_pd_batched_prompts_with_room_lists(servers):
     wait_pd_idle(prefill)
 
 
+def test_pd_native_generate_equals_colocated(servers):
+    """SGLang's router sends /generate (its native API) to both servers with the bootstrap fields: decode answers
+    colocated serving's greedy tokens and logprobs bit for bit, prefill the first token; a batch takes one room per
+    prompt."""
+    prefill, decode = servers["prefill"], servers["hisparse"]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    (expected,) = _colocated(hisparse=True).generate([PROMPTS[1]], params)
+    wait_pd_idle(prefill)
+    flush_cache(prefill)  # computed whole, as colocated does
+    sampling = {"max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+
+    async def both(body: dict) -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(c.post(prefill.url + "/generate", json=body),
+                                        c.post(decode.url + "/generate", json=body))
+
+    p, d = asyncio.run(both({"input_ids": PROMPTS[1], "return_logprob": True, "sampling_params": sampling,
+                             **prefill.route(next(_rooms))}))
+    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+    out = d.json()
+    assert out["output_ids"] == expected.token_ids and out["text"] == expected.text
+    assert [e[0] for e in out["meta_info"]["output_token_logprobs"]] == [x.logprob for x in expected.logprobs]
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_TOKENS}
+    assert p.json()["output_ids"] == expected.token_ids[:1]
+    rooms = [next(_rooms), next(_rooms)]
+    p, d = asyncio.run(both({"input_ids": [PROMPTS[0], PROMPTS[1][:30]], "sampling_params": {**sampling,
+                             "max_new_tokens": 3}, "bootstrap_host": ["127.0.0.1"] * 2,
+                             "bootstrap_port": [prefill.bootstrap_port] * 2, "bootstrap_room": rooms}))
+    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+    assert [len(o["output_ids"]) for o in d.json()] == [3, 3] and [o["index"] for o in d.json()] == [0, 1]
+    for server in (prefill, decode):
+        stats = wait_pd_idle(server)
+        assert not stats["failures_by_cause"], stats
+
+
 def _error_of(exc: openai.APIError) -> str:
     return str(exc.message if hasattr(exc, "message") else exc)
 

@@ -47,6 +47,8 @@ def test_affinity_text_of_each_request_shape():
     assert affinity_text({"prompt": [5, 6, 7]}) == "5 6 7"
     assert affinity_text({"prompt": ["first", "second"]}) == "first"
     assert affinity_text({"prompt": [[1, 2], [3]]}) == "1 2"
+    assert affinity_text({"text": "native"}) == "native"  # /generate
+    assert affinity_text({"text": ["a", "b"]}) == "a" and affinity_text({"input_ids": [[4, 5], [6]]}) == "4 5"
     chat = {"messages": [{"role": "system", "content": "S"},
                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
     assert affinity_text(chat) == "<system>S<user>ab"

@@ -1,6 +1,7 @@
 """The official `openai` client through the router: completions, chat, streaming with usage, 16 concurrent
 greedy requests equal to the colocated engine, OpenAI-style errors identical to the servers', client
-disconnects freeing both workers, /v1/models, /health and /metrics."""
+disconnects freeing both workers, /v1/models, /health and /metrics; SGLang's native /generate (one prompt, a batch
+with a room per prompt, a stream) equal to the colocated engine."""
 
 from __future__ import annotations
 
@@ -152,11 +153,34 @@ def test_trailing_slash_redirects_like_the_servers(router: RouterProcess, worker
     assert followed.status_code == 200 and followed.json()["object"] == "text_completion", followed.text
 
 
+def test_native_generate_equals_colocated_engine(router: RouterProcess, offline_llm: LLM) -> None:
+    """/generate through the router, as SGLang's router relays it: one prompt, a batch (one room per prompt), a
+    stream of cumulative outputs; the decode server's answers are the colocated engine's."""
+    sampling = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    prompts = ["First prompt", "Second one"]
+    expected = offline_llm.generate(prompts, params)
+    one = httpx.post(router.url + "/generate", json={"text": prompts[0], "sampling_params": sampling}, timeout=60)
+    assert one.status_code == 200, one.text
+    assert one.json()["output_ids"] == expected[0].token_ids and one.json()["meta_info"]["id"].startswith("gen-")
+    batch = httpx.post(router.url + "/generate", json={"text": prompts, "sampling_params": sampling}, timeout=60)
+    assert batch.status_code == 200, batch.text
+    assert [o["text"] for o in batch.json()] == [e.text for e in expected]
+    with httpx.stream("POST", router.url + "/generate", timeout=60,
+                      json={"text": prompts[1], "sampling_params": sampling, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and len(lines) == 6
+    assert json.loads(lines[-2][len("data: "):])["output_ids"] == expected[1].token_ids
+    bad = httpx.post(router.url + "/generate", json={"text": "x", "sampling_params": {"temperature": 9}}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.temperature"
+
+
 def test_openapi_lists_the_generation_routes(router: RouterProcess) -> None:
     """The generation routes are served outside FastAPI (the fast path) but still documented, with the servers'
     request models as their bodies."""
     spec = httpx.get(router.url + "/openapi.json", timeout=10).json()
-    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest")):
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest"),
+                        ("/generate", "GenerateRequest")):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body["$ref"].endswith("/" + model)
     assert model in spec["components"]["schemas"] and "/health" in spec["paths"]
