@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from decode_server.api.protocol import MAX_LOGPROBS, MAX_N, StopField, _Strict
 
@@ -46,6 +46,9 @@ class NativeSamplingParams(_Strict):
 
 class GenerateRequest(_Strict):
     """POST /generate: `text` (one or a list) or `input_ids` (one list of ids or a list of them)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"examples": [
+        {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}]})
 
     text: Annotated[str, Field(min_length=1)] | list[str] | None = None
     input_ids: list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]] | None = None
