@@ -314,6 +314,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         tool_call_parser=args.tool_call_parser,
         chat_template=args.chat_template,
         log_level=args.log_level,
+        log_requests=args.log_requests,
+        log_requests_level=args.log_requests_level,
         engine_heartbeat_timeout=args.engine_heartbeat_timeout,
         graceful_shutdown_timeout=args.graceful_shutdown_timeout,
         ssl_keyfile=args.ssl_keyfile,
@@ -347,6 +349,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split a reasoning model's thinking into the chat responses' reasoning_content (deepseek-v3: "
                         "when a request sets chat_template_kwargs {\"thinking\": true}; docs/server.md)")
     g.add_argument("--log-level", default=s.log_level, choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-requests", action="store_true",
+                   help="log each generation request when it arrives and when it ends (off: prompts are user data)")
+    g.add_argument("--log-requests-level", type=int, default=s.log_requests_level, choices=[0, 1, 2, 3],
+                   help="0: ids, token counts, finish reasons; 1: + sampling parameters; 2: + prompt and output "
+                        "text cut to 2048 characters; 3: + whole texts")
     g.add_argument(
         "--engine-heartbeat-timeout",
         type=float,

@@ -319,6 +319,10 @@ class ServerConfig(BaseModel):
     # (decode_server/api/tool_calls.py; None: requests with tools are refused).
     tool_call_parser: Literal["deepseekv32", "glm", "glm45", "glm47"] | None = None
     log_level: str = "info"
+    # SGLang's --log-requests / --log-requests-level: a log line per request received and finished
+    # (decode_server/api/request_log.py; 0 metadata, 1 + sampling parameters, 2 + texts cut short, 3 + whole texts).
+    log_requests: bool = False
+    log_requests_level: int = Field(default=0, ge=0, le=3)
     # Seconds without a heartbeat from the engine process before /health answers 503 and in-flight requests fail;
     # after `EngineConfig.watchdog_timeout` seconds of silence the api process kills the engine and exits.
     engine_heartbeat_timeout: float = Field(default=10.0, gt=0)

@@ -31,8 +31,16 @@ from decode_server.api.protocol import (
     ModelList,
     random_id,
 )
+from decode_server.api.request_log import RequestLog
 from decode_server.api.serving import ModelInfo, OpenAIServing
 from decode_server.api.tokenization import TokenizerPool
+from decode_server.api.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    Tokenization,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from decode_server.engine.sampling_params import SamplingParams
 from decode_server.errors import DecodeServerError, EngineBusyError, EngineDeadError, InvalidRequestError
 
@@ -65,6 +73,7 @@ class ServerContext:
     engine_info: dict[str, Any] = field(default_factory=dict)
     api_key: str | None = None
     tokenizer_pool: TokenizerPool | None = None
+    request_log: RequestLog | None = None  # --log-requests
 
 
 def create_app(ctx: ServerContext) -> FastAPI:
@@ -78,7 +87,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
         app.add_middleware(ApiKeyMiddleware, api_key=ctx.api_key)
     app.add_middleware(BodyLimitMiddleware)
     app.add_middleware(RejectionCounterMiddleware, metrics=ctx.metrics)  # outermost: sees every refusal
-    serving = OpenAIServing(ctx.client, ctx.tokenizer, ctx.metrics, ctx.model, ctx.tokenizer_pool)
+    serving = OpenAIServing(ctx.client, ctx.tokenizer, ctx.metrics, ctx.model, ctx.tokenizer_pool, ctx.request_log)
     app.state.ctx = ctx
     app.state.serving = serving
 
@@ -96,6 +105,18 @@ def create_app(ctx: ServerContext) -> FastAPI:
     async def generate(body: GenerateRequest, request: Request) -> Any:
         """SGLang's native generation API (decode_server/api/native.py)."""
         return await _counted(ctx, native.generate(body, request))
+
+    tokenization = Tokenization(serving)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's: the token ids of a prompt or of a conversation (decode_server/api/tokenize.py)."""
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's: the text of token ids."""
+        return await tokenization.detokenize(body)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -170,7 +191,15 @@ def create_app(ctx: ServerContext) -> FastAPI:
         ctx.metrics.engine_alive = not ctx.client.dead
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        """SGLang's: what its clients (e.g. the `sglang` frontend's RuntimeEndpoint) read before /generate."""
+        path = str(ctx.engine_info.get("model_path", ctx.model.served_model_name))
+        return {"model_path": path, "tokenizer_path": path, "served_model_name": ctx.model.served_model_name,
+                "is_generation": True, "context_length": ctx.model.context_length}
+
     @app.get("/server_info")
+    @app.get("/get_server_info", include_in_schema=False)  # SGLang's older name
     async def server_info() -> dict[str, Any]:
         stats = await _answer_or_busy(ctx.client.get_stats(STATS_TIMEOUT_S), "sent no stats")
         return {

@@ -22,6 +22,7 @@ import uvicorn
 from decode_server.api.app import ServerContext, create_app
 from decode_server.api.engine_client import EngineClient
 from decode_server.api.metrics import ServerMetrics
+from decode_server.api.request_log import RequestLog
 from decode_server.api.serving import ModelInfo
 from decode_server.api.tokenization import TokenizerPool
 from decode_server.api.uvicorn_server import SignalHandlingServer
@@ -116,8 +117,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         tool_call_parser=server_config.tool_call_parser,
     )
     metrics = ServerMetrics(served)
+    request_log = RequestLog(server_config.log_requests_level, tokenizer) if server_config.log_requests else None
     ctx = ServerContext(client, tokenizer, model, metrics, dict(info, model_path=model_dir),
-                        server_config.api_key, tokenizer_pool)  # fmt: skip
+                        server_config.api_key, tokenizer_pool, request_log)  # fmt: skip
     app = create_app(ctx)
 
     def abort_all() -> None:

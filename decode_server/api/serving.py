@@ -52,6 +52,7 @@ from decode_server.api.protocol import (
     random_id,
 )
 from decode_server.api.reasoning import REASONING_PARSERS, ReasoningFormat
+from decode_server.api.request_log import RequestLog
 from decode_server.api.sse import DONE_FRAME, SSE_HEADERS, sse_frame
 from decode_server.api.tokenization import TokenizerPool, chat_chars
 from decode_server.api.tool_calls import TOOL_CALL_PARSERS, ToolCallFormat
@@ -70,6 +71,7 @@ from transfer.auth import AuthRejected, RejectionLog
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_ROUTES = {"cmpl": "/v1/completions", "chatcmpl": "/v1/chat/completions", "gen": "/generate"}  # by id prefix
 DISCONNECT_POLL_S = 0.25
 MIN_TEMPERATURE = 1e-5  # below: greedy (as vLLM does)
 MIN_TOP_P = 1e-6
@@ -96,9 +98,10 @@ class ModelInfo:
 class OpenAIServing:
     def __init__(
         self, client: EngineClient, tokenizer: Any, metrics: ServerMetrics, model: ModelInfo,
-        tokenizer_pool: TokenizerPool | None = None,
+        tokenizer_pool: TokenizerPool | None = None, request_log: RequestLog | None = None,
     ) -> None:
         self.client = client
+        self.request_log = request_log  # --log-requests
         self.tokenizer = tokenizer
         self.tokenizer_pool = tokenizer_pool
         self.metrics = metrics
@@ -118,7 +121,16 @@ class OpenAIServing:
             raise InvalidRequestError(f"request id '{rid}' is already in use", param="rid")
         group = GenerationGroup(self.client, self.metrics, rid or random_id(prefix), specs)
         self.groups[group.request_id] = group
-        group.on_done = lambda: self.groups.pop(group.request_id, None)
+        log = self.request_log
+
+        def done() -> None:
+            self.groups.pop(group.request_id, None)
+            if log is not None:
+                log.finished(group)
+
+        group.on_done = done
+        if log is not None:
+            log.received(group, _ROUTES.get(prefix, prefix))
         return group
 
     # -------------------------------------------------------------------------------------- validation

@@ -170,3 +170,11 @@ def test_refusals_name_sglangs_fields(dense_server: ServerProcess, body: dict, p
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and needle in error["message"], error
+
+
+def test_sglang_info_routes(dense_server: ServerProcess) -> None:
+    info = httpx.get(dense_server.url + "/get_model_info", headers=HEADERS, timeout=10).json()
+    assert info["is_generation"] is True and info["context_length"] > 0
+    assert info["model_path"] == info["tokenizer_path"] == str(resolve_model_path("tiny-dsa"))
+    legacy = httpx.get(dense_server.url + "/get_server_info", headers=HEADERS, timeout=10).json()
+    assert legacy["served_model_name"] == info["served_model_name"] and "stats" in legacy
