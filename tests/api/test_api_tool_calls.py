@@ -70,6 +70,20 @@ def client(server: ServerProcess) -> openai.OpenAI:
 ARGS = {"max_tokens": 180, "temperature": 0.7, "seed": 5, "tools": TOOLS, "extra_body": {"regex": CALL}}
 
 
+def _streamed(client: openai.OpenAI, **kwargs) -> tuple[str, dict[int, tuple[str, dict]], list[str]]:
+    content, calls, finishes = "", {}, []
+    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **kwargs):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for delta in c.delta.tool_calls or []:
+                assert delta.index not in calls, "a call is sent whole, once"
+                assert delta.id.startswith("call_") and delta.type == "function"
+                calls[delta.index] = (delta.function.name, json.loads(delta.function.arguments))
+            if c.finish_reason:
+                finishes.append(c.finish_reason)
+    return content, calls, finishes
+
+
 def test_a_written_call_becomes_tool_calls(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, **ARGS)
     choice = out.choices[0]
@@ -80,15 +94,7 @@ def test_a_written_call_becomes_tool_calls(client: openai.OpenAI) -> None:
     args = json.loads(call.function.arguments)
     assert re.fullmatch("[a-z]{3,6}", args["city"]) and isinstance(args["days"], int)  # typed by the schema
 
-    content, calls, finishes = "", {}, []
-    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **ARGS):
-        for c in chunk.choices:
-            content += c.delta.content or ""
-            for delta in c.delta.tool_calls or []:
-                assert delta.index not in calls, "a call is sent whole, once"
-                calls[delta.index] = (delta.function.name, json.loads(delta.function.arguments))
-            if c.finish_reason:
-                finishes.append(c.finish_reason)
+    content, calls, finishes = _streamed(client, **ARGS)
     assert content == choice.message.content and finishes == ["tool_calls"]
     assert calls == {0: ("get_weather", args)}
 
@@ -167,20 +173,6 @@ FORCED_TOOLS = [
 ]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 FORCED = {"max_tokens": 120, "temperature": 0.8, "seed": 3, "tools": FORCED_TOOLS}
-
-
-def _streamed(client: openai.OpenAI, **kwargs) -> tuple[str, dict[int, tuple[str, dict]], list[str]]:
-    content, calls, finishes = "", {}, []
-    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **kwargs):
-        for c in chunk.choices:
-            content += c.delta.content or ""
-            for delta in c.delta.tool_calls or []:
-                assert delta.index not in calls, "a call is sent whole, once"
-                assert delta.id.startswith("call_") and delta.type == "function"
-                calls[delta.index] = (delta.function.name, json.loads(delta.function.arguments))
-            if c.finish_reason:
-                finishes.append(c.finish_reason)
-    return content, calls, finishes
 
 
 def _check_weather(args: dict) -> None:
