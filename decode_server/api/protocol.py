@@ -107,6 +107,8 @@ class ResponseFormat(_Strict):
 class StreamOptions(_Strict):
 
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far (prompt tokens, tokens generated up to that chunk).
+    continuous_usage_stats: bool = False
 
 
 StopField = Annotated[

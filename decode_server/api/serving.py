@@ -426,6 +426,7 @@ class OpenAIServing:
         group = self._new_group("cmpl", specs, req.rid)
         want_logprobs = req.logprobs is not None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
         def chunk(
             choice: ChoiceState, text: str, logprobs: list[TokenLogprob], finish: str | None
@@ -441,6 +442,7 @@ class OpenAIServing:
                         finish_reason=finish,
                     )
                 ],
+                usage=self._usage(group) if continuous else None,
             )
 
         def usage_chunk(usage: UsageInfo) -> BaseModel:
@@ -572,6 +574,7 @@ class OpenAIServing:
         ]
         group = self._new_group("chatcmpl", specs, req.rid)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         model_name = self.model.served_model_name
         def output_parser() -> ChatOutputParser:
             return ChatOutputParser(reasoning, req.chat_template_kwargs, tool_format, tools,
@@ -608,6 +611,7 @@ class OpenAIServing:
                         finish_reason=parsers[choice.spec.index].finish_reason(finish),
                     )
                 ],
+                usage=self._usage(group) if continuous else None,
             )
 
         def first(choice: ChoiceState) -> BaseModel:
@@ -619,6 +623,7 @@ class OpenAIServing:
                         index=choice.spec.index, delta=DeltaMessage(role="assistant", content="")
                     )
                 ],
+                usage=self._usage(group) if continuous else None,
             )
 
         def usage_chunk(usage: UsageInfo) -> BaseModel:

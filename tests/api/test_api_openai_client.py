@@ -88,6 +88,26 @@ def test_streaming_chat_with_usage(client: openai.OpenAI) -> None:
     assert all(c.usage is None for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_continuous_usage_stats_count_the_tokens_so_far(client: openai.OpenAI, route: str) -> None:
+    """vLLM's `continuous_usage_stats`: every chunk carries the usage so far, growing one token a chunk."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if route == "chat":
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go on"}],
+                                                max_tokens=6, temperature=0, stream=True, stream_options=options,
+                                                extra_body={"ignore_eos": True})  # fmt: skip
+    else:
+        stream = client.completions.create(model=MODEL, prompt="Go on", max_tokens=6, temperature=0, stream=True,
+                                           stream_options=options, extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    prompt = chunks[-1].usage.prompt_tokens
+    assert prompt > 0 and all(c.usage.prompt_tokens == prompt for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 6 and chunks[-1].usage.completion_tokens == 6
+    assert all(c.usage.total_tokens == prompt + c.usage.completion_tokens for c in chunks)
+
+
 def test_stream_without_usage_ends_with_done(dense_server: ServerProcess) -> None:
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "stream": True}
     with httpx.stream(
