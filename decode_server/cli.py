@@ -143,6 +143,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="bound of the waiting queue; beyond it requests get 503 + Retry-After",
     )
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)  # fmt: skip
+    g.add_argument("--enable-priority-scheduling", action="store_true",
+                   help="take waiting requests in order of their `priority` field (larger first), then arrival")
+    g.add_argument("--schedule-low-priority-values-first", action="store_true",
+                   help="with --enable-priority-scheduling: smaller `priority` values first")
     g.add_argument(
         "--grammar-backend", choices=["xgrammar", "none"], default=d.grammar_backend,
         help="what compiles response_format json_object / json_schema, regex and ebnf constraints (xgrammar, the "
@@ -290,6 +294,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests,
+        enable_priority_scheduling=args.enable_priority_scheduling,
+        schedule_low_priority_values_first=args.schedule_low_priority_values_first,
         chunked_prefill_size=args.chunked_prefill_size,
         enable_prefix_caching=prefix_caching_from_args(args),
         grammar_backend=args.grammar_backend,

@@ -90,7 +90,7 @@ def as_completion(req: GenerateRequest) -> tuple[CompletionRequest, str, bool]:
         "skip_special_tokens": sp.skip_special_tokens, "n": sp.n, "repetition_penalty": sp.repetition_penalty,
         "frequency_penalty": sp.frequency_penalty, "presence_penalty": sp.presence_penalty,
         "logit_bias": sp.logit_bias, "regex": sp.regex, "ebnf": sp.ebnf, "response_format": response_format,
-        "logprobs": req.top_logprobs_num if req.return_logprob else None, "rid": req.rid,
+        "logprobs": req.top_logprobs_num if req.return_logprob else None, "rid": req.rid, "priority": req.priority,
         "bootstrap_host": req.bootstrap_host, "bootstrap_port": req.bootstrap_port,
         "bootstrap_room": req.bootstrap_room, "bootstrap_auth": req.bootstrap_auth,
     }

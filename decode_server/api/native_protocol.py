@@ -58,6 +58,7 @@ class GenerateRequest(_Strict):
     top_logprobs_num: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
     logprob_start_len: int = Field(default=-1, ge=-1, description="only -1: logprobs of the output")
     return_text_in_logprobs: bool = False
+    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
     rid: str | None = Field(default=None, description="request id (one; a batch's choices are named `<rid>-<i>`)")
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None

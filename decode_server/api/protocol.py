@@ -155,6 +155,11 @@ class _SamplingFields(_Strict):
     ebnf: str | None = Field(default=None, min_length=1,
                              description="SGLang's: the output must match this EBNF grammar (GBNF-style, rule `root`)")
     user: str | None = None
+    priority: int | None = Field(
+        default=None, ge=-(2**31), le=2**31 - 1,
+        description="SGLang's / vLLM's: with --enable-priority-scheduling, waiting requests are taken in order of "
+        "it (larger first unless --schedule-low-priority-values-first), then of arrival",
+    )  # fmt: skip
     rid: str | None = Field(
         default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",
         description="request id (SGLang's name; a router sets it): the response id and the name for "

@@ -283,6 +283,7 @@ class OpenAIServing:
                 presence_penalty=req.presence_penalty,
                 structured=structured,
                 skip_special_tokens=req.skip_special_tokens and not keep_special_tokens,
+                priority=req.priority or 0,
             )
         except ValidationError as exc:
             first = exc.errors()[0]

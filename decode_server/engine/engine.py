@@ -170,7 +170,11 @@ class Engine:
         # CUDA graphs of the decode step per batch-size bucket (None: every step eager; decode_server/engine/cuda_graph.py)
         self.graph_runner: DecodeGraphRunner | None
         self.graph_runner, self.cuda_graph_error = build_graph_runner(self)
+        priority_first = None
+        if config.enable_priority_scheduling:
+            priority_first = "low" if config.schedule_low_priority_values_first else "high"
         self.scheduler = Scheduler(self.kv, config.max_running_requests, config.chunked_prefill_size,
+                                   priority_first=priority_first,
                                    fixed_prefill_chunks=config.enable_deterministic_inference)
         self.sampler = Sampler()
         self.logits_processor = LogitsProcessor(self.device)
@@ -327,6 +331,9 @@ class Engine:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        if params.priority and not self.config.enable_priority_scheduling:
+            raise InvalidRequestError("'priority' needs a server started with --enable-priority-scheduling",
+                                      param="priority")
         vocab = int(getattr(self.model_config, "vocab_size", 0) or 0)
         if vocab and any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")

@@ -49,6 +49,9 @@ class SamplingParams(BaseModel):
     # False: special tokens are part of the text (a tool-call or reasoning parser reads markers that some
     # tokenizers hold as special tokens, e.g. GLM's <tool_call>).
     skip_special_tokens: bool = True
+    # Not sampling but scheduling, carried here so that it reaches the engine on every path (api, PD, DP, LLM):
+    # with --enable-priority-scheduling the waiting queue is ordered by it (engine/scheduler.py).
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
 
     @field_validator("top_k")
     @classmethod

@@ -23,6 +23,12 @@ Prefix caching (`KVManager.enable_prefix_cache`): a request admitted with its pr
 its prefill after them (`num_computed`), admission counts only the pages it still needs, and a request that ends
 hands the tokens whose KV its pages hold to the KV manager, which keeps the full pages for later prompts.
 
+Priority scheduling (`priority_first`: SGLang's --enable-priority-scheduling): requests are ordered by their
+`priority` (larger first, or smaller first with --schedule-low-priority-values-first), then by arrival, instead of
+by arrival alone — the waiting queue (admission), the retracted requests (resumption) and the running ones (the
+lowest-priority, newest is retracted first). A running request is not preempted for a waiting one of higher
+priority: it ends, or is retracted when memory runs out, as without priorities.
+
 PD disaggregation (decode_server/disagg/) adds two holding sets: `transferring` (decode: admitted like any
 request, but its prompt's KV arrives from a prefill server instead of being computed; it joins the decode set
 with `commit_transferred`) and `held` (prefill: finished requests whose KV rows stay allocated until their
@@ -69,9 +75,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, kv: KVManager, max_running_requests: int, chunked_prefill_size: int, fixed_prefill_chunks: bool = False
+        self, kv: KVManager, max_running_requests: int, chunked_prefill_size: int, fixed_prefill_chunks: bool = False,
+        priority_first: str | None = None,
     ) -> None:
+        """`priority_first`: None (arrival order), "high" or "low" (priority scheduling: which values go first)."""
         self.kv = kv
+        self._priority_sign = {None: 0, "high": -1, "low": 1}[priority_first]
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         # Deterministic inference: a prompt is always cut at multiples of chunked_prefill_size of its own tokens,
@@ -108,8 +117,17 @@ class Scheduler:
         return bool(self.waiting or self.prefilling or self.running or self.retracted or self.transferring
                     or self.held or self._deferred_rows)
 
+    def order(self, req: Request) -> tuple[int, int]:
+        """Who goes first: the smaller key (arrival alone without priority scheduling)."""
+        return self._priority_sign * req.params.priority, req.arrival
+
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        if self._priority_sign:
+            key = self.order(req)
+            i = next((i for i, other in enumerate(self.waiting) if self.order(other) > key), len(self.waiting))
+            self.waiting.insert(i, req)
+        else:
+            self.waiting.append(req)
 
     def remove(self, req: Request, hold: bool = False) -> None:
         """Take a request out of whichever set holds it and give back its memory (finish or abort).
@@ -302,7 +320,7 @@ class Scheduler:
     def _decode_batch(self) -> ScheduledBatch:
         """Every running request, except those whose last token is already sampled but not yet read (overlap
         scheduling: a request that reached max_tokens in the step still on the device never runs again)."""
-        self.running.sort(key=lambda r: r.arrival)
+        self.running.sort(key=self.order)  # the last is the first retracted
         reqs = [r for r in self.running if not r.reached_max_tokens]
         i = 0
         retracted = False
@@ -333,7 +351,7 @@ class Scheduler:
         self.kv.retract(req.row, req.num_computed)
         req.status = RequestStatus.RETRACTED
         self.retracted.append(req)
-        self.retracted.sort(key=lambda r: r.arrival)
+        self.retracted.sort(key=self.order)
         self.num_retractions += 1
         logger.info("retracted %s at %d tokens (%d running)", req.rid, req.num_computed, len(self.running))
 
