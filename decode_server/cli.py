@@ -147,6 +147,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="take waiting requests in order of their `priority` field (larger first), then arrival")
     g.add_argument("--schedule-low-priority-values-first", action="store_true",
                    help="with --enable-priority-scheduling: smaller `priority` values first")
+    g.add_argument("--abort-on-priority-when-disabled", action="store_true",
+                   help="without --enable-priority-scheduling, refuse a request that gives a priority (default: "
+                        "ignore it)")
     g.add_argument(
         "--grammar-backend", choices=["xgrammar", "none"], default=d.grammar_backend,
         help="what compiles response_format json_object / json_schema, regex and ebnf constraints (xgrammar, the "
@@ -296,6 +299,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_queued_requests=args.max_queued_requests,
         enable_priority_scheduling=args.enable_priority_scheduling,
         schedule_low_priority_values_first=args.schedule_low_priority_values_first,
+        abort_on_priority_when_disabled=args.abort_on_priority_when_disabled,
         chunked_prefill_size=args.chunked_prefill_size,
         enable_prefix_caching=prefix_caching_from_args(args),
         grammar_backend=args.grammar_backend,

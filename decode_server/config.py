@@ -167,9 +167,11 @@ class EngineConfig(BaseModel):
     max_queued_requests: int = Field(default=1024, ge=1)
     # SGLang's priority scheduling: waiting (and retracted) requests are taken in order of their `priority` (larger
     # first; with schedule_low_priority_values_first smaller first), then of arrival; retraction picks the lowest
-    # priority first. Off: every request keeps its arrival order and a request giving a priority is refused.
+    # priority first. Off: every request keeps its arrival order and a request's priority is ignored (as in SGLang),
+    # or refused with abort_on_priority_when_disabled.
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
+    abort_on_priority_when_disabled: bool = False
     chunked_prefill_size: int = Field(default=2048, ge=1)
     # Prefix caching (vLLM's --enable-prefix-caching; SGLang's radix cache): finished requests' full KV pages stay
     # in a radix tree and a new prompt maps its cached prefix instead of recomputing it (docs/engine.md "Prefix

@@ -331,7 +331,8 @@ class Engine:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        if params.priority and not self.config.enable_priority_scheduling:
+        if params.priority and not self.config.enable_priority_scheduling \
+                and self.config.abort_on_priority_when_disabled:
             raise InvalidRequestError("'priority' needs a server started with --enable-priority-scheduling",
                                       param="priority")
         vocab = int(getattr(self.model_config, "vocab_size", 0) or 0)

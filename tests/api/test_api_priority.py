@@ -1,6 +1,7 @@
 """`priority` through real servers: a server started with --enable-priority-scheduling (one request at a time)
 serves a later request of higher priority before an earlier one of lower priority, on the OpenAI and the native
-route; the shared server, without the flag, refuses a priority with a 400 naming it."""
+route; the shared server, without the flag, ignores a priority (as SGLang does); one started with
+--abort-on-priority-when-disabled refuses it with a 400 naming it."""
 
 from __future__ import annotations
 
@@ -47,13 +48,23 @@ def test_a_later_request_of_higher_priority_is_served_first(prioritized: ServerP
     assert time.monotonic() - started < 60
 
 
-@pytest.mark.parametrize(("path", "body"), [
+BODIES = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "priority": 1}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "priority": -1}),
-    ("/generate", {"text": "x", "priority": 2}),
-])
-def test_a_priority_needs_the_flag(dense_server: ServerProcess, path: str, body: dict) -> None:
-    r = httpx.post(dense_server.url + path, json=body, headers=dense_server.headers, timeout=60)
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == "priority" and "--enable-priority-scheduling" in error["message"]
+    ("/generate", {"text": "x", "priority": 2, "sampling_params": {"max_new_tokens": 2}}),
+]
+
+
+def test_without_the_flag_a_priority_is_ignored_or_refused(dense_server: ServerProcess) -> None:
+    for path, body in BODIES:
+        r = httpx.post(dense_server.url + path, json=body, headers=dense_server.headers, timeout=60)
+        assert r.status_code == 200, r.text
+    strict = ServerProcess("--abort-on-priority-when-disabled").wait_ready()
+    try:
+        for path, body in BODIES:
+            r = httpx.post(strict.url + path, json=body, timeout=60)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "priority" and "--enable-priority-scheduling" in error["message"]
+    finally:
+        strict.kill()

@@ -1,7 +1,7 @@
 """Priority scheduling (--enable-priority-scheduling): waiting requests are admitted in order of their priority
 (larger first, or smaller first with --schedule-low-priority-values-first), then of arrival; a later arrival of
 higher priority goes ahead of those already waiting; retraction takes the lowest priority first; without the flag a
-priority is refused. Outputs do not depend on the order (greedy tokens equal those of the same requests alone)."""
+priority is ignored, or refused with --abort-on-priority-when-disabled. Outputs do not depend on the order (greedy tokens equal those of the same requests alone)."""
 
 from __future__ import annotations
 
@@ -83,11 +83,15 @@ def test_retraction_takes_the_lowest_priority_first(make_engine, hisparse: bool)
     assert all(len(tokens[f"r{i}"]) == 30 for i in range(6)) and engine.is_idle_and_empty()
 
 
-def test_a_priority_needs_the_flag(make_engine) -> None:
-    engine = make_engine()
+def test_without_the_flag_a_priority_is_ignored_or_refused(make_engine) -> None:
+    engine = make_engine(max_running_requests=1)
+    engine.add_request("low", [5] * 10, _params(0))
+    engine.add_request("high", [6] * 10, _params(9))
+    assert _first_token_order(engine) == ["low", "high"]  # arrival order
+    strict = make_engine(abort_on_priority_when_disabled=True)
     with pytest.raises(InvalidRequestError, match="--enable-priority-scheduling") as exc:
-        engine.add_request("p", [5] * 10, _params(3))
+        strict.add_request("p", [5] * 10, _params(3))
     assert exc.value.param == "priority"
-    engine.add_request("zero", [5] * 10, _params(0))  # the default is no priority
-    _first_token_order(engine)
-    assert engine.is_idle_and_empty()
+    strict.add_request("zero", [5] * 10, _params(0))  # the default is no priority
+    _first_token_order(strict)
+    assert strict.is_idle_and_empty()
