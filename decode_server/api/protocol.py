@@ -186,7 +186,8 @@ class CompletionRequest(_SamplingFields):
         | list[list[Annotated[int, Field(ge=0)]]]
     ) = Field(description="text (not empty), texts, token ids, or lists of token ids")
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="top logprobs per token")
-    echo: bool = Field(default=False, description="not supported")
+    echo: bool = Field(default=False, description="prepend the prompt to each choice's text (not with logprobs: "
+                       "that needs the prompt's logprobs, which are not served)")
     best_of: int | None = Field(default=None, ge=1, description="only 1 (or unset) is supported")
     suffix: str | None = Field(default=None, description="not supported")
 

@@ -148,8 +148,9 @@ class OpenAIServing:
             raise InvalidRequestError(f"'{param}' is not supported by this server ({what})", param=param)
 
         if isinstance(req, CompletionRequest):
-            if req.echo:
-                reject("echo", "only false is accepted")
+            if req.echo and req.logprobs is not None:
+                reject("echo", "with logprobs it needs the prompt's logprobs, which are not served; echo the "
+                       "prompt without logprobs")
             if req.best_of not in (None, 1):
                 reject("best_of", "use n for several choices")
             if req.suffix:
@@ -425,6 +426,7 @@ class OpenAIServing:
                                bootstrap=bootstraps[p_index])
                 )
         group = self._new_group("cmpl", specs, req.rid)
+        echoed = self._echoed_prompts(req, prompts) if req.echo else [""] * len(prompts)
         want_logprobs = req.logprobs is not None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -458,7 +460,7 @@ class OpenAIServing:
                 choices=[
                     CompletionChoice(
                         index=c.spec.index,
-                        text=c.text,
+                        text=echoed[c.spec.prompt_index] + c.text,
                         logprobs=self._completion_logprobs(c.logprobs, 0) if want_logprobs else None,
                         finish_reason=c.finish_reason,
                     )
@@ -467,10 +469,21 @@ class OpenAIServing:
                 usage=usage,
             )
 
+        def echo_chunk(choice: ChoiceState) -> BaseModel:
+            return chunk(choice, echoed[choice.spec.prompt_index], [], None)
+
         await group.submit()
         if req.stream:
-            return self._stream(group, raw, None, chunk, usage_chunk if include_usage else None)
+            return self._stream(group, raw, echo_chunk if req.echo else None, chunk,
+                                usage_chunk if include_usage else None)  # fmt: skip
         return await self._collect(group, raw, final)
+
+    def _echoed_prompts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """`echo`: each prompt as the client wrote it (a token-id prompt: its text)."""
+        given = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+        if len(given) != len(prompts) or not all(isinstance(p, str) for p in given):
+            return [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+        return [str(p) for p in given]
 
     def _completion_logprobs(self, logprobs: list[TokenLogprob], offset: int) -> CompletionLogprobs:
         out = CompletionLogprobs()

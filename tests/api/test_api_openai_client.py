@@ -108,6 +108,24 @@ def test_continuous_usage_stats_count_the_tokens_so_far(client: openai.OpenAI, r
     assert all(c.usage.total_tokens == prompt + c.usage.completion_tokens for c in chunks)
 
 
+def test_echo_prepends_the_prompt(client: openai.OpenAI) -> None:
+    plain = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=4, temperature=0)
+    echoed = client.completions.create(model=MODEL, prompt=["Once upon", "A time"], max_tokens=4, temperature=0,
+                                       echo=True)  # fmt: skip
+    first, second = sorted(echoed.choices, key=lambda c: c.index)
+    assert first.text == "Once upon" + plain.choices[0].text and second.text.startswith("A time")
+    by_ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0)
+    ids_echoed = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0, echo=True)
+    from decode_server.model import Tokenizer, resolve_model_path
+
+    ids_text = Tokenizer.from_dir(resolve_model_path(MODEL)).decode([5, 6, 7], skip_special_tokens=False)
+    assert ids_echoed.choices[0].text == ids_text + by_ids.choices[0].text
+    stream = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=4, temperature=0, echo=True,
+                                       stream=True)  # fmt: skip
+    chunks = [c.choices[0].text for c in stream if c.choices]
+    assert chunks[0] == "Once upon" and "".join(chunks) == first.text
+
+
 def test_stream_without_usage_ends_with_done(dense_server: ServerProcess) -> None:
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "stream": True}
     with httpx.stream(
