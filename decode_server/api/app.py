@@ -6,11 +6,14 @@ import asyncio
 import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _dist_version
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from decode_server.api.auth import ApiKeyMiddleware
 from decode_server.api.engine_client import EngineClient
@@ -76,6 +79,13 @@ class ServerContext:
     request_log: RequestLog | None = None  # --log-requests
 
 
+def package_version() -> str:
+    try:
+        return _dist_version("hisparse-decode-server")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        return "unknown"
+
+
 def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(
         title="HiSparse Decode Server",
@@ -118,14 +128,29 @@ def create_app(ctx: ServerContext) -> FastAPI:
         """vLLM's: the text of token ids."""
         return await tokenization.detokenize(body)
 
-    @app.get("/v1/models", response_model=ModelList)
-    async def models() -> ModelList:
-        card = ModelCard(
+    def model_card() -> ModelCard:
+        return ModelCard(
             id=ctx.model.served_model_name,
             root=str(ctx.engine_info.get("model_path", ctx.model.served_model_name)),
             max_model_len=ctx.model.context_length,
         )
-        return ModelList(data=[card])
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"description": "not served"}})
+    async def model(model_id: str) -> ModelCard:
+        """OpenAI's model retrieval (`client.models.retrieve`); the served name or the model path."""
+        if model_id not in ctx.model.accepted_names:
+            raise StarletteHTTPException(404, f"model '{model_id}' is not served here; this server serves "
+                                              f"'{ctx.model.served_model_name}'")
+        return model_card()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's: the server's package version."""
+        return {"version": package_version()}
 
     @app.get("/health", responses={503: _ERRORS[503]})
     async def health() -> Response:

@@ -27,9 +27,15 @@ def offline(offline_llm: LLM) -> LLM:
     return offline_llm
 
 
-def test_models(client: openai.OpenAI) -> None:
+def test_models(client: openai.OpenAI, dense_server: ServerProcess) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("gpt-4")
+    assert "not served" in str(exc.value)
+    version = httpx.get(dense_server.url + "/version", headers=dense_server.headers, timeout=10).json()["version"]
+    assert version and version[0].isdigit()
 
 
 def test_completion_usage_and_length(client: openai.OpenAI, offline: LLM) -> None:
