@@ -12,7 +12,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from decode_server.api.errors import validation_error_response
 from decode_server.api.metrics import ServerMetrics, ThroughputWindow
 from decode_server.api.sse import DONE_FRAME, parse_sse, sse_frame
-from decode_server.cli import build_parser, engine_config_from_args, main, parse_bytes
+from decode_server.cli import (
+    build_parser,
+    engine_config_from_args,
+    main,
+    parse_bytes,
+    server_config_from_args,
+)
 from decode_server.engine.types import EngineStats, HiSparseLayerStats, PoolUsage
 from decode_server.runtime.messages import FatalMsg, encode
 
@@ -111,9 +117,14 @@ def test_cli_flags_map_to_configs() -> None:
         "serve", "--model-path", "/m", "--enable-hisparse", "--hisparse-config", '{"top_k": 8, "device_buffer_size": 16}',
         "--kv-cache-dtype", "bfloat16", "--device", "cpu", "--mem-fraction-static", "0.5",
         "--max-running-requests", "7", "--chunked-prefill-size", "512", "--host-kv-budget", "2GiB",
-        "--api-key", "k", "--served-model-name", "m", "--port", "1234",
+        "--api-key", "k", "--served-model-name", "m", "--port", "1234", "--enable-priority-scheduling",
+        "--schedule-low-priority-values-first", "--log-requests", "--log-requests-level", "3",
     ])  # fmt: skip
     cfg = engine_config_from_args(args)
+    assert cfg.enable_priority_scheduling and cfg.schedule_low_priority_values_first
+    assert not cfg.abort_on_priority_when_disabled
+    server = server_config_from_args(args)
+    assert server.log_requests and server.log_requests_level == 3
     assert cfg.model_path == "/m" and cfg.enable_hisparse and cfg.hisparse.top_k == 8
     assert cfg.hisparse.device_buffer_size == 16 and cfg.kv_cache_dtype == "bfloat16" and cfg.device == "cpu"
     assert (
