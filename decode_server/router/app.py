@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -104,22 +105,36 @@ def create_app(config: RouterConfig, pool: WorkerPool, dispatcher: Dispatcher, m
     )
     install_error_handlers(app)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        """The model list of a healthy decode worker (every worker serves the same model)."""
+    async def from_a_decode_worker(path: str, request: Request) -> Response:
+        """A healthy decode worker's answer to GET `path` (every worker serves the same model)."""
         headers = {} if config.worker_api_key else {
             k: v for k in ("authorization", "x-api-key") if (v := request.headers.get(k))}  # fmt: skip
         timeout = aiohttp.ClientTimeout(total=config.health_check_timeout_secs)
         for worker in pool.healthy("decode"):
             try:
-                async with dispatcher.client.get(worker.url + "/v1/models", headers=headers, timeout=timeout) as resp:
+                async with dispatcher.client.get(worker.url + path, headers=headers, timeout=timeout) as resp:
                     body = await resp.read()
             except WORKER_ERRORS as exc:
-                logger.warning("GET /v1/models from %s failed: %r", worker.url, exc)
+                logger.warning("GET %s from %s failed: %r", path, worker.url, exc)
                 continue
             return Response(body, status_code=resp.status, media_type=resp.headers.get("content-type"))
         return JSONResponse(error_body("no healthy decode worker", "workers_unavailable", 503), status_code=503,
                             headers={"Retry-After": "1"})  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        """The model list of a healthy decode worker."""
+        return await from_a_decode_worker("/v1/models", request)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        """OpenAI's model retrieval, answered by a healthy decode worker."""
+        return await from_a_decode_worker("/v1/models/" + quote(model_id, safe="/"), request)
+
+    @app.get("/get_model_info")
+    async def get_model_info(request: Request) -> Response:
+        """SGLang's model info (what its frontend reads before /generate), from a healthy decode worker."""
+        return await from_a_decode_worker("/get_model_info", request)
 
     process = {"index": process_index, "count": config.router_processes, "pid": os.getpid()}
 

@@ -190,6 +190,11 @@ def test_models_health_metrics(router: RouterProcess, workers: tuple) -> None:
     prefill, decode = workers
     models = httpx.get(router.url + "/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    assert httpx.get(router.url + f"/v1/models/{MODEL}", timeout=10).json()["id"] == MODEL
+    missing = httpx.get(router.url + "/v1/models/gpt-4", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    info = httpx.get(router.url + "/get_model_info", timeout=10).json()  # SGLang's frontend reads it
+    assert info["is_generation"] is True and info["served_model_name"] == MODEL
     health = router.health()
     assert health.status_code == 200
     body = health.json()
