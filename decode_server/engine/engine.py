@@ -40,6 +40,7 @@ from decode_server.engine.memory import (
     resolve_kv_dtype,
     resolve_model_dtype,
 )
+from decode_server.engine.prompt_logprobs import chunk_prompt_logprobs
 from decode_server.engine.request import Request, RequestStatus
 from decode_server.engine.sampler import SampledTokens, Sampler, is_greedy, make_generator, token_seed
 from decode_server.engine.sampling_params import SamplingParams
@@ -310,6 +311,9 @@ class Engine:
         arrives from elsewhere; `commit_remote_prefill` starts its decoding); `hold_kv` (prefill role) keeps
         its KV allocated after it finishes, until `release_held`."""
         req = self.validate_request(rid, prompt_token_ids, params)
+        if remote_prefill and params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt logprobs are not served by a PD decode server: the prefill server "
+                                      "computes the prompt", param="prompt_logprobs")
         if len(self.scheduler.waiting) >= self.config.max_queued_requests:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queued_requests} requests)")
         req.remote_prefill, req.hold_kv = remote_prefill, hold_kv
@@ -331,6 +335,9 @@ class Engine:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        if params.prompt_logprobs is not None and self.dp_attention:
+            raise InvalidRequestError("prompt logprobs are not served with data-parallel attention (the ranks' LM "
+                                      "heads would compute different numbers of rows)", param="prompt_logprobs")
         if params.priority and not self.config.enable_priority_scheduling \
                 and self.config.abort_on_priority_when_disabled:
             raise InvalidRequestError("'priority' needs a server started with --enable-priority-scheduling",
@@ -546,7 +553,7 @@ class Engine:
         fb.is_decode = batch.is_decode
         sampled_mask = batch.sampled
         input_ids = self._input_ids(batch)
-        logits = self._forward(input_ids, fb, sampled_mask)
+        logits = self._forward(input_ids, fb, sampled_mask, batch)
         self._num_steps += 1
         sampled = [r for r, s in zip(batch.requests, sampled_mask, strict=True) if s]
         for req, n in zip(batch.requests, batch.extend_lens, strict=True):
@@ -629,8 +636,10 @@ class Engine:
 
         dist.barrier(group=self.parallel.cpu_group)
 
-    def _forward(self, input_ids: torch.Tensor, fb: ForwardBatch, sampled: list[bool]) -> torch.Tensor:
-        """input ids (device) + ForwardBatch → logits of the sampled requests' last tokens."""
+    def _forward(self, input_ids: torch.Tensor, fb: ForwardBatch, sampled: list[bool],
+                 batch: ScheduledBatch | None = None) -> torch.Tensor:
+        """input ids (device) + ForwardBatch → logits of the sampled requests' last tokens (and, in a prefill pass,
+        the prompt logprobs of the requests of `batch` asking for them)."""
         # DP attention: only in a graph pass every rank agreed on (the others run eagerly, unpadded).
         graph_pass = not self.dp_attention or self._dp_graph_bucket is not None
         if fb.is_decode and self.graph_runner is not None and all(sampled) and graph_pass:
@@ -642,11 +651,24 @@ class Engine:
         with batch_invariant_mode(self.config.enable_deterministic_inference), dp_batch(self._dp_layout):
             with forward_context(fb, self.kv.backend):
                 hidden = self.model.forward(input_ids, fb.positions)
+            if batch is not None and not batch.is_decode:
+                self._record_prompt_logprobs(batch, hidden)
             if fb.is_decode and all(sampled):
                 return self.model.compute_logits(hidden)  # one token per request, every one sampled: no gather
             pick = torch.tensor([i for i, s in enumerate(sampled) if s], dtype=torch.int64)
             last = fb.last_token_indices[pick.to(self.device, non_blocking=True)]
             return self.model.compute_logits(hidden[last])
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """Prompt logprobs of this prefill pass's chunks, for the requests that ask (hidden rows are the pass's
+        tokens, request after request)."""
+        offset = 0
+        for req, start, n in zip(batch.requests, batch.prefix_lens, batch.extend_lens, strict=True):
+            k = req.params.prompt_logprobs
+            if k is not None and start < req.prompt_len:
+                req.prompt_logprobs += chunk_prompt_logprobs(self.model, hidden[offset : offset + n], req.prompt_ids,
+                                                             start, k)  # fmt: skip
+            offset += n
 
     def _append_token(self, req: Request, token: int, logprob: Any) -> RequestDelta:
         if req.status is RequestStatus.PREFILLING:
@@ -694,11 +716,14 @@ class Engine:
 
     def _delta(self, req: Request, tokens: list[int], text: str, finished: bool,
                logprobs: list[Any] | None = None) -> RequestDelta:
+        prompt_logprobs = None
+        if req.params.prompt_logprobs is not None and len(req.output_ids) == 1 and tokens:  # the first token
+            prompt_logprobs = [None, *req.prompt_logprobs]
         return RequestDelta(
             rid=req.rid, new_token_ids=tokens, text=text, finished=finished,
             finish_reason=req.finish_reason if finished else None, stop_reason=req.stop_reason if finished else None,
             prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids), logprobs=logprobs,
-            cached_tokens=req.num_cached_tokens,
+            cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt_logprobs,
         )
 
     # -- introspection --

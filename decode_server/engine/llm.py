@@ -52,7 +52,7 @@ class LLM:
                 self.engine.add_request(rid, ids, p)
                 rids.append(rid)
                 results[rid] = {"prompt": prompt if isinstance(prompt, str) else None, "ids": ids, "tokens": [],
-                                "text": [], "logprobs": [], "finish": None, "stop": None}
+                                "text": [], "logprobs": [], "finish": None, "stop": None, "prompt_logprobs": None}
             pending = set(rids)
             while pending:
                 for delta in self.engine.step():
@@ -63,6 +63,8 @@ class LLM:
                     out["text"].append(delta.text)
                     if delta.logprobs:
                         out["logprobs"].extend(delta.logprobs)
+                    if delta.prompt_logprobs is not None:
+                        out["prompt_logprobs"] = delta.prompt_logprobs
                     if delta.finished:
                         out["finish"], out["stop"] = delta.finish_reason, delta.stop_reason
                         pending.discard(delta.rid)
@@ -75,6 +77,7 @@ class LLM:
             GenerationOutput(
                 prompt=r["prompt"], prompt_token_ids=r["ids"], token_ids=r["tokens"], text="".join(r["text"]),
                 finish_reason=r["finish"], stop_reason=r["stop"], logprobs=r["logprobs"] or None,
+                prompt_logprobs=r["prompt_logprobs"],
             )
             for r in (results[rid] for rid in rids)
         ]

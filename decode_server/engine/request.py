@@ -34,6 +34,8 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # params.prompt_logprobs: those of prompt tokens 1.. as prefill chunks compute them (sent with the first token)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     row: int = -1  # row in the engine's request tables while it holds memory
     num_computed: int = 0  # tokens whose KV is in the cache
@@ -58,6 +60,12 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Whether admission maps its prompt's cached prefix: not when the prompt's KV comes from elsewhere (PD), nor
+        when its prompt logprobs are asked for (every prompt position must be computed)."""
+        return not self.remote_prefill and self.params.prompt_logprobs is None
 
     @property
     def num_tokens(self) -> int:

@@ -38,6 +38,8 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20, description="top logprobs per generated token")
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20, description="top logprobs per prompt token "
+                                        "(engine/prompt_logprobs.py; the prompt is then computed whole, no cache)")
     # Logits processing (engine/logits_processor.py), applied before temperature, top-k and top-p; logprobs stay
     # those of the model's own distribution.
     min_tokens: int = Field(default=0, ge=0, description="EOS, stop token ids and stop strings wait for this many")

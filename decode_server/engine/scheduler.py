@@ -250,7 +250,7 @@ class Scheduler:
             # are expected to take; once admitted, it is expected to take only its ratio. Pages of its prompt
             # found in the prefix cache are not needed.
             need = self.kv.pages_needed(self._free_rows[-1], self._expected_tokens(req, self.new_request_ratio))
-            if self.kv.prefix is not None and not req.remote_prefill:
+            if self.kv.prefix is not None and req.uses_prefix_cache:
                 need -= self._cached_prefix_tokens(req) // self.kv.page_size
             if self.kv.free_pages() - reserved >= need and self.try_admit(req):
                 reserved += self.kv.pages_needed(req.row, self._expected_tokens(req, self.new_token_ratio))
@@ -272,7 +272,7 @@ class Scheduler:
         if not self._free_rows:
             return False
         row = self._free_rows[-1]
-        prompt_ids = None if req.remote_prefill else req.prompt_ids  # PD decode: the KV comes from prefill
+        prompt_ids = req.prompt_ids if req.uses_prefix_cache else None  # PD decode: the KV comes from prefill
         if not self.kv.try_admit(row, req.prompt_len, req.max_total_len, prompt_ids):
             return False
         self._free_rows.pop()

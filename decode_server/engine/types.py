@@ -40,6 +40,8 @@ class RequestDelta(BaseModel):
     completion_tokens: int = 0
     cached_tokens: int = Field(default=0, description="prompt tokens whose KV came from the prefix cache")
     logprobs: list[TokenLogprob] | None = None
+    # params.prompt_logprobs: on the request's first delta, one entry per prompt token (the first is None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
     error_class: str | None = Field(
         default=None, description="a decode_server.errors class name: the request failed; the API reports it"
@@ -211,3 +213,4 @@ class GenerationOutput(BaseModel):
     finish_reason: FinishReason | None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs
