@@ -42,6 +42,7 @@ class ChoiceState:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs: its first delta
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it, when the engine says
@@ -114,6 +115,8 @@ class GenerationGroup:
             choice.token_ids.extend(delta.new_token_ids)
             if delta.logprobs:
                 choice.logprobs.extend(delta.logprobs)
+            if delta.prompt_logprobs is not None:
+                choice.prompt_logprobs = delta.prompt_logprobs
             if delta.prompt_tokens:
                 choice.prompt_tokens = delta.prompt_tokens
             if delta.cached_tokens:

@@ -35,7 +35,7 @@ from decode_server.errors import DecodeServerError, InvalidRequestError
 _NATIVE_PARAM = {
     "max_tokens": "sampling_params.max_new_tokens", "min_tokens": "sampling_params.min_new_tokens",
     "seed": "sampling_params.sampling_seed", "response_format": "sampling_params.json_schema",
-    "logprobs": "top_logprobs_num",
+    "logprobs": "top_logprobs_num", "prompt_logprobs": "logprob_start_len",
     **{name: f"sampling_params.{name}" for name in (
         "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "n",
         "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "regex", "ebnf")},
@@ -63,9 +63,6 @@ def as_completion(req: GenerateRequest) -> tuple[CompletionRequest, str, bool]:
     if len(given) != 1:
         raise _refuse("give exactly one of 'text' and 'input_ids'", "text")
     prompt_field = given[0]
-    if req.logprob_start_len >= 0:
-        raise _refuse("prompt logprobs are not served: leave 'logprob_start_len' at -1 (output logprobs only)",
-                      "logprob_start_len")
     sp = req.sampling_params or NativeSamplingParams()
     if sp.no_stop_trim:
         raise _refuse("'no_stop_trim' is not supported (a matched stop string is always cut)",
@@ -122,7 +119,7 @@ class NativeGeneration:
     def __init__(self, serving: Any) -> None:
         self.serving = serving  # serving.OpenAIServing
 
-    def _logprob(self, token_id: int, logprob: float, with_text: bool) -> list[Any]:
+    def _logprob(self, token_id: int, logprob: float | None, with_text: bool) -> list[Any]:
         return [logprob, token_id, self.serving._token_text(token_id) if with_text else None]
 
     def _output(self, choice: ChoiceState, group: GenerationGroup, batch: bool, req: GenerateRequest,
@@ -137,6 +134,15 @@ class NativeGeneration:
             meta["output_token_logprobs"] = [self._logprob(lp.token_id, lp.logprob, text) for lp in logprobs]
             meta["output_top_logprobs"] = [[self._logprob(t, v, text) for t, v in lp.top_logprobs]
                                            for lp in logprobs]  # fmt: skip
+            if req.logprob_start_len >= 0:  # the prompt's from that position (the first token's logprob is null)
+                start = req.logprob_start_len
+                ids = choice.spec.prompt_token_ids[start:]
+                known = (choice.prompt_logprobs or [None] * len(choice.spec.prompt_token_ids))[start:]
+                meta["input_token_logprobs"] = [self._logprob(t, None if lp is None else lp.logprob, text)
+                                                for t, lp in zip(ids, known, strict=True)]  # fmt: skip
+                meta["input_top_logprobs"] = [None if lp is None else [self._logprob(t, v, text)
+                                                                       for t, v in lp.top_logprobs]
+                                              for lp in known]  # fmt: skip
         out: dict[str, Any] = {"text": choice.text, "output_ids": list(choice.token_ids), "meta_info": meta}
         if batch:
             out["index"] = choice.spec.index
@@ -155,12 +161,17 @@ class NativeGeneration:
         prompts = await serving._completion_prompts(completion)
         bootstraps = serving._bootstrap(completion, len(prompts))
         logprobs = completion.logprobs
+        prompt_logprobs = logprobs if req.return_logprob and req.logprob_start_len >= 0 else None
+        if prompt_logprobs is not None and any(req.logprob_start_len >= len(ids) for ids in prompts):
+            raise InvalidRequestError("'logprob_start_len' must be less than the prompt's length in tokens",
+                                      param="logprob_start_len")
         specs = []
         for k in range(completion.n):  # sample-major, as SGLang orders a batch
             for p_index, ids in enumerate(prompts):
                 max_tokens = serving._max_tokens(completion.max_tokens, len(ids), DEFAULT_MAX_NEW_TOKENS)
                 specs.append(ChoiceSpec(index=k * len(prompts) + p_index, prompt_token_ids=ids, prompt_index=p_index,
-                                        params=serving._sampling_params(completion, max_tokens, logprobs, k),
+                                        params=serving._sampling_params(completion, max_tokens, logprobs, k,
+                                                                        prompt_logprobs=prompt_logprobs),
                                         bootstrap=bootstraps[p_index]))  # fmt: skip
         group = serving._new_group("gen", specs, completion.rid)
 

@@ -4,8 +4,7 @@
 
 Ranges are this server's OpenAI ones (temperature 0..2, penalties as in protocol.py), so the same request means the
 same thing on both surfaces. Not served, and refused with a 400 naming the field when set: a list of
-`sampling_params` (one per prompt), a list of `rid`s, `logprob_start_len` ≥ 0 (prompt logprobs),
-`no_stop_trim: true`, `spaces_between_special_tokens: false`.
+`sampling_params` (one per prompt), a list of `rid`s, `no_stop_trim: true`, `spaces_between_special_tokens: false`.
 """
 
 from __future__ import annotations
@@ -56,7 +55,8 @@ class GenerateRequest(_Strict):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
-    logprob_start_len: int = Field(default=-1, ge=-1, description="only -1: logprobs of the output")
+    logprob_start_len: int = Field(default=-1, ge=-1, description="with return_logprob: the prompt's logprobs from "
+                                   "this position too (input_token_logprobs); -1: the output's only")
     return_text_in_logprobs: bool = False
     priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
     rid: str | None = Field(default=None, description="request id (one; a batch's choices are named `<rid>-<i>`)")

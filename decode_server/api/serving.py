@@ -148,9 +148,7 @@ class OpenAIServing:
             raise InvalidRequestError(f"'{param}' is not supported by this server ({what})", param=param)
 
         if isinstance(req, CompletionRequest):
-            if req.echo and req.logprobs is not None:
-                reject("echo", "with logprobs it needs the prompt's logprobs, which are not served; echo the "
-                       "prompt without logprobs")
+
             if req.best_of not in (None, 1):
                 reject("best_of", "use n for several choices")
             if req.suffix:
@@ -252,6 +250,7 @@ class OpenAIServing:
         choice: int,
         keep_special_tokens: bool = False,
         structured: StructuredOutput | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         # With an explicit seed, choice i samples with seed + i: n identical choices would be pointless.
         seed = None if req.seed is None else (req.seed + choice) % 2**63
@@ -285,6 +284,7 @@ class OpenAIServing:
                 structured=structured,
                 skip_special_tokens=req.skip_special_tokens and not keep_special_tokens,
                 priority=req.priority or 0,
+                prompt_logprobs=prompt_logprobs,
             )
         except ValidationError as exc:
             first = exc.errors()[0]
@@ -420,7 +420,9 @@ class OpenAIServing:
             max_tokens = self._max_tokens(req.max_tokens, len(ids), DEFAULT_COMPLETION_MAX_TOKENS)
             for k in range(req.n):
                 index = p_index * req.n + k
-                params = self._sampling_params(req, max_tokens, req.logprobs, k)
+                # echo + logprobs: the prompt's logprobs too (as vLLM answers it)
+                params = self._sampling_params(req, max_tokens, req.logprobs, k,
+                                               prompt_logprobs=req.logprobs if req.echo else None)
                 specs.append(
                     ChoiceSpec(index=index, prompt_token_ids=ids, params=params, prompt_index=p_index,
                                bootstrap=bootstraps[p_index])
@@ -431,17 +433,40 @@ class OpenAIServing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
+        echo_pending = {c.spec.index for c in group.choices} if req.echo else set()
+
+        def choice_logprobs(choice: ChoiceState, logprobs: list[TokenLogprob], echo: bool) -> CompletionLogprobs:
+            """The output's logprobs, after the prompt's when the prompt is echoed (its first token has none)."""
+            if not echo:
+                return self._completion_logprobs(logprobs, 0)
+            ids = choice.spec.prompt_token_ids
+            known = choice.prompt_logprobs or [None] * len(ids)  # none yet: the choice ended before its first token
+            prompt = self._completion_logprobs(
+                [TokenLogprob(token_id=t, logprob=0.0) if lp is None else lp for t, lp in zip(ids, known, strict=True)],
+                0)  # fmt: skip
+            for i, lp in enumerate(known):
+                if lp is None:  # the first prompt token has no logprob
+                    prompt.token_logprobs[i], prompt.top_logprobs[i] = None, None
+            offset = sum(len(t) for t in prompt.tokens)
+            out = self._completion_logprobs(logprobs, offset)
+            return CompletionLogprobs(tokens=prompt.tokens + out.tokens,
+                                      token_logprobs=prompt.token_logprobs + out.token_logprobs,
+                                      top_logprobs=prompt.top_logprobs + out.top_logprobs,
+                                      text_offset=prompt.text_offset + out.text_offset)
+
         def chunk(
             choice: ChoiceState, text: str, logprobs: list[TokenLogprob], finish: str | None
         ) -> BaseModel:
+            echo = choice.spec.index in echo_pending  # the prompt comes first, with the choice's first chunk
+            echo_pending.discard(choice.spec.index)
             return CompletionResponse(
                 id=group.request_id,
                 model=self.model.served_model_name,
                 choices=[
                     CompletionChoice(
                         index=choice.spec.index,
-                        text=text,
-                        logprobs=self._completion_logprobs(logprobs, 0) if want_logprobs else None,
+                        text=echoed[choice.spec.prompt_index] + text if echo else text,
+                        logprobs=choice_logprobs(choice, logprobs, echo) if want_logprobs else None,
                         finish_reason=finish,
                     )
                 ],
@@ -461,7 +486,7 @@ class OpenAIServing:
                     CompletionChoice(
                         index=c.spec.index,
                         text=echoed[c.spec.prompt_index] + c.text,
-                        logprobs=self._completion_logprobs(c.logprobs, 0) if want_logprobs else None,
+                        logprobs=choice_logprobs(c, c.logprobs, req.echo) if want_logprobs else None,
                         finish_reason=c.finish_reason,
                     )
                     for c in group.choices
@@ -469,13 +494,14 @@ class OpenAIServing:
                 usage=usage,
             )
 
-        def echo_chunk(choice: ChoiceState) -> BaseModel:
-            return chunk(choice, echoed[choice.spec.prompt_index], [], None)
-
-        await group.submit()
+        try:
+            await group.submit()
+        except DecodeServerError as exc:
+            if exc.param == "prompt_logprobs":  # the engine's name for what echo + logprobs asks
+                exc.param = "echo"
+            raise
         if req.stream:
-            return self._stream(group, raw, echo_chunk if req.echo else None, chunk,
-                                usage_chunk if include_usage else None)  # fmt: skip
+            return self._stream(group, raw, None, chunk, usage_chunk if include_usage else None)
         return await self._collect(group, raw, final)
 
     def _echoed_prompts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:

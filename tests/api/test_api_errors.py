@@ -50,7 +50,7 @@ COMPLETION_400 = [
     ({"prompt": []}, "prompt", "empty"),
     ({"stop": [f"s{i}" for i in range(17)]}, "stop", "stop sequences"),
     ({"stop": [""]}, "stop", "empty"),
-    ({"echo": True, "logprobs": 1}, "echo", "not supported"),
+    ({"suffix": "x"}, "suffix", "not supported"),
     ({"presence_penalty": 2.5}, "presence_penalty", ""),
     ({"frequency_penalty": -2.1}, "frequency_penalty", ""),
     ({"repetition_penalty": 0}, "repetition_penalty", ""),

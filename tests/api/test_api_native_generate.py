@@ -67,6 +67,21 @@ def test_greedy_equals_the_offline_engine(dense_server: ServerProcess, offline_l
     assert "output_token_logprobs" not in _ok(dense_server, {"input_ids": IDS})["meta_info"]
 
 
+def test_input_token_logprobs_from_logprob_start_len(dense_server: ServerProcess, offline_llm: LLM) -> None:
+    (expected,) = offline_llm.generate([IDS], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True,
+                                                             prompt_logprobs=1, logprobs=1))  # fmt: skip
+    body = {"input_ids": IDS, "return_logprob": True, "top_logprobs_num": 1,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}
+    whole = _ok(dense_server, {**body, "logprob_start_len": 0})["meta_info"]
+    assert whole["input_token_logprobs"][0] == [None, IDS[0], None] and whole["input_top_logprobs"][0] is None
+    assert whole["input_token_logprobs"][1:] == [[x.logprob, x.token_id, None] for x in expected.prompt_logprobs[1:]]
+    assert whole["input_top_logprobs"][1:] == [[[v, t, None] for t, v in x.top_logprobs]
+                                               for x in expected.prompt_logprobs[1:]]  # fmt: skip
+    tail = _ok(dense_server, {**body, "logprob_start_len": 3})["meta_info"]
+    assert tail["input_token_logprobs"] == whole["input_token_logprobs"][3:]
+    assert "input_token_logprobs" not in _ok(dense_server, body)["meta_info"]  # -1: the output's only
+
+
 def test_batches_and_n_in_sample_major_order(dense_server: ServerProcess, offline_llm: LLM) -> None:
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     expected = [o.text for o in offline_llm.generate(PROMPTS, params)]
@@ -150,7 +165,7 @@ def test_json_schema_constrains_the_output(dense_server: ServerProcess) -> None:
     ({}, "text", "exactly one"),
     ({"text": "a", "sampling_params": [{"max_new_tokens": 2}]}, "sampling_params", "not a list"),
     ({"text": "a", "rid": ["x"]}, "rid", "not a list"),
-    ({"text": "a", "logprob_start_len": 0}, "logprob_start_len", "prompt logprobs"),
+    ({"text": "a", "return_logprob": True, "logprob_start_len": 99}, "logprob_start_len", "less than"),
     ({"text": "a", "sampling_params": {"no_stop_trim": True}}, "sampling_params.no_stop_trim", "not supported"),
     ({"text": "a", "sampling_params": {"spaces_between_special_tokens": False}},
      "sampling_params.spaces_between_special_tokens", "not supported"),

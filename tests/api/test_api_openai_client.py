@@ -129,7 +129,28 @@ def test_echo_prepends_the_prompt(client: openai.OpenAI) -> None:
     stream = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=4, temperature=0, echo=True,
                                        stream=True)  # fmt: skip
     chunks = [c.choices[0].text for c in stream if c.choices]
-    assert chunks[0] == "Once upon" and "".join(chunks) == first.text
+    assert chunks[0].startswith("Once upon") and "".join(chunks) == first.text  # with the first token
+
+
+def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, offline: LLM) -> None:
+    """echo + logprobs (lm-eval's loglikelihood requests): the prompt's tokens with their logprobs (the first has
+    none), then the output's; equal to the engine's prompt logprobs; a stream gives the same, the prompt first."""
+    prompt = [5, 6, 7, 300, 41, 9]
+    (expected,) = offline.generate([prompt], SamplingParams(max_tokens=3, temperature=0, logprobs=2,
+                                                            prompt_logprobs=2))  # fmt: skip
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(prompt) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == [x.logprob for x in expected.prompt_logprobs[1:]] + [
+        x.logprob for x in expected.logprobs]
+    assert [len(t) for t in lp.top_logprobs[1:]] == [2] * (len(prompt) - 1 + 3)
+    assert lp.text_offset == sorted(lp.text_offset)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                              logprobs=2, stream=True))  # fmt: skip
+    parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert len(parts[0].tokens) == len(prompt) + 1  # the prompt comes with the first token
+    assert [t for p in parts for t in p.token_logprobs] == lp.token_logprobs
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == out.choices[0].text
 
 
 def test_stream_without_usage_ends_with_done(dense_server: ServerProcess) -> None:

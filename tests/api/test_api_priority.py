@@ -23,7 +23,8 @@ def prioritized():
 
 
 async def _finish_order(url: str) -> list[str]:
-    """A long request runs; then a low-priority and a high-priority one arrive, in that order."""
+    """A long request runs (its first token seen); then a low-priority and a high-priority one arrive, in that
+    order, and wait for it (one request at a time)."""
     done: list[str] = []
     async with httpx.AsyncClient(timeout=120) as client:
         async def post(name: str, path: str, body: dict) -> None:
@@ -31,14 +32,23 @@ async def _finish_order(url: str) -> list[str]:
             assert r.status_code == 200, r.text
             done.append(name)
 
-        long = asyncio.create_task(post("long", "/v1/completions", {"prompt": "Long", "max_tokens": 200,
-                                                                      "ignore_eos": True}))
-        await asyncio.sleep(0.3)  # admitted and decoding
+        running = asyncio.Event()
+
+        async def long() -> None:
+            body = {"prompt": "Long", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        running.set()
+            done.append("long")
+
+        long_task = asyncio.create_task(long())
+        await asyncio.wait_for(running.wait(), 60)
         low = asyncio.create_task(post("low", "/v1/completions", {"prompt": "Low", "max_tokens": 4, "priority": 0}))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.2)  # the low one is queued first
         high = asyncio.create_task(post("high", "/generate", {"text": "High", "priority": 5,
                                                               "sampling_params": {"max_new_tokens": 4}}))
-        await asyncio.gather(long, low, high)
+        await asyncio.gather(long_task, low, high)
     return done
 
 

@@ -357,6 +357,22 @@ def test_pd_native_generate_equals_colocated(servers):
         assert not stats["failures_by_cause"], stats
 
 
+def test_pd_decode_refuses_prompt_logprobs(servers):
+    """The prompt is computed by the prefill server: a decode server refuses prompt logprobs at once, naming the
+    field each route uses, and holds nothing for the room."""
+    decode = servers["dense"]
+    route = servers["prefill"].route(next(_rooms))
+    for path, body, param in (
+        ("/generate", {"input_ids": PROMPTS[0], "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),
+        ("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2, "echo": True, "logprobs": 0}, "echo"),
+    ):
+        r = httpx.post(decode.url + path, json={**body, **route}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "PD decode" in r.json()["error"]["message"]
+    stats = wait_pd_idle(decode)
+    assert not stats["failures_by_cause"], stats
+
+
 def _error_of(exc: openai.APIError) -> str:
     return str(exc.message if hasattr(exc, "message") else exc)
 

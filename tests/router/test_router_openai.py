@@ -105,7 +105,7 @@ BAD_BODIES = [
     b'{"model": "tiny-dsa", "prompt": "x", "max_tokens": 0}',
     b'{"model": "tiny-dsa", "prompt": "x", "n": 99}',
     b'{"model": "nope", "prompt": "x"}',  # the worker's own check (model name), passed through
-    b'{"model": "tiny-dsa", "prompt": "x", "echo": true, "logprobs": 1}',  # unsupported (worker's check)
+    b'{"model": "tiny-dsa", "prompt": "x", "suffix": "y"}',  # unsupported parameter (worker's check)
 ]
 
 
