@@ -73,3 +73,12 @@ def test_a_pd_decode_server_refuses_them(llm: LLM) -> None:
         llm.engine.add_request("pd", PROMPT, SamplingParams(max_tokens=2, prompt_logprobs=0), remote_prefill=True)
     assert exc.value.param == "prompt_logprobs"
     assert llm.engine.is_idle_and_empty()
+
+
+def test_dp_attention_refuses_them(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With DP attention each rank's LM head would run its own number of prompt rows through the shared collectives
+    (the check itself; DP ranks are tests/parallel's)."""
+    monkeypatch.setattr(llm.engine, "dp_attention", True)
+    with pytest.raises(InvalidRequestError, match="data-parallel attention") as exc:
+        llm.engine.add_request("dp", PROMPT, SamplingParams(max_tokens=2, prompt_logprobs=0))
+    assert exc.value.param == "prompt_logprobs"
