@@ -148,7 +148,6 @@ class OpenAIServing:
             raise InvalidRequestError(f"'{param}' is not supported by this server ({what})", param=param)
 
         if isinstance(req, CompletionRequest):
-
             if req.best_of not in (None, 1):
                 reject("best_of", "use n for several choices")
             if req.suffix:
